@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# Set up .venv (first run only) and run the test suite on CPU. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash launch/setup_env.sh
+export PACKFSDP_CACHE=${PACKFSDP_CACHE:-$PWD/.cache/packfsdp}
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+exec .venv/bin/python -m pytest -q "$@"

@@ -1,0 +1,144 @@
+"""Stage 3: turn a micro-batch (example indices) into model inputs.
+
+A **packed** micro-batch is one flat row holding several examples back to back::
+
+    input_ids     a0 a1 a2 a3 | b0 b1 b2 | c0 c1
+    position_ids   0  1  2  3 |  0  1  2 |  0  1      restart at 0 for every example
+    labels        -100 a1 a2 a3 | -100 b1 b2 | -100 c1   aligned with input_ids; the model shifts
+    cu_seqlens    [0, 4, 7, 9]                          example boundaries (int32)
+    max_seqlen    4
+
+``labels[t]`` is the token predicted from position ``t - 1``; the first token of every example is -100, so
+no label is ever predicted across a boundary (b0 from a3). Tokens outside the loss mask are -100 too.
+
+A **padded** micro-batch is the classic rectangle: one row per example, right-padded to the longest, with
+an ``attention_mask`` and -100 labels on pads.
+
+Both carry ``num_label_tokens`` (tokens that carry loss: the "useful" tokens), ``num_tokens`` (real tokens)
+and ``num_positions`` (positions the model computes, pads included), so the metrics never guess.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from trainer.data.dataset import TokenizedDataset
+
+IGNORE_INDEX = -100
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor | None = None
+    """Packed only: int32 example boundaries, length num_examples + 1."""
+    max_seqlen: int = 0
+    attention_mask: torch.Tensor | None = None
+    """Padded only: 1 for real tokens, 0 for pads."""
+    num_examples: int = 0
+    num_tokens: int = 0
+    num_label_tokens: int = 0
+    num_positions: int = 0
+    example_ids: list[int] = field(default_factory=list)
+
+    @property
+    def packed(self) -> bool:
+        return self.cu_seqlens is not None
+
+    def to(self, device: torch.device) -> "Batch":
+        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(
+            move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
+            self.max_seqlen, move(self.attention_mask), self.num_examples, self.num_tokens,
+            self.num_label_tokens, self.num_positions, self.example_ids,
+        )
+
+    def model_inputs(self) -> dict:
+        """Keyword arguments for ``VarlenCausalLM.forward``."""
+        if self.packed:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                    "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "attention_mask": self.attention_mask}
+
+
+def _labels_for(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    labels = np.where(mask, ids, IGNORE_INDEX).astype(np.int64)
+    labels[0] = IGNORE_INDEX  # nothing before the first token belongs to this example
+    return labels
+
+
+def collate_packed(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int = 0) -> Batch:
+    """One flat varlen row from the examples ``indices`` (see the module docstring)."""
+    if len(indices) == 0:
+        return _empty_batch(pad_id)
+    ids, labels, positions, seqlens = [], [], [], []
+    for i in indices:
+        tok, mask = dataset.example(int(i))
+        ids.append(tok)
+        labels.append(_labels_for(tok, mask))
+        positions.append(np.arange(len(tok)))
+        seqlens.append(len(tok))
+    cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
+    np.cumsum(seqlens, out=cu[1:])
+    labels_t = torch.from_numpy(np.concatenate(labels))[None]
+    n = int(cu[-1])
+    return Batch(
+        input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
+        labels=labels_t,
+        position_ids=torch.from_numpy(np.concatenate(positions))[None],
+        cu_seqlens=torch.from_numpy(cu),
+        max_seqlen=max(seqlens),
+        num_examples=len(seqlens),
+        num_tokens=n,
+        num_label_tokens=int((labels_t != IGNORE_INDEX).sum()),
+        num_positions=n,
+        example_ids=[int(i) for i in indices],
+    )
+
+
+def collate_padded(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) -> Batch:
+    """One row per example, right-padded to the longest; pads get label -100 and attention_mask 0."""
+    if len(indices) == 0:
+        return _empty_batch(pad_id, packed=False)
+    examples = [dataset.example(int(i)) for i in indices]
+    width = max(len(t) for t, _ in examples)
+    ids = np.full((len(examples), width), pad_id, dtype=np.int64)
+    labels = np.full((len(examples), width), IGNORE_INDEX, dtype=np.int64)
+    attn = np.zeros((len(examples), width), dtype=np.int64)
+    for row, (tok, mask) in enumerate(examples):
+        ids[row, : len(tok)] = tok
+        labels[row, : len(tok)] = _labels_for(tok, mask)
+        attn[row, : len(tok)] = 1
+    labels_t = torch.from_numpy(labels)
+    return Batch(
+        input_ids=torch.from_numpy(ids),
+        labels=labels_t,
+        position_ids=torch.arange(width).expand(len(examples), width).contiguous(),
+        attention_mask=torch.from_numpy(attn),
+        num_examples=len(examples),
+        num_tokens=int(attn.sum()),
+        num_label_tokens=int((labels_t != IGNORE_INDEX).sum()),
+        num_positions=len(examples) * width,
+        example_ids=[int(i) for i in indices],
+    )
+
+
+def _empty_batch(pad_id: int, packed: bool = True) -> Batch:
+    """A filler micro-batch (one pad token, no label): it runs forward/backward so the rank takes part in
+    every collective, and contributes exactly zero loss and zero gradient."""
+    one = torch.full((1, 1), pad_id, dtype=torch.long)
+    return Batch(
+        input_ids=one,
+        labels=torch.full((1, 1), IGNORE_INDEX, dtype=torch.long),
+        position_ids=torch.zeros((1, 1), dtype=torch.long),
+        cu_seqlens=torch.tensor([0, 1], dtype=torch.int32) if packed else None,
+        max_seqlen=1,
+        attention_mask=None if packed else torch.ones((1, 1), dtype=torch.long),
+        num_positions=1,
+    )

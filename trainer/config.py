@@ -1,0 +1,290 @@
+"""Typed configuration: one dataclass per component, registered in Hydra's ConfigStore.
+
+YAML files under ``configs/`` only set values; the schema, defaults and docs live here. ``main()`` turns
+the composed ``DictConfig`` into a ``JobConfig`` once with ``OmegaConf.to_object`` and calls
+``JobConfig.validate()``; nothing below ``main()`` sees a ``DictConfig``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message says which key and what to change."""
+
+
+@dataclass
+class DataConfig:
+    source: str = "dailydialog_synthetic"
+    """Registered data source name (see ``trainer.data.sources.SOURCES``)."""
+    path: str | None = None
+    """Local file or directory for file-based sources; a hub id for hub sources."""
+    split: str = "train"
+    """Split to read where the source has splits."""
+    num_dialogs: int = 13118
+    """Synthetic source only: how many dialogs to generate."""
+    loss_on: str = "all"
+    """Which tokens carry loss: ``all`` turns, or ``responses`` (every second turn, the replies)."""
+    max_length: int = 1024
+    """Longest example in tokens; longer ones follow ``overlong``. Clamped to the model's context."""
+    overlong: str = "truncate"
+    """What to do with an example longer than ``max_length``: ``truncate`` or ``drop`` (counted either way)."""
+    limit: int | None = None
+    """Use only the first ``limit`` examples (quick experiments)."""
+    seed: int = 1234
+    """Seed of the synthetic generator (the corpus is a pure function of it)."""
+    cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
+    """Where the locally trained tokenizer and tokenized datasets are cached."""
+
+    def validate(self) -> None:
+        _choice("data.loss_on", self.loss_on, ("all", "responses"))
+        _choice("data.overlong", self.overlong, ("truncate", "drop"))
+        _positive("data.max_length", self.max_length)
+        _positive("data.num_dialogs", self.num_dialogs)
+        if self.limit is not None:
+            _positive("data.limit", self.limit)
+
+
+@dataclass
+class ModelConfig:
+    name_or_path: str | None = None
+    """Hub id or local directory of pretrained weights. ``None`` builds a randomly initialised model from
+    ``family`` and ``config_overrides``."""
+    family: str = "gpt2"
+    """transformers ``model_type`` used when building from a config (gpt2, llama, qwen2, ...)."""
+    config_overrides: dict[str, Any] = field(default_factory=dict)
+    """Fields set on the transformers config (sizes for small random models, dropout, ...)."""
+    tokenizer: str = "local_bpe"
+    """``local_bpe`` trains a byte-level BPE tokenizer on the data and caches it; anything else is a hub id
+    or local directory passed to ``AutoTokenizer.from_pretrained``. ``null`` means ``name_or_path``."""
+    tokenizer_vocab_size: int = 4096
+    """Vocabulary size of the locally trained tokenizer."""
+    attention: str = "auto"
+    """Attention backend for packed batches (see ``trainer.model.attention.BACKENDS``)."""
+    dtype: str = "float32"
+    """dtype of the master weights (the optimizer's copy). Compute dtype is ``parallel.param_dtype``."""
+    trust_remote_code: bool = False
+    """Passed to ``from_pretrained``; off unless you trust the model repository."""
+
+    def validate(self) -> None:
+        _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        _positive("model.tokenizer_vocab_size", self.tokenizer_vocab_size)
+
+
+@dataclass
+class PackingConfig:
+    strategy: str = "bfd"
+    """``bfd`` (best-fit decreasing over the whole dataset) or ``none`` (the padded baseline: shuffled
+    examples padded to the longest in each micro-batch)."""
+    token_budget: int = 2048
+    """Tokens per packed micro-batch. The padded baseline takes as many examples per micro-batch as a
+    packed micro-batch holds on average, so both see the same useful tokens per step."""
+    max_examples_per_bin: int | None = None
+    """Cap on examples in one packed micro-batch (``None``: no cap)."""
+    shuffle: bool = True
+    """Shuffle the order of micro-batches (packed bins or padded batches) every epoch."""
+    padded_batch_size: int | None = None
+    """Padded baseline only: examples per micro-batch. ``None`` matches the packed run (see above)."""
+
+    def validate(self) -> None:
+        _choice("packing.strategy", self.strategy, ("bfd", "none"))
+        _positive("packing.token_budget", self.token_budget)
+        if self.max_examples_per_bin is not None:
+            _positive("packing.max_examples_per_bin", self.max_examples_per_bin)
+        if self.padded_batch_size is not None:
+            _positive("packing.padded_batch_size", self.padded_batch_size)
+
+    @property
+    def packed(self) -> bool:
+        return self.strategy != "none"
+
+
+@dataclass
+class ParallelConfig:
+    backend: str = "auto"
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``."""
+    device: str = "auto"
+    """``auto`` (CUDA when available), ``cuda`` or ``cpu``."""
+    param_dtype: str = "bfloat16"
+    """MixedPrecisionPolicy: dtype of the all-gathered parameters used for compute."""
+    reduce_dtype: str = "float32"
+    """MixedPrecisionPolicy: dtype of the gradient reduce-scatter."""
+    output_dtype: str | None = None
+    """MixedPrecisionPolicy: dtype the root module's outputs are cast to (``None``: leave them)."""
+    reshard_after_forward: bool = True
+    """Free the gathered parameters after forward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2)."""
+
+    def validate(self) -> None:
+        _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
+        _choice("parallel.device", self.device, ("auto", "cuda", "cpu"))
+        for key in ("param_dtype", "reduce_dtype"):
+            _choice(f"parallel.{key}", getattr(self, key), ("float32", "bfloat16", "float16"))
+        if self.output_dtype is not None:
+            _choice("parallel.output_dtype", self.output_dtype, ("float32", "bfloat16", "float16"))
+
+
+@dataclass
+class OptimConfig:
+    optimizer: dict[str, Any] = field(
+        default_factory=lambda: {"_target_": "torch.optim.AdamW", "betas": [0.9, 0.95], "eps": 1e-8}
+    )
+    """The optimizer, built with ``hydra.utils.instantiate(optimizer, params, lr=lr, weight_decay=...)``."""
+    lr: float = 3e-4
+    """Peak learning rate."""
+    weight_decay: float = 0.1
+    """Applied to matrices only (not to biases, norms or embeddings' positions)."""
+    warmup_steps: int = 10
+    """Linear warmup from 0 to ``lr``."""
+    min_lr_ratio: float = 0.1
+    """Cosine decays to ``lr * min_lr_ratio`` at the last step."""
+    grad_clip: float = 1.0
+    """Max global gradient norm (``0`` disables clipping)."""
+
+    def validate(self) -> None:
+        _positive("optim.lr", self.lr)
+        if self.weight_decay < 0 or self.warmup_steps < 0 or self.grad_clip < 0:
+            raise ConfigError("optim.weight_decay, optim.warmup_steps and optim.grad_clip must be >= 0")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class LoggerConfig:
+    log_every: int = 1
+    """Log metrics every N optimizer steps."""
+    wandb: bool = False
+    """Also log to Weights & Biases."""
+    wandb_project: str = "packfsdp"
+    wandb_mode: str = "offline"
+    """``offline`` (default: works without network or key), ``online`` or ``disabled``."""
+    progress_bar: bool = False
+    """Show a progress bar on rank 0 (the console log lines are printed either way)."""
+
+    def validate(self) -> None:
+        _positive("logger.log_every", self.log_every)
+        _choice("logger.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+    name: str = "run"
+    """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
+    output_root: str = "outputs"
+    run_dir: str | None = None
+    """Explicit run directory (all ranks use it as is)."""
+    seed: int = 1234
+    """Seeds model init, data order and dropout."""
+    epochs: int = 1
+    """Epochs over the data when ``max_steps`` is not set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (wins over ``epochs``)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    summary_skip_steps: int = 2
+    """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
+
+    def validate(self) -> None:
+        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger):
+            part.validate()
+        _positive("epochs", self.epochs)
+        _positive("grad_accum", self.grad_accum)
+        if self.max_steps is not None:
+            _positive("max_steps", self.max_steps)
+        if self.summary_skip_steps < 0:
+            raise ConfigError("summary_skip_steps must be >= 0")
+
+
+def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")
+
+
+def _positive(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Config locations and registration
+# ---------------------------------------------------------------------------------------------------------
+
+_PACKAGE_DIR = Path(__file__).resolve().parent
+
+
+def config_dir() -> Path:
+    """The ``configs/`` folder: the repository's in a source checkout, the packaged copy when installed."""
+    for candidate in (_PACKAGE_DIR.parent / "configs", _PACKAGE_DIR / "configs"):
+        if (candidate / "config.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"packfsdp configs not found next to {_PACKAGE_DIR}")
+
+
+def recipe_dirs() -> list[Path]:
+    """Folders whose ``*.yaml`` files are offered as ``recipe=NAME``: the shipped recipes, then any listed
+    in ``PACKFSDP_RECIPES`` (``os.pathsep``-separated). A user folder may also be added through Hydra's
+    search path as ``<dir>/recipe/NAME.yaml``."""
+    dirs = [d for d in (_PACKAGE_DIR.parent / "recipes", _PACKAGE_DIR / "recipes") if d.is_dir()][:1]
+    extra = os.environ.get("PACKFSDP_RECIPES", "")
+    dirs += [Path(p).expanduser() for p in extra.split(os.pathsep) if p]
+    return dirs
+
+
+def register_configs() -> None:
+    """Register the schema and every recipe with Hydra's ConfigStore (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="job_schema", node=JobConfig)
+    for group, node in (
+        ("model", ModelConfig),
+        ("data", DataConfig),
+        ("packing", PackingConfig),
+        ("parallel", ParallelConfig),
+        ("optim", OptimConfig),
+        ("logger", LoggerConfig),
+    ):
+        cs.store(group=group, name=f"{group}_schema", node=node)
+    for directory in recipe_dirs():
+        for path in sorted(directory.glob("*.yaml")):
+            # Recipes live in recipes/ (not configs/recipe/) so users find them at the top of the repo;
+            # they are stored as the `recipe` group at the global package, like `# @package _global_`.
+            cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def to_job_config(cfg: Any) -> JobConfig:
+    """Turn a composed DictConfig into a validated JobConfig (the one place that sees OmegaConf)."""
+    job = OmegaConf.to_object(cfg)
+    if not isinstance(job, JobConfig):
+        raise ConfigError("the composed config does not follow the JobConfig schema")
+    job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
+    job.validate()
+    return job
+
+
+__all__ = [
+    "ConfigError",
+    "DataConfig",
+    "JobConfig",
+    "LoggerConfig",
+    "MISSING",
+    "ModelConfig",
+    "OptimConfig",
+    "PackingConfig",
+    "ParallelConfig",
+    "config_dir",
+    "recipe_dirs",
+    "register_configs",
+    "to_job_config",
+]

@@ -1,0 +1,76 @@
+"""Tokenizers: a byte-level BPE trained locally (the offline default) or any pretrained one.
+
+The local tokenizer is trained once with ``tokenizers`` on the source's text, saved in the
+``save_pretrained`` layout under the cache directory keyed by a hash of what it was trained on, and loaded
+from there afterwards. It uses GPT-2's conventions: byte-level pre-tokenisation and one special token,
+``<|endoftext|>``, which serves as BOS, EOS, turn separator and pad.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import shutil
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
+
+from trainer.dist import barrier, is_rank0
+
+log = logging.getLogger(__name__)
+
+EOS = "<|endoftext|>"
+
+
+def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
+    )
+
+
+def local_tokenizer(
+    texts: Callable[[], list[str]], vocab_size: int, cache_dir: str | Path, cache_key: str
+) -> PreTrainedTokenizerBase:
+    """Load the cached local tokenizer for ``cache_key``, training (on rank 0) and caching it first if needed.
+
+    ``texts`` is called only on a cache miss; ``cache_key`` names what the texts are (source, seed, size)
+    and, with the vocab size, selects the cache entry.
+    """
+    digest = hashlib.sha256(json.dumps([cache_key, vocab_size]).encode()).hexdigest()[:16]
+    path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{digest}"
+    if not (path / "tokenizer.json").is_file() and is_rank0():
+        corpus = texts()
+        log.info("training a byte-level BPE tokenizer (vocab %d) on %d texts", vocab_size, len(corpus))
+        tokenizer = train_bpe_tokenizer(corpus, vocab_size)
+        tmp = path.with_name(path.name + ".tmp")
+        tokenizer.save_pretrained(tmp)
+        shutil.rmtree(path, ignore_errors=True)
+        tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
+    barrier()
+    return AutoTokenizer.from_pretrained(path)
+
+
+def pretrained_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> PreTrainedTokenizerBase:
+    """A pretrained tokenizer from the hub or a local directory; gives it a pad token if it has none."""
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, trust_remote_code=trust_remote_code)
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"tokenizer {name_or_path!r} has no EOS token; packfsdp needs one as turn separator")
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

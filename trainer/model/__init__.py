@@ -1,0 +1,23 @@
+"""Stage 4: the model and its attention backends for packed (varlen) batches."""
+
+from trainer.model.attention import (
+    BACKENDS,
+    AttentionBackend,
+    AttentionBackendError,
+    document_causal_mask,
+    resolve_backend,
+)
+from trainer.model.loading import DTYPES, build_model, max_positions
+from trainer.model.wrapper import VarlenCausalLM
+
+__all__ = [
+    "BACKENDS",
+    "DTYPES",
+    "AttentionBackend",
+    "AttentionBackendError",
+    "VarlenCausalLM",
+    "build_model",
+    "document_causal_mask",
+    "max_positions",
+    "resolve_backend",
+]

@@ -1,0 +1,59 @@
+"""Build or load the transformers causal LM and wrap it for varlen batches."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+
+from trainer.config import ModelConfig
+from trainer.model.attention import AttentionBackend
+from trainer.model.wrapper import PADDED_ATTENTION, VarlenCausalLM
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int) -> VarlenCausalLM:
+    """A pretrained model (``name_or_path``) or a random one from ``family`` + ``config_overrides``.
+
+    Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
+    so the copies must agree.
+    """
+    torch.manual_seed(seed)
+    dtype = DTYPES[cfg.dtype]
+    if cfg.name_or_path:
+        model = AutoModelForCausalLM.from_pretrained(
+            cfg.name_or_path,
+            dtype=dtype,
+            attn_implementation=PADDED_ATTENTION,
+            trust_remote_code=cfg.trust_remote_code,
+            **cfg.config_overrides,
+        )
+    else:
+        special = {
+            "vocab_size": len(tokenizer),
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        }
+        config = AutoConfig.for_model(cfg.family, **(special | dict(cfg.config_overrides)))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=PADDED_ATTENTION)
+    if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        model.resize_token_embeddings(len(tokenizer))
+    model.config.use_cache = False
+    n_params = sum(p.numel() for p in model.parameters())
+    log.info("model %s: %.2fM parameters, %s", cfg.name_or_path or cfg.family, n_params / 1e6, cfg.dtype)
+    return VarlenCausalLM(model, backend)
+
+
+def max_positions(model: VarlenCausalLM) -> int | None:
+    """The model's context length, where its config states one."""
+    config = model.config
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if value:
+            return int(value)
+    return None

@@ -1,0 +1,64 @@
+"""The varlen-aware model wrapper: one forward for packed and padded batches.
+
+``VarlenCausalLM`` holds a transformers causal LM and picks its attention per batch:
+- a packed batch (``cu_seqlens`` given) runs the configured packed backend, with ``position_ids``
+  restarting per example and no ``attention_mask`` (the boundaries travel as ``cu_seq_lens_*`` kwargs);
+- a padded batch (``attention_mask`` given) runs transformers' own SDPA path with the padding mask.
+The wrapper returns logits; the loss lives in the trainer (summed, normalised by the global label count).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainer.model.attention import AttentionBackend
+
+PADDED_ATTENTION = "sdpa"
+
+
+class VarlenCausalLM(nn.Module):
+    def __init__(self, model: nn.Module, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.model = model
+        self.backend = backend
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if cu_seqlens is not None:
+            if attention_mask is not None:
+                raise ValueError("a packed batch carries cu_seqlens, not an attention_mask")
+            self.model.config._attn_implementation = self.backend.hf_name
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                use_cache=False,
+                cu_seq_lens_q=cu_seqlens,
+                cu_seq_lens_k=cu_seqlens,
+                max_length_q=max_seqlen,
+                max_length_k=max_seqlen,
+            )
+        else:
+            self.model.config._attn_implementation = PADDED_ATTENTION
+            out = self.model(
+                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
+            )
+        return out.logits
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """The repeated transformer blocks (the units FSDP shards and checkpointing wraps)."""
+        names = set(getattr(self.model, "_no_split_modules", None) or [])
+        layers = [m for m in self.model.modules() if type(m).__name__ in names]
+        if not layers:
+            raise RuntimeError(f"cannot find the decoder layers of {type(self.model).__name__}")
+        return layers

@@ -1,0 +1,257 @@
+"""Stage 6: the training loop. ``torchrun --nproc_per_node N -m trainer.train recipe=NAME key=value ...``
+
+One ``Trainer`` with one method per phase: ``setup`` (build everything), ``next_step_batches``
+(this rank's micro-batches of one optimizer step), ``forward_backward`` (one micro-batch), ``train_step``
+(accumulate, clip, step, log) and ``train`` (the loop and the summary).
+
+The loss of a step is the sum of token losses over every micro-batch and every rank divided by the
+global count of label tokens (one all-reduce before the backward passes), so packed, padded and any world
+size optimise the same objective.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from pathlib import Path
+
+import hydra
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig, OmegaConf
+
+from trainer import dist
+from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
+from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
+from trainer.data import load_dataset, load_tokenizer
+from trainer.metrics import MetricsLogger, RunSummary, peak_memory_gib, setup_logging
+from trainer.model import AttentionBackendError, build_model, max_positions, resolve_backend
+from trainer.optim import build_optimizer, build_scheduler
+from trainer.packing import build_sampler
+from trainer.parallel import build_mesh, parallelize, set_gradient_sync
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class StepResult:
+    loss_sum: float
+    label_tokens: int
+    tokens: int
+    positions: int
+
+
+class Trainer:
+    def __init__(self, cfg: JobConfig) -> None:
+        self.cfg = cfg
+        self.step = 0
+        self.setup()
+
+    # ------------------------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.device = dist.resolve_device(cfg.parallel.device)
+        dist.init_distributed(self.device, cfg.parallel.backend)
+        self.rank, self.world_size = dist.rank(), dist.world_size()
+        setup_logging(self.rank)
+        self.run_dir = agree_run_dir(cfg)
+        log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
+
+        packed = cfg.packing.packed
+        # Resolve the backend first: a backend that cannot run here fails before any heavy work.
+        self.backend = resolve_backend(cfg.model.attention, self.device)
+        self.tokenizer = load_tokenizer(cfg.model, cfg.data)
+        model = build_model(cfg.model, self.tokenizer, self.backend, cfg.seed)
+        if packed:
+            log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
+        else:
+            log.info("attention backend: transformers sdpa with a padding mask (padded baseline)")
+
+        # Every example fits the model's context and one micro-batch, in packed and padded runs alike,
+        # so both runs train on exactly the same tokens.
+        context = max_positions(model) or cfg.data.max_length
+        max_length = min(cfg.data.max_length, context, cfg.packing.token_budget)
+        self.dataset = load_dataset(cfg.data, self.tokenizer, max_length)
+        self.sampler = build_sampler(self.dataset.lengths, cfg.packing, self.rank, self.world_size, cfg.seed)
+        self.collate = collate_packed if packed else collate_padded
+        if not packed:
+            log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
+
+        self.model = parallelize(model.to(self.device), build_mesh(self.device, self.world_size), cfg.parallel)
+        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.total_steps = self.count_total_steps()
+        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=asdict(cfg))
+        self.summary = RunSummary(skip=cfg.summary_skip_steps)
+        log.info(
+            "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
+            len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
+        )
+
+    def count_total_steps(self) -> int:
+        if self.cfg.max_steps is not None:
+            return self.cfg.max_steps
+        per_epoch = (
+            math.ceil(self.sampler.microbatches_per_rank(e) / self.cfg.grad_accum) for e in range(self.cfg.epochs)
+        )
+        return sum(per_epoch)
+
+    # ------------------------------------------------------------------------------------------------- loop
+    def next_step_batches(self) -> list[Batch]:
+        """Up to ``grad_accum`` micro-batches; a step never crosses an epoch boundary. Every rank gets the
+        same count because every rank's epoch plan has the same length."""
+        batches = []
+        for _ in range(self.cfg.grad_accum):
+            _, indices, last_of_epoch = self.sampler.next_microbatch()
+            batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id).to(self.device))
+            if last_of_epoch:
+                break
+        return batches
+
+    def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
+        """Summed token loss of one micro-batch; backward of its share of the global mean."""
+        logits = self.model(**batch.model_inputs())
+        # labels are aligned with input_ids: position t predicts labels[t + 1].
+        loss_sum = F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(),
+            batch.labels[:, 1:].flatten(),
+            ignore_index=IGNORE_INDEX,
+            reduction="sum",
+        )
+        (loss_sum / max(global_label_tokens, 1.0)).backward()
+        return loss_sum.detach()
+
+    def train_step(self) -> dict:
+        start = time.perf_counter()
+        batches = self.next_step_batches()
+        local = [sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
+                 sum(b.num_positions for b in batches)]
+        global_labels, global_tokens, global_positions = dist.all_reduce_sum(local, self.device)
+
+        loss_sum = torch.zeros((), device=self.device)
+        for i, batch in enumerate(batches):
+            set_gradient_sync(self.model, i == len(batches) - 1)
+            loss_sum += self.forward_backward(batch, global_labels)
+
+        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
+        if global_labels > 0:
+            self.optimizer.step()
+        else:
+            log.warning("step %d: no label token on any rank; optimizer step skipped", self.step + 1)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.scheduler.get_last_lr()[0]
+        self.scheduler.step()
+        (global_loss_sum,) = dist.all_reduce_sum([loss_sum.item()], self.device)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        step_time = time.perf_counter() - start
+        self.step += 1
+        return {
+            "step": self.step,
+            "epoch": self.sampler.epoch,
+            "loss": global_loss_sum / max(global_labels, 1.0),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "useful_tokens": int(global_labels),
+            "tokens": int(global_tokens),
+            "positions": int(global_positions),
+            "useful_tokens_per_s": global_labels / step_time,
+            "tokens_per_s": global_tokens / step_time,
+            "padding_fraction": 1 - global_tokens / global_positions if global_positions else 0.0,
+            "step_time_s": step_time,
+            "peak_mem_gib": peak_memory_gib(self.device),
+        }
+
+    def train(self) -> dict:
+        self.model.train()
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            self.summary.add(metrics)
+            if self.step % self.cfg.logger.log_every == 0 or self.step == self.total_steps:
+                self.metrics.log(metrics)
+        return self.finish()
+
+    def finish(self) -> dict:
+        result = self.summary.result() | {
+            "mode": "packed" if self.cfg.packing.packed else "padded",
+            "strategy": self.cfg.packing.strategy,
+            "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
+            "world_size": self.world_size,
+            "dataset": asdict(self.dataset.stats),
+            "run_dir": str(self.run_dir),
+        }
+        self.metrics.close()
+        if self.rank == 0:
+            (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+            log.info(
+                "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | %d steps on %d rank(s)",
+                result["mode"], result["strategy"], result["useful_tokens_per_s"],
+                100 * result["padding_fraction"], result["final_loss"], result["steps"], self.world_size,
+            )
+        return result
+
+
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
+    """Global gradient norm (across shards and ranks), clipped to ``max_norm`` when it is > 0."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+def agree_run_dir(cfg: JobConfig) -> Path:
+    """Rank 0 picks the run directory (``run_dir`` or ``<output_root>/<name>/<timestamp>``) and every rank
+    takes it from there, so ranks started in different seconds never disagree."""
+    chosen = None
+    if dist.is_rank0():
+        if cfg.run_dir:
+            chosen = Path(cfg.run_dir)
+        else:
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            chosen = Path(cfg.output_root) / cfg.name / stamp
+            suffix = 1
+            while chosen.exists():
+                chosen = Path(cfg.output_root) / cfg.name / f"{stamp}-{suffix}"
+                suffix += 1
+        chosen.mkdir(parents=True, exist_ok=True)
+        (chosen / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+    return Path(dist.broadcast_object(str(chosen) if chosen else None))
+
+
+def run(cfg: JobConfig) -> dict:
+    try:
+        return Trainer(cfg).train()
+    finally:
+        dist.destroy_distributed()
+
+
+@hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
+def hydra_main(raw: DictConfig) -> dict | None:
+    try:
+        cfg = to_job_config(raw)
+    except ConfigError as e:
+        print(f"packfsdp: config error: {e}", file=sys.stderr)
+        sys.exit(2)
+    try:
+        return run(cfg)
+    except AttentionBackendError as e:
+        print(f"packfsdp: attention backend error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+def main() -> None:
+    register_configs()
+    from trainer.cli import check_group_choices
+
+    check_group_choices(sys.argv[1:])
+    hydra_main()
+
+
+if __name__ == "__main__":
+    main()
