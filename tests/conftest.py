@@ -1,0 +1,66 @@
+"""Shared fixtures: a small tokenized DailyDialog-like set, a local tokenizer, tiny models, a torchrun helper."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+os.environ.setdefault("PACKFSDP_CACHE", str(REPO / ".cache" / "packfsdp"))
+os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def cache_dir() -> str:
+    return os.environ["PACKFSDP_CACHE"]
+
+
+@pytest.fixture(scope="session")
+def small_data_cfg(cache_dir):
+    from trainer.config import DataConfig
+
+    return DataConfig(num_dialogs=300, cache_dir=cache_dir)
+
+
+@pytest.fixture(scope="session")
+def tokenizer(small_data_cfg):
+    from trainer.config import ModelConfig
+    from trainer.data import load_tokenizer
+
+    return load_tokenizer(ModelConfig(), small_data_cfg)
+
+
+@pytest.fixture(scope="session")
+def small_dataset(tokenizer, small_data_cfg):
+    from trainer.data import load_dataset
+
+    return load_dataset(small_data_cfg, tokenizer, max_length=512)
+
+
+def tiny_gpt2_config(**overrides):
+    from trainer.config import ModelConfig
+
+    base = dict(n_layer=2, n_embd=32, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    return ModelConfig(family="gpt2", config_overrides=base | overrides)
+
+
+def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None, cwd=REPO):
+    """Run ``torchrun --standalone --nproc_per_node nproc <args>``; returns the CompletedProcess."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
+    full_env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"} | (env or {})
+    return subprocess.run(cmd, cwd=cwd, env=full_env, capture_output=True, text=True, timeout=timeout)
