@@ -14,10 +14,14 @@ want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
   exit 0
 fi
+echo "packfsdp: setting up $VENV ($TORCH_SPEC, extras: $EXTRAS); log in $VENV/install.log"
 if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV"
 fi
-"$VENV/bin/python" -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[$EXTRAS]"
+log="$VENV/install.log"
+if ! { "$VENV/bin/python" -m pip install "$TORCH_SPEC" && "$VENV/bin/python" -m pip install -e ".[$EXTRAS]"; } >"$log" 2>&1; then
+  tail -n 40 "$log" >&2
+  echo "packfsdp: installation failed; full log in $log" >&2
+  exit 1
+fi
 echo "$want" > "$stamp"
