@@ -136,7 +136,9 @@ class MicroBatchSampler:
                 "the budget %d", epoch, s.skipped_empty, s.dropped_oversize, s.dropped_oversize_tokens, s.budget,
             )
         if plan.splits or plan.filler_microbatches:
-            log.warning(
+            # Splitting a bin moves no data; an empty micro-batch is wasted work, so it is a warning.
+            log.log(
+                logging.WARNING if plan.filler_microbatches else logging.INFO,
                 "packing epoch %d: %d bins split and %d empty micro-batches added so every rank runs %d",
                 epoch, plan.splits, plan.filler_microbatches, plan.microbatches_per_rank,
             )
@@ -145,11 +147,13 @@ class MicroBatchSampler:
             fill = f"fill {100 * s.fill:.2f}%, {s.bins} bins vs lower bound {s.lower_bound}"
             if self.strategy.padded:
                 fill = f"padding overhead {100 * s.padding_overhead:.1f}%"
+            if s.split_examples:
+                fill += f"; {s.split_examples} examples split into {s.pieces} pieces"
             log.info(
-                "packing %s: %d examples -> %d micro-batches per rank x %d ranks (%s); %s split into %d pieces; "
+                "packing %s: %d examples -> %d micro-batches per rank x %d ranks (%s); "
                 "rank skew (%s per step) %.2f%%, worst step %.2f%%",
-                s.strategy, s.examples, plan.microbatches_per_rank, plan.world_size, fill, s.split_examples,
-                s.pieces, self.cfg.balance, 100 * report["skew"], 100 * report["worst_step_skew"],
+                s.strategy, s.examples, plan.microbatches_per_rank, plan.world_size, fill,
+                self.cfg.balance, 100 * report["skew"], 100 * report["worst_step_skew"],
             )
 
     def balance_report(self, epoch: int = 0, weight=None) -> dict[str, float]:
@@ -164,6 +168,8 @@ class MicroBatchSampler:
     def next_microbatch(self) -> tuple[int, np.ndarray, bool]:
         """(epoch, bin, is_last_of_epoch) of this rank's next micro-batch."""
         plan = self.plan(self.epoch)
+        if not plan.rounds:
+            raise ValueError(f"epoch {self.epoch} has no micro-batch: no example left to sample ({plan.stats})")
         epoch, batch = self.epoch, plan.rounds[self.next_index][self.rank]
         self.next_index += 1
         last = self.next_index == plan.microbatches_per_rank

@@ -297,8 +297,8 @@ def pack_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Ge
     # Piece j of a long example starts at j * (budget - 1); pieces before the last one are exactly full.
     last = -(-(sizes[over] - budget) // step)
     full_ex = np.repeat(over, last)
-    full_start = np.concatenate([np.arange(k) * step for k in last.tolist()]) if len(over) else np.zeros(0, np.int64)
-    full_bins = [row[None] for row in np.stack([full_ex, full_start, full_start + budget], 1).astype(np.int64)]
+    full_start = (np.arange(len(full_ex)) - np.repeat(np.cumsum(last) - last, last)) * step
+    full_bins = list(np.stack([full_ex, full_start, full_start + budget], 1).astype(np.int64).reshape(-1, 1, 3))
 
     start = np.zeros(n, dtype=np.int64)
     start[over] = last * step
