@@ -107,14 +107,11 @@ class PackingConfig:
         _choice("packing.strategy", self.strategy, ("none", "sorted", "ffd", "bfd", "bfd_split", "wrapped"))
         _choice("packing.oversize", self.oversize, ("error", "drop"))
         _choice("packing.balance", self.balance, ("tokens", "attention"))
-        if isinstance(self.token_budget, bool) or not isinstance(self.token_budget, int) or self.token_budget < 1:
-            raise ConfigError(f"packing.token_budget must be a positive integer, got {self.token_budget!r}")
+        _positive("packing.token_budget", self.token_budget)
         if self.splits_examples and self.token_budget < 2:
             raise ConfigError(f"packing.token_budget must be >= 2 for strategy {self.strategy}")
-        if self.max_examples_per_bin is not None and (
-            isinstance(self.max_examples_per_bin, bool) or self.max_examples_per_bin < 1
-        ):
-            raise ConfigError(f"packing.max_examples_per_bin must be >= 1 or null, got {self.max_examples_per_bin!r}")
+        if self.max_examples_per_bin is not None:
+            _positive("packing.max_examples_per_bin", self.max_examples_per_bin)
         if self.padded_batch_size is not None:
             _positive("packing.padded_batch_size", self.padded_batch_size)
         _positive("packing.megabatch_factor", self.megabatch_factor)

@@ -150,6 +150,7 @@ def first_fit_decreasing(
     room = np.zeros(0, dtype=np.int64)
     count = np.zeros(0, dtype=np.int64)
     n_bins = 0
+    smallest = int(sorted_sizes[-1]) if n else 0
     for lo, hi in _groups(sorted_sizes):
         s, need = int(sorted_sizes[lo]), hi - lo
         targets = []
@@ -176,7 +177,7 @@ def first_fit_decreasing(
             ids, room, count = np.r_[ids, new_ids], np.r_[room, budget - new_count * s], np.r_[count, new_count]
             n_bins += new
         bin_of[order[lo:hi]] = np.concatenate(targets)
-        alive = (room > 0) & (count < cap)
+        alive = (room >= smallest) & (count < cap)  # a bin no remaining item fits leaves the scan
         if not alive.all():
             ids, room, count = ids[alive], room[alive], count[alive]
     return bin_of

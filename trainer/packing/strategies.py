@@ -256,14 +256,14 @@ def _to_global(bin_: np.ndarray, idx: np.ndarray) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------- the strategies
 @register_strategy("none", padded=True)
-def batch_padded(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_padded(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """The padded baseline: shuffled examples, ``batch_size`` per micro-batch, padded to the longest."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
     return [order[i : i + params.batch_size] for i in range(0, len(order), params.batch_size)]
 
 
 @register_strategy("sorted", padded=True)
-def batch_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """Length-grouped padded batches: random mega-batches, sorted by length inside, cut into batches."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
     mega = params.megabatch_factor * params.batch_size
@@ -277,19 +277,19 @@ def batch_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.G
 
 
 @register_strategy("bfd")
-def pack_best_fit_decreasing(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """Best-fit decreasing over the whole dataset, whole examples only."""
     return group_by_bin(best_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
 
 
 @register_strategy("ffd")
-def pack_first_fit_decreasing(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_first_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """First-fit decreasing over the whole dataset, whole examples only."""
     return group_by_bin(first_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
 
 
 @register_strategy("bfd_split", splits=True)
-def pack_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """Best-fit decreasing; an example longer than the budget is cut into pieces across bins."""
     budget, step = params.budget, params.budget - 1
     n = len(sizes)
@@ -308,7 +308,7 @@ def pack_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Ge
 
 
 @register_strategy("wrapped", splits=True)
-def pack_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """Concatenate the (shuffled) examples and cut the stream every ``budget`` tokens."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
     if params.max_examples_per_bin is not None:
@@ -371,3 +371,16 @@ def _wrapped_capped(sizes: np.ndarray, order: np.ndarray, budget: int, cap: int)
             room, in_bin = budget, 0
     table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
     return [b for b in np.split(table, bounds) if len(b)]
+
+
+# ------------------------------------------------------------------------------------- convenience helpers
+def pack_best_fit_decreasing(
+    lengths: np.ndarray, budget: int, max_examples_per_bin: int | None = None, rng: np.random.Generator | None = None
+) -> list[np.ndarray]:
+    """Bins of ``bfd`` over ``lengths`` (each in ``[1, budget]``), as arrays of example indices."""
+    return pack(lengths, "bfd", PackParams(budget, max_examples_per_bin), rng).bins
+
+
+def batch_padded(n: int, batch_size: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
+    """The padded baseline's micro-batches of ``n`` examples: shuffled, ``batch_size`` each."""
+    return build_padded(np.ones(n, dtype=np.int64), PackParams(1, batch_size=batch_size), rng)
