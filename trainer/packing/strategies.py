@@ -226,7 +226,7 @@ def pack(
             keep &= ~over
     idx = np.flatnonzero(keep)
     local = strat.build(lengths[idx], params, rng) if len(idx) else []
-    bins = [_to_global(b, idx) for b in local]
+    bins = local if len(idx) == len(lengths) else [_to_global(b, idx) for b in local]  # positions -> indices
 
     stats.tokens = int(lengths[idx].sum())
     stats.bins = len(bins)
