@@ -20,7 +20,11 @@ import numpy as np
 def decreasing_order(sizes: np.ndarray, rng: np.random.Generator | None) -> np.ndarray:
     """Items by size, largest first; equal sizes in an order drawn from ``rng`` (index order without one)."""
     base = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
-    return base[np.argsort(-sizes[base], kind="stable")]
+    keys = sizes[base]
+    top = int(keys.max()) if len(keys) else 0
+    # Sizes below 2**16 sort as uint16 keys, which numpy's stable sort handles by radix sort (O(n)).
+    keys = (top - keys).astype(np.uint16) if top < 2**16 else -keys
+    return base[np.argsort(keys, kind="stable")]
 
 
 def best_fit_decreasing(
