@@ -111,11 +111,13 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
         pcfg = replace(cfg.packing, strategy=name, oversize="drop")
         result = pack(lengths, name, pack_params(pcfg, batch_size), np.random.default_rng([seed, 0, 0]))
         s = result.stats
-        skews = []
+        skews, worst = [], []
         for w in world_sizes:
             sampler = MicroBatchSampler(lengths, pcfg, 0, w, seed, padded_batch_size=batch_size,
                                         grad_accum=cfg.grad_accum)
-            skews.append(sampler.balance_report(0, weight=useful)["skew"])
+            balance = sampler.balance_report(0, weight=useful)
+            skews.append(balance["skew"])
+            worst.append(balance["worst_step_skew"])
         padded = STRATEGIES[name].padded
         fill = "-" if padded else f"{100 * s.fill:.2f}%"
         bound = "-" if padded else f"{100 * s.efficiency:.2f}%"
@@ -124,14 +126,18 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
             f"{100 * s.padding_overhead:>11.1f}% {s.positions / total:>9.2f} "
             + " ".join(f"{100 * k:>7.2f}%" for k in skews)
         )
-        figures["strategies"][name] = s.as_dict() | {"skew": dict(zip(world_sizes, skews))}
+        figures["strategies"][name] = s.as_dict() | {"skew": dict(zip(world_sizes, skews)),
+                                                     "worst_step_skew": dict(zip(world_sizes, worst))}
     lines += rows
     figures["max_speedup"] = figures["strategies"]["none"]["positions"] / total
     lines += [
         "",
         "fill = real tokens / (micro-batches x budget); vs bound = lower bound / micro-batches (100% is optimal);",
         "positions = what the model computes (padded: rows x longest row); pos/token = positions / real tokens;",
-        f"skew@W = max/mean - 1 of useful tokens per optimizer step over W ranks (grad_accum {cfg.grad_accum}).",
+        f"skew@W = sum over steps of the busiest rank's useful tokens / sum of the mean, minus 1, over W ranks"
+        f" (grad_accum {cfg.grad_accum}); the worst single step (bfd: "
+        + ", ".join(f"{100 * k:.1f}% @{w}" for w, k in figures["strategies"]["bfd"]["worst_step_skew"].items())
+        + ") is a step holding one of the few part-filled bins.",
         f"largest speedup packing can give here: {figures['max_speedup']:.2f}x over shuffled padded batches "
         f"(computes {figures['strategies']['none']['positions']} positions for {total} tokens), "
         f"{figures['strategies']['sorted']['positions'] / total:.2f}x over length-grouped ones.",
