@@ -10,6 +10,8 @@ A **packed** micro-batch is one flat row holding several examples back to back::
 
 ``labels[t]`` is the token predicted from position ``t - 1``; the first token of every example is -100, so
 no label is ever predicted across a boundary (b0 from a3). Tokens outside the loss mask are -100 too.
+A bin may also hold *pieces* of examples (``packing=bfd_split|wrapped``): a piece's positions continue
+where the example's previous piece left off instead of restarting at 0.
 
 A **padded** micro-batch is the classic rectangle: one row per example, right-padded to the longest, with
 an ``attention_mask`` and -100 labels on pads.
@@ -74,15 +76,29 @@ def _labels_for(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
 
 
 def collate_packed(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int = 0) -> Batch:
-    """One flat varlen row from the examples ``indices`` (see the module docstring)."""
+    """One flat varlen row from a bin (see the module docstring).
+
+    ``indices`` is a 1-D array of example indices, or a 2-D ``(k, 3)`` array of pieces
+    ``(example, start, end)`` (``bfd_split``, ``wrapped``): a piece is its own segment in ``cu_seqlens``,
+    its positions continue at ``start``, and its first token carries no label (it is the previous piece's
+    last token, whose successor's label that piece already holds; see ``trainer.packing.strategies``).
+    """
+    indices = np.asarray(indices)
     if len(indices) == 0:
         return _empty_batch(pad_id)
+    pieces = indices if indices.ndim == 2 else None
     ids, labels, positions, seqlens = [], [], [], []
-    for i in indices:
-        tok, mask = dataset.example(int(i))
+    for k in range(len(indices)):
+        if pieces is None:
+            example, start = int(indices[k]), 0
+            tok, mask = dataset.example(example)
+        else:
+            example, start, end = (int(v) for v in pieces[k])
+            tok, mask = dataset.example(example)
+            tok, mask = tok[start:end], mask[start:end]
         ids.append(tok)
         labels.append(_labels_for(tok, mask))
-        positions.append(np.arange(len(tok)))
+        positions.append(np.arange(start, start + len(tok)))
         seqlens.append(len(tok))
     cu = np.zeros(len(seqlens) + 1, dtype=np.int32)
     np.cumsum(seqlens, out=cu[1:])
@@ -98,7 +114,7 @@ def collate_packed(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int =
         num_tokens=n,
         num_label_tokens=int((labels_t != IGNORE_INDEX).sum()),
         num_positions=n,
-        example_ids=[int(i) for i in indices],
+        example_ids=[int(i) for i in (indices if pieces is None else pieces[:, 0])],
     )
 
 
@@ -106,6 +122,8 @@ def collate_padded(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) 
     """One row per example, right-padded to the longest; pads get label -100 and attention_mask 0."""
     if len(indices) == 0:
         return _empty_batch(pad_id, packed=False)
+    if np.asarray(indices).ndim != 1:
+        raise ValueError("padded batches take whole examples; pieces need collate_packed")
     examples = [dataset.example(int(i)) for i in indices]
     width = max(len(t) for t, _ in examples)
     ids = np.full((len(examples), width), pad_id, dtype=np.int64)

@@ -81,29 +81,50 @@ class ModelConfig:
 @dataclass
 class PackingConfig:
     strategy: str = "bfd"
-    """``bfd`` (best-fit decreasing over the whole dataset) or ``none`` (the padded baseline: shuffled
-    examples padded to the longest in each micro-batch)."""
+    """How examples become micro-batches (see ``trainer.packing.strategies``): ``none`` (padded baseline:
+    shuffled, padded to the longest), ``sorted`` (length-grouped padded), ``ffd`` / ``bfd`` (first-/best-fit
+    decreasing over the whole dataset, whole examples), ``bfd_split`` (bfd; longer examples cut into pieces
+    across bins) or ``wrapped`` (concatenate, then cut every ``token_budget`` tokens)."""
     token_budget: int = 2048
-    """Tokens per packed micro-batch. The padded baseline takes as many examples per micro-batch as a
+    """Tokens per packed micro-batch. The padded baselines take as many examples per micro-batch as a
     packed micro-batch holds on average, so both see the same useful tokens per step."""
     max_examples_per_bin: int | None = None
-    """Cap on examples in one packed micro-batch (``None``: no cap)."""
+    """Cap on examples (or pieces) in one packed micro-batch (``None``: no cap)."""
     shuffle: bool = True
-    """Shuffle the order of micro-batches (packed bins or padded batches) every epoch."""
+    """Shuffle the order of micro-batches (packed bins or padded batches) every epoch, after packing."""
     padded_batch_size: int | None = None
-    """Padded baseline only: examples per micro-batch. ``None`` matches the packed run (see above)."""
+    """Padded strategies only: examples per micro-batch. ``None`` matches the packed run (see above)."""
+    oversize: str = "error"
+    """``bfd``/``ffd``: an example longer than ``token_budget`` is an ``error`` or is ``drop``-ped (counted,
+    logged). The trainer truncates examples to the budget first (``data.overlong``), so this guards other
+    callers; ``bfd_split`` and ``wrapped`` cut such examples instead."""
+    balance: str = "tokens"
+    """What the ranks are balanced on per step: ``tokens`` or ``attention`` (sum of squared lengths)."""
+    megabatch_factor: int = 50
+    """``sorted`` only: sort by length inside random groups of ``megabatch_factor x batch size`` examples."""
 
     def validate(self) -> None:
-        _choice("packing.strategy", self.strategy, ("bfd", "none"))
+        _choice("packing.strategy", self.strategy, ("none", "sorted", "ffd", "bfd", "bfd_split", "wrapped"))
+        _choice("packing.oversize", self.oversize, ("error", "drop"))
+        _choice("packing.balance", self.balance, ("tokens", "attention"))
         _positive("packing.token_budget", self.token_budget)
+        if self.splits_examples and self.token_budget < 2:
+            raise ConfigError(f"packing.token_budget must be >= 2 for strategy {self.strategy}")
         if self.max_examples_per_bin is not None:
             _positive("packing.max_examples_per_bin", self.max_examples_per_bin)
         if self.padded_batch_size is not None:
             _positive("packing.padded_batch_size", self.padded_batch_size)
+        _positive("packing.megabatch_factor", self.megabatch_factor)
 
     @property
     def packed(self) -> bool:
-        return self.strategy != "none"
+        """Flat varlen micro-batches (``collate_packed``) rather than padded rectangles."""
+        return self.strategy not in ("none", "sorted")
+
+    @property
+    def splits_examples(self) -> bool:
+        """May cut an example into pieces, so examples need not fit the budget."""
+        return self.strategy in ("bfd_split", "wrapped")
 
 
 @dataclass

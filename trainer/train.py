@@ -73,11 +73,15 @@ class Trainer:
             log.info("attention backend: transformers sdpa with a padding mask (padded baseline)")
 
         # Every example fits the model's context and one micro-batch, in packed and padded runs alike,
-        # so both runs train on exactly the same tokens.
+        # so both runs train on exactly the same tokens; splitting strategies cut longer ones into pieces.
         context = max_positions(model) or cfg.data.max_length
-        max_length = min(cfg.data.max_length, context, cfg.packing.token_budget)
+        max_length = min(cfg.data.max_length, context)
+        if not cfg.packing.splits_examples:
+            max_length = min(max_length, cfg.packing.token_budget)
         self.dataset = load_dataset(cfg.data, self.tokenizer, max_length)
-        self.sampler = build_sampler(self.dataset.lengths, cfg.packing, self.rank, self.world_size, cfg.seed)
+        self.sampler = build_sampler(
+            self.dataset.lengths, cfg.packing, self.rank, self.world_size, cfg.seed, grad_accum=cfg.grad_accum
+        )
         self.collate = collate_packed if packed else collate_padded
         if not packed:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)

@@ -1,29 +1,64 @@
-"""Stage 2 of the data flow: group examples into micro-batches and deal them to data-parallel ranks."""
+"""Stage 2 of the data flow: group examples into micro-batches and deal them to data-parallel ranks.
+
+``strategies`` (none, sorted, ffd, bfd, bfd_split, wrapped) -> ``balance`` (even out, deal, skew) ->
+``sampler`` (per-epoch plans, exact resume on any world size).
+"""
 
 from __future__ import annotations
 
 import numpy as np
 
 from trainer.config import PackingConfig
-from trainer.packing.sampler import EpochPlan, MicroBatchSampler, deal_bins, even_out_bins, matched_padded_batch_size
-from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing
+from trainer.packing.balance import bin_weight, deal_bins, even_out_bins, rank_balance
+from trainer.packing.sampler import EpochPlan, MicroBatchSampler, matched_padded_batch_size, pack_params
+from trainer.packing.strategies import (
+    STRATEGIES,
+    PackParams,
+    batch_padded,
+    pack_best_fit_decreasing,
+    PackResult,
+    PackStats,
+    bin_examples,
+    bin_tokens,
+    get_strategy,
+    is_pieces,
+    item_lengths,
+    pack,
+    split_into_pieces,
+)
 
 
-def build_sampler(lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int) -> MicroBatchSampler:
-    """The sampler for ``cfg.strategy``; the padded baseline's batch size is matched to the packed run."""
+def build_sampler(
+    lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int, grad_accum: int = 1
+) -> MicroBatchSampler:
+    """The sampler for ``cfg.strategy``; a padded baseline's batch size is matched to the packed run."""
     padded_bs = None
-    if not cfg.packed:
+    if get_strategy(cfg.strategy).padded:
         padded_bs = cfg.padded_batch_size or matched_padded_batch_size(lengths, cfg, seed)
-    return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs)
+    return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs, grad_accum=grad_accum)
 
 
 __all__ = [
+    "STRATEGIES",
     "EpochPlan",
     "MicroBatchSampler",
+    "PackParams",
+    "PackResult",
+    "PackStats",
     "batch_padded",
+    "bin_examples",
+    "bin_tokens",
+    "bin_weight",
     "build_sampler",
     "deal_bins",
     "even_out_bins",
+    "get_strategy",
+    "is_pieces",
+    "item_lengths",
     "matched_padded_batch_size",
+    "pack",
     "pack_best_fit_decreasing",
+    "pack_params",
+    "rank_balance",
+    "split_into_pieces",
 ]

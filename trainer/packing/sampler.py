@@ -1,90 +1,72 @@
 """The distributed micro-batch sampler: bins dealt to data-parallel ranks, equal counts by construction.
 
 Per epoch, every rank computes the same global plan from (seed, epoch) alone, so no communication is
-needed and every rank agrees:
-
-1. the strategy groups all examples into bins (micro-batches);
-2. if the bin count is not a multiple of the world size, the largest multi-example bins are split in two
-   (no data lost or repeated); only if nothing can be split is a rank given an *empty* micro-batch (a
-   forward/backward with no label token, counted as ``filler_microbatches`` and logged);
-3. bins are sorted by tokens and dealt in rounds of ``world_size`` neighbours (snake order), so the
-   micro-batches that run side by side in one step hold about the same tokens on every rank;
-4. the rounds are shuffled (when ``shuffle``), and rank ``r`` takes the ``r``-th bin of every round.
-
+needed and every rank agrees: the strategy packs all examples into bins (``trainer.packing.strategies``),
+the bins are evened out to a multiple of the world size and dealt in rounds (``trainer.packing.balance``).
 Every rank therefore runs the same number of micro-batches, and the trainer groups them into the same
-number of optimizer steps. ``state_dict()`` records (epoch, next micro-batch) for an exact resume.
+number of optimizer steps.
+
+**Resume.** ``state_dict()`` records (epoch, micro-batches consumed, world size) and, for the current
+epoch, the *lineage* of earlier world sizes. On the same world size the plan is rebuilt and continues at
+the same micro-batch: the order is exactly the uninterrupted one. On a different world size the old plan
+is rebuilt, the bins it had not yet served are re-dealt to the new world (evened out and balanced again,
+deterministically), and the epoch continues with exactly the remaining examples: none repeated, none lost.
+The next epoch starts from a fresh plan for the new world.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 
 from trainer.config import PackingConfig
-from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing
+from trainer.packing.balance import bin_weight, deal_bins, even_out_bins, rank_balance
+from trainer.packing.strategies import PackParams, PackStats, get_strategy, pack
 
 log = logging.getLogger(__name__)
 
 
 @dataclass
 class EpochPlan:
-    """One epoch's micro-batches: ``rounds[k][r]`` is rank r's k-th micro-batch (example indices)."""
+    """One epoch's micro-batches: ``rounds[k][r]`` is rank r's k-th micro-batch (a bin)."""
 
     rounds: list[list[np.ndarray]]
+    world_size: int
+    stats: PackStats
     splits: int = 0
-    """Bins split in two to make the count a multiple of the world size."""
+    """Bins split in two to make the count a multiple of the world size (cumulative over re-deals)."""
     filler_microbatches: int = 0
-    """Empty micro-batches added because nothing could be split."""
+    """Empty micro-batches added because nothing could be split (cumulative over re-deals)."""
 
     @property
     def microbatches_per_rank(self) -> int:
         return len(self.rounds)
 
 
-def even_out_bins(bins: list[np.ndarray], world_size: int, lengths: np.ndarray) -> tuple[list[np.ndarray], int, int]:
-    """Make ``len(bins)`` a multiple of ``world_size``: split the largest splittable bins, then add fillers."""
-    need = -len(bins) % world_size
-    if need == 0:
-        return bins, 0, 0
-    bins = list(bins)
-    splittable = sorted(
-        (i for i, b in enumerate(bins) if len(b) >= 2), key=lambda i: int(lengths[bins[i]].sum()), reverse=True
+def pack_params(cfg: PackingConfig, padded_batch_size: int | None = None) -> PackParams:
+    return PackParams(
+        budget=cfg.token_budget,
+        max_examples_per_bin=cfg.max_examples_per_bin,
+        oversize=cfg.oversize,
+        batch_size=padded_batch_size or cfg.padded_batch_size or 1,
+        megabatch_factor=cfg.megabatch_factor,
     )
-    splits = 0
-    for i in splittable[:need]:
-        b = bins[i][np.argsort(-lengths[bins[i]], kind="stable")]
-        bins[i], extra = b[0::2], b[1::2]  # alternate by length: the halves hold similar tokens
-        bins.append(extra)
-        splits += 1
-    fillers = need - splits
-    bins += [np.zeros(0, dtype=np.int64) for _ in range(fillers)]
-    return bins, splits, fillers
-
-
-def deal_bins(bins: list[np.ndarray], world_size: int, lengths: np.ndarray, rng: np.random.Generator | None):
-    """Sort bins by tokens, cut into rounds of ``world_size`` (snake order), shuffle the rounds."""
-    tokens = np.array([int(lengths[b].sum()) for b in bins], dtype=np.int64)
-    order = np.argsort(-tokens, kind="stable")
-    rounds = []
-    for k in range(0, len(order), world_size):
-        group = [bins[j] for j in order[k : k + world_size]]
-        rounds.append(group if (k // world_size) % 2 == 0 else group[::-1])
-    if rng is not None:
-        rounds = [rounds[i] for i in rng.permutation(len(rounds))]
-    return rounds
 
 
 class MicroBatchSampler:
-    """Yields this rank's micro-batches (arrays of example indices), epoch after epoch, resumable.
+    """Yields this rank's micro-batches (bins), epoch after epoch, resumable on any world size.
 
     Args:
         lengths: tokens per example.
-        cfg: the packing config (strategy, budget, ...).
+        cfg: the packing config (strategy, budget, balance, ...).
         rank, world_size: this rank and the data-parallel world.
         seed: the plan of epoch ``e`` is a function of (seed, e) only.
-        padded_batch_size: examples per micro-batch for ``strategy=none``.
+        padded_batch_size: examples per micro-batch for the padded strategies.
+        grad_accum: micro-batches per optimizer step (for the balance report only).
     """
 
     def __init__(
@@ -95,68 +77,151 @@ class MicroBatchSampler:
         world_size: int,
         seed: int,
         padded_batch_size: int | None = None,
+        grad_accum: int = 1,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.cfg = cfg
+        self.strategy = get_strategy(cfg.strategy)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.padded_batch_size = padded_batch_size or cfg.padded_batch_size or 1
+        self.params = pack_params(cfg, self.padded_batch_size)
+        self.grad_accum = grad_accum
         self.epoch, self.next_index = 0, 0
-        self._plans: dict[int, EpochPlan] = {}
+        self.lineage: list[tuple[int, int]] = []
+        """Current epoch only: (world size, micro-batches consumed) of each earlier world in this epoch."""
+        self._cache: tuple[tuple, EpochPlan] | None = None
+        self._logged: set[int] = set()
 
+    # --------------------------------------------------------------------------------------------- plans
     def _rng(self, epoch: int, stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, epoch, stream])
 
-    def plan(self, epoch: int) -> EpochPlan:
-        if epoch not in self._plans:
-            self._plans = {epoch: self._make_plan(epoch)}  # keep one: plans are cheap to rebuild
-            p = self._plans[epoch]
-            if p.splits or p.filler_microbatches:
-                log.warning(
-                    "epoch %d: %d bins split and %d empty micro-batches added so every rank runs %d micro-batches",
-                    epoch, p.splits, p.filler_microbatches, p.microbatches_per_rank,
-                )
-        return self._plans[epoch]
+    def _deal(self, bins, world_size: int, epoch: int, stream: int, stats: PackStats) -> EpochPlan:
+        bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.cfg.balance)
+        rng = self._rng(epoch, stream) if self.cfg.shuffle else None
+        rounds = deal_bins(bins, world_size, self.lengths, rng, self.cfg.balance)
+        return EpochPlan(rounds, world_size, stats, splits, fillers)
 
-    def _make_plan(self, epoch: int) -> EpochPlan:
-        if self.cfg.packed:
-            bins = pack_best_fit_decreasing(
-                self.lengths, self.cfg.token_budget, self.cfg.max_examples_per_bin, self._rng(epoch, 0)
+    def plan(self, epoch: int) -> EpochPlan:
+        """The epoch's plan for this world (re-dealt along ``lineage`` for the current epoch)."""
+        lineage = tuple(self.lineage) if epoch == self.epoch else ()
+        key = (epoch, lineage)
+        if self._cache is None or self._cache[0] != key:
+            self._cache = (key, self._make_plan(epoch, lineage))  # keep one: plans are cheap to rebuild
+            self._log_plan(epoch, self._cache[1])
+        return self._cache[1]
+
+    def _make_plan(self, epoch: int, lineage: tuple[tuple[int, int], ...]) -> EpochPlan:
+        result = pack(self.lengths, self.cfg.strategy, self.params, self._rng(epoch, 0))
+        worlds = [ws for ws, _ in lineage] + [self.world_size]
+        plan = self._deal(result.bins, worlds[0], epoch, 1, result.stats)
+        for j, (_, consumed) in enumerate(lineage):
+            remaining = [b for rnd in plan.rounds[consumed:] for b in rnd if len(b)]
+            splits, fillers = plan.splits, plan.filler_microbatches
+            plan = self._deal(remaining, worlds[j + 1], epoch, 2 + j, result.stats)
+            plan.splits += splits
+            plan.filler_microbatches += fillers
+        return plan
+
+    def _log_plan(self, epoch: int, plan: EpochPlan) -> None:
+        if epoch in self._logged:
+            return
+        self._logged.add(epoch)
+        s = plan.stats
+        if s.skipped_empty or s.dropped_oversize:
+            log.warning(
+                "packing epoch %d: skipped %d empty example(s); dropped %d example(s) (%d tokens) longer than "
+                "the budget %d", epoch, s.skipped_empty, s.dropped_oversize, s.dropped_oversize_tokens, s.budget,
             )
-        else:
-            bins = batch_padded(len(self.lengths), self.padded_batch_size, self._rng(epoch, 0))
-        bins, splits, fillers = even_out_bins(bins, self.world_size, self.lengths)
-        rounds = deal_bins(bins, self.world_size, self.lengths, self._rng(epoch, 1) if self.cfg.shuffle else None)
-        return EpochPlan(rounds, splits, fillers)
+        if plan.splits or plan.filler_microbatches:
+            # Splitting a bin moves no data; an empty micro-batch is wasted work, so it is a warning.
+            log.log(
+                logging.WARNING if plan.filler_microbatches else logging.INFO,
+                "packing epoch %d: %d bins split and %d empty micro-batches added so every rank runs %d",
+                epoch, plan.splits, plan.filler_microbatches, plan.microbatches_per_rank,
+            )
+        if epoch == 0:
+            report = self.balance_report(epoch)
+            fill = f"fill {100 * s.fill:.2f}%, {s.bins} bins vs lower bound {s.lower_bound}"
+            if self.strategy.padded:
+                fill = f"padding overhead {100 * s.padding_overhead:.1f}%"
+            if s.split_examples:
+                fill += f"; {s.split_examples} examples split into {s.pieces} pieces"
+            log.info(
+                "packing %s: %d examples -> %d micro-batches per rank x %d ranks (%s); "
+                "rank skew (%s per step) %.2f%%, worst step %.2f%%",
+                s.strategy, s.examples, plan.microbatches_per_rank, plan.world_size, fill,
+                self.cfg.balance, 100 * report["skew"], 100 * report["worst_step_skew"],
+            )
+
+    def balance_report(self, epoch: int = 0, weight=None) -> dict[str, float]:
+        """Rank skew of this epoch's plan; ``weight`` defaults to the configured balance measure."""
+        weight = weight or (lambda b: bin_weight(b, self.lengths, self.cfg.balance))
+        return rank_balance(self.plan(epoch).rounds, weight, self.grad_accum)
 
     def microbatches_per_rank(self, epoch: int) -> int:
         return self.plan(epoch).microbatches_per_rank
 
+    # ---------------------------------------------------------------------------------------- iteration
     def next_microbatch(self) -> tuple[int, np.ndarray, bool]:
-        """(epoch, example indices, is_last_of_epoch) of this rank's next micro-batch."""
+        """(epoch, bin, is_last_of_epoch) of this rank's next micro-batch."""
         plan = self.plan(self.epoch)
+        if not plan.rounds:
+            raise ValueError(f"epoch {self.epoch} has no micro-batch: no example left to sample ({plan.stats})")
         epoch, batch = self.epoch, plan.rounds[self.next_index][self.rank]
         self.next_index += 1
         last = self.next_index == plan.microbatches_per_rank
         if last:
-            self.epoch, self.next_index = self.epoch + 1, 0
+            self.epoch, self.next_index, self.lineage = self.epoch + 1, 0, []
         return epoch, batch, last
 
+    # ------------------------------------------------------------------------------------------- resume
+    def fingerprint(self) -> str:
+        """What the plans depend on besides (seed, epoch, world): the config and the example lengths."""
+        cfg = asdict(self.cfg) | {"padded_batch_size": self.padded_batch_size}
+        digest = hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16]
+        return hashlib.sha256(json.dumps([cfg, digest], sort_keys=True).encode()).hexdigest()[:16]
+
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "next_index": self.next_index, "seed": self.seed, "world_size": self.world_size}
+        return {
+            "epoch": self.epoch,
+            "next_index": self.next_index,
+            "seed": self.seed,
+            "world_size": self.world_size,
+            "lineage": [list(x) for x in self.lineage],
+            "fingerprint": self.fingerprint(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
-        if state["seed"] != self.seed or state["world_size"] != self.world_size:
+        """Continue where ``state`` stopped, on this world size (any world size)."""
+        if state["seed"] != self.seed:
+            raise ValueError(f"sampler state was saved with seed {state['seed']}; this run has seed {self.seed}")
+        if state.get("fingerprint", self.fingerprint()) != self.fingerprint():
             raise ValueError(
-                f"sampler state was saved with seed {state['seed']} on {state['world_size']} ranks; "
-                f"this run has seed {self.seed} on {self.world_size}"
+                "sampler state was saved with a different packing config or different data (example lengths); "
+                "an exact resume needs the same packing.* settings and dataset"
             )
-        self.epoch, self.next_index = int(state["epoch"]), int(state["next_index"])
+        self.epoch = int(state["epoch"])
+        lineage = [tuple(x) for x in state.get("lineage", [])]
+        saved_world, consumed = int(state["world_size"]), int(state["next_index"])
+        if saved_world == self.world_size:
+            self.lineage, self.next_index = lineage, consumed
+        elif consumed == 0 and not lineage:  # nothing served yet: this epoch's plan for the new world
+            self.lineage, self.next_index = [], 0
+        else:
+            self.lineage, self.next_index = lineage + [(saved_world, consumed)], 0
+            log.info(
+                "sampler: resuming epoch %d on %d ranks after %d micro-batches on %d; re-dealing the remaining bins",
+                self.epoch, self.world_size, consumed, saved_world,
+            )
+        self._cache, self._logged = None, set()
 
 
 def matched_padded_batch_size(lengths: np.ndarray, cfg: PackingConfig, seed: int) -> int:
     """Examples per padded micro-batch that match a packed run's micro-batch count (so both runs see the
-    same useful tokens per optimizer step on average)."""
-    bins = pack_best_fit_decreasing(lengths, cfg.token_budget, cfg.max_examples_per_bin, np.random.default_rng(seed))
-    return max(1, round(len(lengths) / len(bins)))
+    same useful tokens per optimizer step on average). Measured against ``bfd`` at the same budget."""
+    params = PackParams(cfg.token_budget, cfg.max_examples_per_bin, oversize="drop")
+    bins = pack(lengths, "bfd", params, np.random.default_rng(seed)).bins
+    return max(1, round(len(lengths) / max(len(bins), 1)))

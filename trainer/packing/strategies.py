@@ -1,70 +1,386 @@
-"""Packing strategies: how examples are grouped into micro-batches.
+"""Packing strategies: how examples are grouped into micro-batches, all behind one function, ``pack``.
 
-Each strategy maps example lengths (and an RNG for tie-breaking and shuffling) to a list of bins, a bin
-being the example indices of one micro-batch. Every example lands in exactly one bin.
+A **bin** is one micro-batch. It is either a 1-D int64 array of example indices (whole examples) or, for
+strategies that cut examples, a 2-D ``(k, 3)`` int64 array of **pieces** ``(example, start, end)``: the
+tokens ``[start, end)`` of that example. ``trainer.collate.collate_packed`` takes either.
 
-- ``bfd``: best-fit decreasing over the whole dataset. Examples are taken longest first; each goes into
-  the open bin with the *least* room that still fits it, or opens a new bin. Whole examples only.
-- ``none``: the padded baseline. Shuffled examples, ``batch_size`` per micro-batch, padded to the longest.
+| strategy    | bins                                                    | whole examples | budget respected |
+|-------------|---------------------------------------------------------|----------------|------------------|
+| ``none``    | shuffled, ``batch_size`` per micro-batch, padded         | yes            | n/a (padded)     |
+| ``sorted``  | length-grouped padded (HF ``group_by_length``)           | yes            | n/a (padded)     |
+| ``ffd``     | first-fit decreasing over the whole dataset              | yes            | yes              |
+| ``bfd``     | best-fit decreasing over the whole dataset               | yes            | yes              |
+| ``bfd_split``| bfd; longer examples cut into pieces across bins        | no             | yes              |
+| ``wrapped`` | concatenate (shuffled) then chunk at the budget          | no             | yes              |
+
+**Split semantics** (``bfd_split``, ``wrapped``). An example cut into pieces keeps its true positions: a
+piece ``(i, start, end)`` has ``position_ids`` ``start .. end - 1``, and it is its own attention segment
+(its own ``cu_seqlens`` entry), so a piece never attends to another example or to another piece. Pieces of
+one example overlap by one token: the next piece starts at the previous piece's ``end - 1``. The first
+token of every piece carries no label, so every label of the example (tokens ``1 .. L - 1``) is predicted
+exactly once over its pieces, and is predicted from the same token at the same position as in the whole
+example. What a piece cannot see is the context before its start: tokens of the first piece get exactly
+the loss they get in the whole example; later pieces see a context truncated at their start (as in
+chunked long-document training). The trainer keeps examples up to the model's context under these
+strategies (positions beyond it do not exist), so "the loss over the pieces equals the loss over the
+example" holds wherever the model's context allows the whole example to be seen at once, which is the
+first ``budget`` tokens. In ``bfd_split`` an example longer than the budget becomes full pieces of exactly
+``budget`` tokens (each a bin of its own) and a tail piece packed by best fit with everything else.
+
+**Bad input** is never silently lost: zero-length examples are skipped and counted; under ``bfd``/``ffd``
+an example longer than the budget raises (``oversize="error"``) or is dropped and counted
+(``oversize="drop"``). Every count is in ``PackStats``.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
 import numpy as np
 
+from trainer.packing.fit import best_fit_decreasing, first_fit_decreasing, group_by_bin
 
-def pack_best_fit_decreasing(
-    lengths: np.ndarray,
-    budget: int,
-    max_examples_per_bin: int | None = None,
-    rng: np.random.Generator | None = None,
-) -> list[np.ndarray]:
-    """Best-fit decreasing of ``lengths`` into bins of ``budget`` tokens.
 
-    Open bins are indexed by their remaining room: ``room_mask`` has bit ``c`` set when some bin has exactly
-    ``c`` tokens of room, so "the fullest bin that still fits ``s``" is the lowest set bit at or above ``s``
-    (one shift and one lowest-bit on a ``budget``-bit integer). ``rng`` shuffles examples before the stable
-    sort, so equal lengths are ordered by seed rather than by index.
+# ------------------------------------------------------------------------------------------ bins and pieces
+def is_pieces(bin_: np.ndarray) -> bool:
+    """Does this bin hold pieces ``(example, start, end)`` rather than whole example indices?"""
+    return bin_.ndim == 2
+
+
+def item_lengths(bin_: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Tokens of every item (example or piece) of a bin."""
+    return bin_[:, 2] - bin_[:, 1] if bin_.ndim == 2 else lengths[bin_]
+
+
+def bin_tokens(bin_: np.ndarray, lengths: np.ndarray) -> int:
+    return int(item_lengths(bin_, lengths).sum())
+
+
+def bin_examples(bin_: np.ndarray) -> np.ndarray:
+    """Example index of every item of a bin."""
+    return bin_[:, 0] if bin_.ndim == 2 else bin_
+
+
+def split_into_pieces(length: int, budget: int) -> list[tuple[int, int]]:
+    """``[(start, end), ...]`` covering ``[0, length)`` in pieces of at most ``budget`` tokens, consecutive
+    pieces overlapping by one token (see the module docstring)."""
+    pieces, start = [], 0
+    while True:
+        end = min(start + budget, length)
+        pieces.append((start, end))
+        if end == length:
+            return pieces
+        start = end - 1
+
+
+# ---------------------------------------------------------------------------------------------- interface
+@dataclass(frozen=True)
+class PackParams:
+    budget: int
+    """Tokens per packed micro-batch."""
+    max_examples_per_bin: int | None = None
+    """Items (examples or pieces) per bin at most; ``None``: no cap."""
+    oversize: str = "error"
+    """Whole-example strategies: an example longer than ``budget`` is an ``error`` or is ``drop``-ped (counted)."""
+    batch_size: int = 1
+    """Padded strategies: examples per micro-batch."""
+    megabatch_factor: int = 50
+    """``sorted``: examples are sorted by length inside random groups of ``megabatch_factor * batch_size``."""
+
+
+@dataclass
+class PackStats:
+    """What a packing did with the input. Nothing leaves ``pack`` without being counted here."""
+
+    strategy: str
+    budget: int
+    examples: int = 0
+    """Examples given (including skipped ones)."""
+    tokens: int = 0
+    """Tokens of the examples that were packed (whole or split)."""
+    skipped_empty: int = 0
+    dropped_oversize: int = 0
+    dropped_oversize_tokens: int = 0
+    split_examples: int = 0
+    """Examples cut into more than one piece."""
+    pieces: int = 0
+    """Pieces the split examples became."""
+    bins: int = 0
+    bin_tokens: int = 0
+    """Tokens placed in bins: ``tokens`` plus one overlap token per cut."""
+    positions: int = 0
+    """Positions the model computes: ``bin_tokens`` packed; rows x longest row summed when padded."""
+
+    @property
+    def lower_bound(self) -> int:
+        """No packing of whole tokens can use fewer bins than ``ceil(tokens / budget)``."""
+        return math.ceil(self.tokens / self.budget) if self.tokens else 0
+
+    @property
+    def fill(self) -> float:
+        """Share of the bins' token budget holding real tokens."""
+        return self.bin_tokens / (self.bins * self.budget) if self.bins else 1.0
+
+    @property
+    def efficiency(self) -> float:
+        """``lower_bound / bins``: 1.0 is optimal."""
+        return self.lower_bound / self.bins if self.bins else 1.0
+
+    @property
+    def padding_overhead(self) -> float:
+        """Extra positions computed per real token (0 for packed bins)."""
+        return self.positions / self.bin_tokens - 1 if self.bin_tokens else 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self) | {"lower_bound": self.lower_bound, "fill": self.fill, "efficiency": self.efficiency,
+                               "padding_overhead": self.padding_overhead}
+
+
+@dataclass
+class PackResult:
+    bins: list[np.ndarray]
+    stats: PackStats
+
+
+BuildFn = Callable[[np.ndarray, PackParams, "np.random.Generator | None"], list[np.ndarray]]
+
+
+@dataclass(frozen=True)
+class Strategy:
+    name: str
+    build: BuildFn
+    """``(sizes in [1, ...], params, rng) -> bins`` over positions of ``sizes``."""
+    padded: bool
+    """Micro-batches are padded rectangles (``collate_padded``) rather than flat varlen rows."""
+    splits: bool
+    """May cut an example into pieces (needs ``budget >= 2``; never drops over-long examples)."""
+    description: str
+
+
+STRATEGIES: dict[str, Strategy] = {}
+
+
+def register_strategy(name: str, *, padded: bool = False, splits: bool = False, description: str = ""):
+    def wrap(fn: BuildFn) -> BuildFn:
+        STRATEGIES[name] = Strategy(name, fn, padded, splits, description or (fn.__doc__ or "").split("\n")[0])
+        return fn
+
+    return wrap
+
+
+def get_strategy(name: str) -> Strategy:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown packing strategy {name!r}; choose one of: {', '.join(STRATEGIES)}")
+    return STRATEGIES[name]
+
+
+def check_params(strategy: Strategy, params: PackParams) -> None:
+    """Raise ``ValueError`` on settings no strategy can honour (``PackingConfig.validate`` says it first)."""
+    if params.budget < 1 or (strategy.splits and params.budget < 2):
+        raise ValueError(f"token budget must be >= {2 if strategy.splits else 1} for {strategy.name}, got {params.budget}")
+    if params.max_examples_per_bin is not None and params.max_examples_per_bin < 1:
+        raise ValueError(f"max examples per bin must be >= 1, got {params.max_examples_per_bin}")
+    if params.batch_size < 1 or params.megabatch_factor < 1:
+        raise ValueError("batch size and megabatch factor must be >= 1")
+    if params.oversize not in ("error", "drop"):
+        raise ValueError(f"oversize must be 'error' or 'drop', got {params.oversize!r}")
+
+
+def pack(
+    lengths: np.ndarray, strategy: str, params: PackParams, rng: np.random.Generator | None = None
+) -> PackResult:
+    """Group examples of ``lengths`` tokens into bins with ``strategy``; skips and drops are counted.
 
     Args:
-        lengths: tokens per example, each in ``[1, budget]``.
-        budget: tokens per bin.
-        max_examples_per_bin: a bin holding this many examples is closed.
-        rng: optional tie-breaking RNG.
+        lengths: tokens per example (>= 0).
+        strategy: a name in ``STRATEGIES``.
+        params: budget, caps, what to do with over-long examples, padded batch size.
+        rng: per-epoch randomness (tie-breaking, shuffles); ``None`` is deterministic by index.
 
-    Returns:
-        bins, each an int64 array of example indices, in the order they were opened (fullest first).
+    Raises:
+        ValueError: bad parameters, negative lengths, or an over-long example under ``oversize="error"``.
     """
-    lengths = np.asarray(lengths, dtype=np.int64)
-    if len(lengths) and (lengths.min() < 1 or lengths.max() > budget):
-        raise ValueError(f"every length must be in [1, {budget}]; got [{lengths.min()}, {lengths.max()}]")
-    cap = max_examples_per_bin or len(lengths) + 1
-    base = rng.permutation(len(lengths)) if rng is not None else np.arange(len(lengths))
-    order = base[np.argsort(-lengths[base], kind="stable")]
+    strat = get_strategy(strategy)
+    check_params(strat, params)
+    lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+    if len(lengths) and lengths.min() < 0:
+        raise ValueError(f"negative example length at index {int(np.argmin(lengths))}")
+    stats = PackStats(strategy, params.budget, examples=len(lengths))
+    keep = lengths > 0
+    stats.skipped_empty = int((~keep).sum())
+    if not strat.padded and not strat.splits:
+        over = lengths > params.budget
+        if over.any():
+            first = int(np.flatnonzero(over)[0])
+            if params.oversize == "error":
+                raise ValueError(
+                    f"{int(over.sum())} example(s) longer than the token budget {params.budget} under {strategy} "
+                    f"(first: index {first}, {int(lengths[first])} tokens); raise the budget, truncate the data, "
+                    f"set packing.oversize=drop, or use packing=bfd_split"
+                )
+            stats.dropped_oversize = int(over.sum())
+            stats.dropped_oversize_tokens = int(lengths[over].sum())
+            keep &= ~over
+    idx = np.flatnonzero(keep)
+    local = strat.build(lengths[idx], params, rng) if len(idx) else []
+    bins = local if len(idx) == len(lengths) else [_to_global(b, idx) for b in local]  # positions -> indices
 
-    bins: list[list[int]] = []
-    by_room: list[list[int]] = [[] for _ in range(budget + 1)]  # bin ids with exactly that much room
-    room_mask = 0
-    for i, s in zip(order.tolist(), lengths[order].tolist()):
-        fitting = room_mask >> s
-        if fitting:
-            room = s + (fitting & -fitting).bit_length() - 1
-            b = by_room[room].pop()
-            if not by_room[room]:
-                room_mask &= ~(1 << room)
-            bins[b].append(i)
+    stats.tokens = int(lengths[idx].sum())
+    stats.bins = len(bins)
+    if bins:
+        flat = np.concatenate(bins)
+        sizes = flat[:, 2] - flat[:, 1] if flat.ndim == 2 else lengths[flat]
+        stats.bin_tokens = int(sizes.sum())
+        stats.positions = stats.bin_tokens
+        if strat.padded:
+            counts = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
+            widest = np.maximum.reduceat(sizes, np.cumsum(counts) - counts)
+            stats.positions = int((widest * counts).sum())
+        if strat.splits:
+            per_example = np.bincount(flat[:, 0], minlength=len(lengths))
+            stats.split_examples = int((per_example > 1).sum())
+            stats.pieces = int(per_example[per_example > 1].sum())
+    return PackResult(bins, stats)
+
+
+def _to_global(bin_: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    if bin_.ndim == 2:
+        out = bin_.copy()
+        out[:, 0] = idx[bin_[:, 0]]
+        return out
+    return idx[bin_]
+
+
+# ------------------------------------------------------------------------------------------- the strategies
+@register_strategy("none", padded=True)
+def build_padded(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """The padded baseline: shuffled examples, ``batch_size`` per micro-batch, padded to the longest."""
+    order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
+    return [order[i : i + params.batch_size] for i in range(0, len(order), params.batch_size)]
+
+
+@register_strategy("sorted", padded=True)
+def build_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Length-grouped padded batches: random mega-batches, sorted by length inside, cut into batches."""
+    order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
+    mega = params.megabatch_factor * params.batch_size
+    group = np.arange(len(order)) // mega
+    order = order[np.lexsort((-sizes[order], group))]  # by group, then longest first inside a group
+    bins = []
+    for g in range(0, len(order), mega):
+        chunk = order[g : g + mega]
+        bins += [chunk[i : i + params.batch_size] for i in range(0, len(chunk), params.batch_size)]
+    return bins
+
+
+@register_strategy("bfd")
+def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Best-fit decreasing over the whole dataset, whole examples only."""
+    return group_by_bin(best_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
+
+
+@register_strategy("ffd")
+def build_first_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """First-fit decreasing over the whole dataset, whole examples only."""
+    return group_by_bin(first_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
+
+
+@register_strategy("bfd_split", splits=True)
+def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Best-fit decreasing; an example longer than the budget is cut into pieces across bins."""
+    budget, step = params.budget, params.budget - 1
+    n = len(sizes)
+    over = np.flatnonzero(sizes > budget)
+    # Piece j of a long example starts at j * (budget - 1); pieces before the last one are exactly full.
+    last = -(-(sizes[over] - budget) // step)
+    full_ex = np.repeat(over, last)
+    full_start = (np.arange(len(full_ex)) - np.repeat(np.cumsum(last) - last, last)) * step
+    full_bins = list(np.stack([full_ex, full_start, full_start + budget], 1).astype(np.int64).reshape(-1, 1, 3))
+
+    start = np.zeros(n, dtype=np.int64)
+    start[over] = last * step
+    pool = np.stack([np.arange(n), start, sizes], 1).astype(np.int64)  # whole examples and tails
+    bin_of = best_fit_decreasing(sizes - start, budget, params.max_examples_per_bin, rng)
+    return full_bins + group_by_bin(bin_of, pool)
+
+
+@register_strategy("wrapped", splits=True)
+def build_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Concatenate the (shuffled) examples and cut the stream every ``budget`` tokens."""
+    order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
+    if params.max_examples_per_bin is not None:
+        return _wrapped_capped(sizes, order, params.budget, params.max_examples_per_bin)
+    budget, lengths = params.budget, sizes[order]
+    ends = np.cumsum(lengths)
+    starts = ends - lengths
+    total = int(ends[-1])
+    # Bin k covers stream tokens [p_k, e_k). When the cut falls inside an example, the next bin starts one
+    # token back (the overlap token); when it would leave a lone first token of an example in this bin,
+    # the bin closes one token early. Either way the next bin starts at e - 1; at an example edge, at e.
+    ends_list, starts_list = ends.tolist(), starts.tolist()
+    bin_start, bin_end, p = [], [], 0
+    while p < total:
+        e = p + budget
+        if e >= total:
+            bin_start.append(p)
+            bin_end.append(total)
+            break
+        j = bisect.bisect_right(ends_list, e - 1)  # the example holding token e - 1
+        bin_start.append(p)
+        if ends_list[j] == e:
+            bin_end.append(e)
+            p = e
         else:
-            b, room = len(bins), budget
-            bins.append([i])
-        left = room - s
-        if left > 0 and len(bins[b]) < cap:
-            if not by_room[left]:
-                room_mask |= 1 << left
-            by_room[left].append(b)
-    return [np.asarray(b, dtype=np.int64) for b in bins]
+            bin_end.append(e - 1 if starts_list[j] == e - 1 else e)
+            p = e - 1
+    p_k, e_k = np.asarray(bin_start, dtype=np.int64), np.asarray(bin_end, dtype=np.int64)
+    first = np.searchsorted(ends, p_k, side="right")
+    count = np.searchsorted(ends, e_k - 1, side="right") - first + 1
+    row_bin = np.repeat(np.arange(len(p_k)), count)
+    ex = np.arange(len(row_bin)) - np.repeat(np.cumsum(count) - count, count) + first[row_bin]
+    lo = np.maximum(p_k[row_bin] - starts[ex], 0)
+    hi = np.minimum(e_k[row_bin] - starts[ex], lengths[ex])
+    table = np.stack([order[ex], lo, hi], 1)
+    bounds = np.cumsum(count).tolist()
+    return [table[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
+
+
+def _wrapped_capped(sizes: np.ndarray, order: np.ndarray, budget: int, cap: int) -> list[np.ndarray]:
+    """``wrapped`` one example at a time, closing a bin early when it holds ``cap`` items."""
+    rows: list[tuple[int, int, int]] = []
+    bounds: list[int] = []  # row index where each bin after the first starts
+    room, in_bin = budget, 0
+    for i, length in zip(order.tolist(), sizes[order].tolist()):
+        start = 0
+        while True:
+            rest = length - start
+            if rest <= room:
+                rows.append((i, start, length))
+                room, in_bin = room - rest, in_bin + 1
+                if room == 0 or in_bin == cap:
+                    bounds.append(len(rows))
+                    room, in_bin = budget, 0
+                break
+            if room >= 2:  # a piece needs a labelled token besides its overlap token
+                rows.append((i, start, start + room))
+                start += room - 1
+            bounds.append(len(rows))
+            room, in_bin = budget, 0
+    table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
+    return [b for b in np.split(table, bounds) if len(b)]
+
+
+# ------------------------------------------------------------------------------------- convenience helpers
+def pack_best_fit_decreasing(
+    lengths: np.ndarray, budget: int, max_examples_per_bin: int | None = None, rng: np.random.Generator | None = None
+) -> list[np.ndarray]:
+    """Bins of ``bfd`` over ``lengths`` (each in ``[1, budget]``), as arrays of example indices."""
+    return pack(lengths, "bfd", PackParams(budget, max_examples_per_bin), rng).bins
 
 
 def batch_padded(n: int, batch_size: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
-    """The padded baseline: examples in (shuffled) order, ``batch_size`` per micro-batch."""
-    order = rng.permutation(n) if rng is not None else np.arange(n)
-    return [order[i : i + batch_size] for i in range(0, n, batch_size)]
+    """The padded baseline's micro-batches of ``n`` examples: shuffled, ``batch_size`` each."""
+    return build_padded(np.ones(n, dtype=np.int64), PackParams(1, batch_size=batch_size), rng)
