@@ -10,8 +10,10 @@ micro-batch as a packed micro-batch holds on average), then writes into the comp
   size, versions;
 - ``loss.png`` (both runs' train and eval loss on one axis) and ``throughput.png`` (useful tokens/s).
 
-``--report-only DIR`` rebuilds the report and plots of an existing compare directory; ``--publish DIR``
-also copies ``report.md`` and the plots there (the README's figures: ``--publish docs/img``).
+``--variability`` also runs ``python -m trainer.variability`` (speedup against the spread of example
+lengths) into the same directory; ``--report-only DIR`` rebuilds the report and plots of an existing
+compare directory; ``--publish DIR`` copies the reports and plots there (the README's figures:
+``bash launch/run_default.sh --variability --publish docs/img``).
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC", 2)), help="ranks per run")
     parser.add_argument("--out", type=Path, default=None, help="compare directory (default outputs/<recipe>/compare-<time>)")
     parser.add_argument("--report-only", type=Path, default=None, metavar="DIR", help="rebuild the report of DIR")
+    parser.add_argument("--variability", action="store_true",
+                        help="also measure the speedup vs length variability (python -m trainer.variability) into the same directory")
     parser.add_argument("--publish", type=Path, default=None, metavar="DIR", help="copy report.md and plots to DIR")
     args, overrides = parser.parse_known_args(argv)
     for o in overrides:
@@ -211,10 +215,15 @@ def main(argv: list[str] | None = None) -> dict:
         out.mkdir(parents=True, exist_ok=True)
         run_both(overrides, args.nproc, out)
     report = write_report(out, overrides, args.nproc)
+    if args.variability:
+        from trainer import variability
+
+        variability.main(["--out", str(out)])
     if args.publish:
         args.publish.mkdir(parents=True, exist_ok=True)
-        for name in ("report.md", "loss.png", "throughput.png"):
-            shutil.copy2(out / name, args.publish / name)
+        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json"):
+            if (out / name).is_file():
+                shutil.copy2(out / name, args.publish / name)
     print(f"\n{comparison_table(report)}\n")
     c = report["comparison"]
     print(f"packing speedup (useful tokens/s): {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x | "

@@ -52,6 +52,7 @@ def plot_throughput(runs: dict[str, list[dict]], path: Path, summaries: dict[str
 def plot_variability(rows: list[dict], path: Path, title: str = "") -> Path:
     """Measured packed/padded speedup against the coefficient of variation of example length."""
     fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
+    rows = sorted(rows, key=lambda r: r["cv"])
     cvs = [r["cv"] for r in rows]
     speedups = [r["speedup"] for r in rows]
     ax.plot(cvs, speedups, "o-", color=COLORS["packed"])
