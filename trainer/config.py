@@ -154,7 +154,7 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     optimizer: dict[str, Any] = field(
-        default_factory=lambda: {"_target_": "torch.optim.AdamW", "betas": [0.9, 0.95], "eps": 1e-8}
+        default_factory=lambda: {"_target_": "torch.optim.AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "fused": True}
     )
     """The optimizer, built with ``hydra.utils.instantiate(optimizer, params, lr=lr, weight_decay=...)``."""
     lr: float = 3e-4
