@@ -4,7 +4,7 @@ Runs the padded baseline (``packing=none``) and the packed run (the recipe's pac
 same data, model, seed and useful tokens per optimizer step (the padded run takes as many examples per
 micro-batch as a packed micro-batch holds on average), then writes into the compare directory:
 
-- ``padded/`` and ``packed/``: each run's ``config.yaml``, ``metrics.jsonl``, ``summary.json``;
+- ``padded/`` and ``packed/``: each run's ``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``, ``summary.json``;
 - ``report.json`` and ``report.md``: useful tokens/s of each and the ratio, padding, step time, peak
   memory, final train and eval loss and their difference, model TFLOP/s and MFU, attention backend, world
   size, versions;
@@ -74,8 +74,12 @@ def load_run(run_dir: Path) -> tuple[dict, list[dict]]:
     summary_path = run_dir / "summary.json"
     if not summary_path.is_file():
         raise FileNotFoundError(f"{summary_path} not found: did the run finish?")
-    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return json.loads(summary_path.read_text()), metrics
+    records = []
+    for name in ("metrics.jsonl", "eval.jsonl"):  # training steps, then eval records (merged for the plots)
+        path = run_dir / name
+        if path.is_file():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(summary_path.read_text()), records
 
 
 def versions() -> dict[str, str]:

@@ -111,7 +111,9 @@ class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, enabled: bool, run_config: dict | None = None) -> None:
         self.cfg, self.enabled = cfg, enabled
         self.path = run_dir / "metrics.jsonl"
+        self.eval_path = run_dir / "eval.jsonl"
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._eval_file = None  # opened on the first eval, so runs without eval leave no empty file
         self._wandb = None
         if enabled and cfg.wandb and cfg.wandb_mode != "disabled":
             self._wandb = init_wandb(cfg, run_dir, run_config or {})
@@ -126,11 +128,14 @@ class MetricsLogger:
         log.info(format_step(metrics))
 
     def log_eval(self, metrics: dict[str, Any]) -> None:
-        """An eval record: same file, same names in wandb (``eval_loss``, ...), at the training step."""
+        """An eval record in ``eval.jsonl`` (``metrics.jsonl`` stays one record per training step), and in
+        wandb under the same names (``eval_loss``, ...) at the training step it follows."""
         if not self.enabled:
             return
-        self._file.write(json.dumps(metrics) + "\n")
-        self._file.flush()
+        if self._eval_file is None:
+            self._eval_file = open(self.eval_path, "a", encoding="utf-8")
+        self._eval_file.write(json.dumps(metrics) + "\n")
+        self._eval_file.flush()
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
         log.info(
@@ -139,8 +144,9 @@ class MetricsLogger:
         )
 
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        for f in (self._file, self._eval_file):
+            if f:
+                f.close()
         if self._wandb is not None:
             self._wandb.finish()
 

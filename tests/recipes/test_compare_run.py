@@ -38,9 +38,9 @@ def test_compare_command_writes_report_plots_and_eval(tmp_path):
     for name in ("report.md", "loss.png", "throughput.png"):
         assert (out / name).is_file()
 
-    records = [json.loads(line) for line in (out / "packed" / "metrics.jsonl").read_text().splitlines()]
-    steps = [r for r in records if "loss" in r]
-    evals = [r for r in records if "eval_loss" in r]
+    steps = [json.loads(line) for line in (out / "packed" / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out / "packed" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     assert [r["step"] for r in evals] == [2, 4]
     assert all(r["padded_equivalent_positions"] >= r["positions"] for r in steps)
     assert all(0.0 <= r["padding_saved_fraction"] < 1.0 for r in steps)

@@ -41,7 +41,8 @@ def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: f
         "peak_tflops_source": "test",
     }
     (path / "summary.json").write_text(json.dumps(result))
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    (path / "eval.jsonl").write_text(json.dumps(records[-1]) + "\n")
 
 
 def test_report_from_stored_runs(tmp_path):
@@ -100,6 +101,7 @@ print(json.dumps(sorted(keys)))
     assert out.returncode == 0, out.stderr[-2000:]
     keys = set(json.loads(out.stdout.strip().splitlines()[-1]))
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert set(jsonl[0]) - {"step", "epoch"} <= keys
-    assert "eval_loss" in keys and "eval_loss" in jsonl[1]
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch"} <= keys
+    assert "eval_loss" in keys and set(evals[0]) - {"step"} <= keys
     assert list(tmp_path.glob("wandb/offline-run-*"))
