@@ -73,8 +73,8 @@ def split_holdout(
 def eval_microbatches(lengths: np.ndarray, token_budget: int, rank: int, world_size: int) -> list[np.ndarray]:
     """This rank's eval micro-batches: BFD bins of whole examples, evened out and dealt like training (no
     shuffling). Examples are never cut for eval (a piece could not attend to its example's earlier tokens,
-    so its loss would differ from the whole example's): under a splitting strategy an example longer than
-    the budget gets a bin of its own length."""
+    so its loss would differ from the whole example's): under a splitting strategy, where examples may be
+    longer than the budget, the eval bins grow to the longest example."""
     budget = max(token_budget, int(lengths.max())) if len(lengths) else token_budget
     bins = pack_best_fit_decreasing(lengths, budget)
     bins, _, _ = even_out_bins(bins, world_size, lengths)
