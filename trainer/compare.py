@@ -1,6 +1,7 @@
 """The comparison: ``python -m trainer.compare recipe=NAME [key=value ...] [--nproc N] [--out DIR]``.
 
-Runs the padded baseline (``packing=none``) and the packed run (the recipe's packing) under torchrun on the
+Runs the padded baseline (``packing=none``) and the packed run (the recipe's packing, or ``packing=X``
+given on the command line: ``bfd``, ``ffd``, ``bfd_split``, ``wrapped``) under torchrun on the
 same data, model, seed and useful tokens per optimizer step (the padded run takes as many examples per
 micro-batch as a packed micro-batch holds on average), then writes into the compare directory:
 
@@ -52,8 +53,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     for o in overrides:
         if o.startswith("-"):
             parser.error(f"unknown option {o}")
-        if o.split("=", 1)[0].lstrip("+~") in ("packing", "run_dir"):
-            parser.error(f"{o}: compare sets packing= and run_dir= itself (use packing.token_budget=... etc.)")
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") == "run_dir":
+            parser.error(f"{o}: compare sets each run's run_dir itself (use --out DIR)")
+        if key == "packing" and value in ("none", "sorted"):
+            parser.error(f"{o}: the padded baseline is packing=none; name the packed run's strategy (bfd, ...)")
     return args, overrides
 
 
@@ -61,9 +65,11 @@ def run_both(overrides: list[str], nproc: int, out: Path) -> None:
     """The padded baseline, then the packed run, each under torchrun; stop at the first failure."""
     env = os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
     for name, packing in RUNS.items():
+        # `packing=X` on the command line picks the packed run's strategy; the baseline is always padded.
+        own = [o for o in overrides if not (packing and o.startswith("packing="))]
         extra = [f"packing={packing}"] if packing else []
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "trainer.train", *overrides, *extra, f"run_dir={out / name}"]
+               "-m", "trainer.train", *own, *extra, f"run_dir={out / name}"]
         print(f"== compare: {name} run: {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, env=env).returncode
         if rc != 0:
@@ -120,6 +126,9 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
         "attention": {"packed": packed.get("attention"), "padded": padded.get("attention")},
         "runs": summaries,
         "comparison": {
+            # Splitting strategies keep examples longer than the budget that the padded run truncates.
+            "same_data": packed.get("dataset") == padded.get("dataset")
+            and packed.get("train_examples") == padded.get("train_examples"),
             "useful_tokens_per_s_ratio": _ratio(packed.get("useful_tokens_per_s"), padded.get("useful_tokens_per_s")),
             "step_time_ratio": _ratio(packed.get("mean_step_time_s"), padded.get("mean_step_time_s")),
             "final_train_loss_diff": _diff(packed.get("final_loss"), padded.get("final_loss")),
@@ -178,6 +187,9 @@ def render_markdown(report: dict) -> str:
         comparison_table(report),
         "",
         f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
+        *([] if c.get("same_data", True) else [
+            "**Warning: the two runs did not train on the same examples** (dataset statistics differ: a "
+            "splitting strategy keeps examples the padded run truncated to the token budget)."]),
         f"MFU: model FLOPs on real tokens (6N per token + causal attention) over {q.get('peak_tflops_source')} "
         f"({_fmt(q.get('peak_tflops_per_device'), '.3f')} TFLOP/s per device).",
         "",

@@ -66,7 +66,7 @@ def test_report_from_stored_runs(tmp_path):
         assert (publish / name).is_file()
 
 
-@pytest.mark.parametrize("bad", ["packing=none", "run_dir=/tmp/x", "--bogus"])
+@pytest.mark.parametrize("bad", ["packing=none", "packing=sorted", "run_dir=/tmp/x", "--bogus"])
 def test_compare_refuses_overrides_it_sets_itself(bad):
     with pytest.raises(SystemExit):
         compare.parse_args(["recipe=cpu_dailydialog", bad])
@@ -105,3 +105,8 @@ print(json.dumps(sorted(keys)))
     assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch"} <= keys
     assert "eval_loss" in keys and set(evals[0]) - {"step"} <= keys
     assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_compare_takes_the_packed_strategy_from_the_command_line():
+    _, overrides = compare.parse_args(["recipe=cpu_dailydialog", "packing=bfd_split"])
+    assert overrides == ["recipe=cpu_dailydialog", "packing=bfd_split"]
