@@ -154,7 +154,7 @@ class ParallelConfig:
 @dataclass
 class OptimConfig:
     optimizer: dict[str, Any] = field(
-        default_factory=lambda: {"_target_": "torch.optim.AdamW", "betas": [0.9, 0.95], "eps": 1e-8}
+        default_factory=lambda: {"_target_": "torch.optim.AdamW", "betas": [0.9, 0.95], "eps": 1e-8, "fused": True}
     )
     """The optimizer, built with ``hydra.utils.instantiate(optimizer, params, lr=lr, weight_decay=...)``."""
     lr: float = 3e-4
@@ -185,12 +185,38 @@ class LoggerConfig:
     wandb_project: str = "packfsdp"
     wandb_mode: str = "offline"
     """``offline`` (default: works without network or key), ``online`` or ``disabled``."""
-    progress_bar: bool = False
-    """Show a progress bar on rank 0 (the console log lines are printed either way)."""
+    progress_bar: bool = True
+    """Show a progress bar (tqdm: useful tokens/s, loss, ETA) on rank 0 when stderr is a terminal; the
+    console log lines and ``metrics.jsonl`` are written either way."""
+    peak_tflops: float | None = None
+    """Peak dense bf16 TFLOP/s of one device, for the MFU estimate. ``None``: a table of known GPUs, or a
+    measured bf16 matmul rate on CPU."""
 
     def validate(self) -> None:
         _positive("logger.log_every", self.log_every)
         _choice("logger.wandb_mode", self.wandb_mode, ("offline", "online", "disabled"))
+
+
+@dataclass
+class EvalConfig:
+    holdout_fraction: float = 0.02
+    """Share of examples held out of training for eval (``0`` disables eval). An example is held out iff
+    a hash of its tokens (and ``holdout_seed``) falls below this share, so the split is deterministic,
+    disjoint from training, the same for packed and padded runs, and duplicates never straddle it."""
+    holdout_seed: int = 0
+    """Salt of the held-out hash (changing it draws a different held-out set)."""
+    every: int = 10
+    """Evaluate every N optimizer steps (``0``: only after the last step). Eval always runs at the end."""
+    max_examples: int | None = None
+    """Evaluate on at most this many held-out examples (the first ones by hash order)."""
+
+    def validate(self) -> None:
+        if not 0.0 <= self.holdout_fraction < 1.0:
+            raise ConfigError(f"eval.holdout_fraction must be in [0, 1), got {self.holdout_fraction}")
+        if self.every < 0:
+            raise ConfigError(f"eval.every must be >= 0, got {self.every}")
+        if self.max_examples is not None:
+            _positive("eval.max_examples", self.max_examples)
 
 
 @dataclass
@@ -201,6 +227,7 @@ class JobConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
 
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
@@ -219,7 +246,7 @@ class JobConfig:
     """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
 
     def validate(self) -> None:
-        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger):
+        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval):
             part.validate()
         _positive("epochs", self.epochs)
         _positive("grad_accum", self.grad_accum)
@@ -275,6 +302,7 @@ def register_configs() -> None:
         ("parallel", ParallelConfig),
         ("optim", OptimConfig),
         ("logger", LoggerConfig),
+        ("eval", EvalConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=node)
     for directory in recipe_dirs():
@@ -297,6 +325,7 @@ def to_job_config(cfg: Any) -> JobConfig:
 __all__ = [
     "ConfigError",
     "DataConfig",
+    "EvalConfig",
     "JobConfig",
     "LoggerConfig",
     "MISSING",

@@ -67,11 +67,16 @@ class RunSummary:
 
     skip: int
     steps: list[dict] = field(default_factory=list)
+    evals: list[dict] = field(default_factory=list)
 
     def add(self, metrics: dict) -> None:
         self.steps.append(metrics)
 
-    def result(self) -> dict[str, Any]:
+    def add_eval(self, metrics: dict) -> None:
+        self.evals.append(metrics)
+
+    def result(self, peak_tflops_total: float = float("nan")) -> dict[str, Any]:
+        """Averages over the kept steps; ``peak_tflops_total`` (all devices) turns model FLOPs into MFU."""
         kept = self.steps[self.skip :] or self.steps
         if not kept:
             return {}
@@ -79,6 +84,8 @@ class RunSummary:
         useful = sum(m["useful_tokens"] for m in kept)
         tokens = sum(m["tokens"] for m in kept)
         positions = sum(m["positions"] for m in kept)
+        padded_equivalent = sum(m.get("padded_equivalent_positions", m["positions"]) for m in kept)
+        model_tflops_per_s = sum(m.get("model_flops", 0.0) for m in kept) / time_s / 1e12
         return {
             "steps": len(self.steps),
             "steps_averaged": len(kept),
@@ -87,7 +94,12 @@ class RunSummary:
             "padding_fraction": 1 - tokens / positions if positions else 0.0,
             "useful_fraction": useful / positions if positions else 0.0,
             "mean_step_time_s": time_s / len(kept),
+            "padded_equivalent_positions": padded_equivalent,
+            "padding_saved_fraction": 1 - positions / padded_equivalent if padded_equivalent else 0.0,
+            "model_tflops_per_s": model_tflops_per_s,
+            "mfu": model_tflops_per_s / peak_tflops_total if peak_tflops_total > 0 else float("nan"),
             "final_loss": self.steps[-1]["loss"],
+            "final_eval_loss": self.evals[-1]["eval_loss"] if self.evals else float("nan"),
             "peak_mem_gib": max(m["peak_mem_gib"] for m in self.steps),
         }
 
@@ -99,16 +111,12 @@ class MetricsLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: Path, enabled: bool, run_config: dict | None = None) -> None:
         self.cfg, self.enabled = cfg, enabled
         self.path = run_dir / "metrics.jsonl"
+        self.eval_path = run_dir / "eval.jsonl"
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
+        self._eval_file = None  # opened on the first eval, so runs without eval leave no empty file
         self._wandb = None
         if enabled and cfg.wandb and cfg.wandb_mode != "disabled":
-            import wandb
-
-            os.environ.setdefault("WANDB_SILENT", "true")
-            self._wandb = wandb.init(
-                project=cfg.wandb_project, mode=cfg.wandb_mode, dir=str(run_dir), config=run_config or {},
-                name=run_dir.name,
-            )
+            self._wandb = init_wandb(cfg, run_dir, run_config or {})
 
     def log(self, metrics: dict[str, Any]) -> None:
         if not self.enabled:
@@ -119,17 +127,86 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
         log.info(format_step(metrics))
 
+    def log_eval(self, metrics: dict[str, Any]) -> None:
+        """An eval record in ``eval.jsonl`` (``metrics.jsonl`` stays one record per training step), and in
+        wandb under the same names (``eval_loss``, ...) at the training step it follows."""
+        if not self.enabled:
+            return
+        if self._eval_file is None:
+            self._eval_file = open(self.eval_path, "a", encoding="utf-8")
+        self._eval_file.write(json.dumps(metrics) + "\n")
+        self._eval_file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+        log.info(
+            "eval  %5d | loss %.4f on %d held-out tokens (%.1f s)",
+            metrics["step"], metrics["eval_loss"], metrics["eval_tokens"], metrics["eval_time_s"],
+        )
+
     def close(self) -> None:
-        if self._file:
-            self._file.close()
+        for f in (self._file, self._eval_file):
+            if f:
+                f.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
+    """A wandb run logging next to the JSONL. Offline needs neither network nor key; an online run that
+    cannot start (no key, no network) says so loudly and continues offline rather than killing training."""
+    import wandb
+
+    os.environ.setdefault("WANDB_SILENT", "true")
+    kwargs = dict(project=cfg.wandb_project, dir=str(run_dir), config=run_config, name=run_dir.name)
+    try:
+        return wandb.init(mode=cfg.wandb_mode, **kwargs)
+    except Exception as e:  # wandb raises several types for auth and network failures
+        if cfg.wandb_mode != "online":
+            raise
+        log.warning("wandb online failed (%s: %s); logging offline instead (sync later with `wandb sync`)",
+                    type(e).__name__, e)
+        return wandb.init(mode="offline", **kwargs)
+
+
+class ProgressBar:
+    """A tqdm bar on rank 0 (steps, useful tokens/s, loss, ETA). tqdm shows it only on a terminal; the
+    log lines go through ``tqdm.write`` meanwhile so they print above the bar instead of through it."""
+
+    def __init__(self, total: int, enabled: bool) -> None:
+        self.total, self.enabled = total, enabled
+        self._bar = None
+        self._redirect = None
+
+    def __enter__(self) -> "ProgressBar":
+        if self.enabled:
+            from tqdm import tqdm
+            from tqdm.contrib.logging import logging_redirect_tqdm
+
+            self._bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, disable=None, file=sys.stderr)
+            if not self._bar.disable:
+                self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger()])
+                self._redirect.__enter__()
+        return self
+
+    def update(self, metrics: dict[str, Any]) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_postfix_str(f"useful tok/s {metrics['useful_tokens_per_s']:,.0f} | loss {metrics['loss']:.3f}",
+                                  refresh=False)
+        self._bar.update(1)
+
+    def __exit__(self, *exc) -> None:
+        if self._redirect is not None:
+            self._redirect.__exit__(*exc)
+        if self._bar is not None:
+            self._bar.close()
 
 
 def format_step(m: dict[str, Any]) -> str:
     return (
         f"step {m['step']:>5} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
         f"useful tok/s {m['useful_tokens_per_s']:,.0f} | pad {100 * m['padding_fraction']:.1f}% | "
+        f"saved {100 * m.get('padding_saved_fraction', 0.0):.1f}% | "
         f"step {1000 * m['step_time_s']:.0f} ms | mem {m['peak_mem_gib']:.2f} GiB"
     )
 

@@ -29,11 +29,13 @@ from trainer import dist
 from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
 from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
 from trainer.data import load_dataset, load_tokenizer
-from trainer.metrics import MetricsLogger, RunSummary, peak_memory_gib, setup_logging
+from trainer.evaluate import evaluate, split_holdout
+from trainer.metrics import MetricsLogger, ProgressBar, RunSummary, peak_memory_gib, setup_logging
 from trainer.model import AttentionBackendError, build_model, max_positions, resolve_backend
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
+from trainer.throughput import flop_params, model_flops, peak_tflops, step_counts
 
 log = logging.getLogger("trainer")
 
@@ -78,7 +80,12 @@ class Trainer:
         max_length = min(cfg.data.max_length, context)
         if not cfg.packing.splits_examples:
             max_length = min(max_length, cfg.packing.token_budget)
-        self.dataset = load_dataset(cfg.data, self.tokenizer, max_length)
+        self.dataset, self.eval_dataset = split_holdout(
+            load_dataset(cfg.data, self.tokenizer, max_length),
+            cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
+        )
+        log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
+                 f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
         self.sampler = build_sampler(
             self.dataset.lengths, cfg.packing, self.rank, self.world_size, cfg.seed, grad_accum=cfg.grad_accum
         )
@@ -86,6 +93,8 @@ class Trainer:
         if not packed:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
+        self.flop_params = flop_params(model)
+        self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
         self.model = parallelize(model.to(self.device), build_mesh(self.device, self.world_size), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
@@ -134,8 +143,10 @@ class Trainer:
         start = time.perf_counter()
         batches = self.next_step_batches()
         local = [sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
-                 sum(b.num_positions for b in batches)]
-        global_labels, global_tokens, global_positions = dist.all_reduce_sum(local, self.device)
+                 sum(b.num_positions for b in batches), *step_counts(batches)]
+        global_labels, global_tokens, global_positions, padded_equivalent, sum_sq = dist.all_reduce_sum(
+            local, self.device
+        )
 
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
@@ -167,37 +178,73 @@ class Trainer:
             "useful_tokens_per_s": global_labels / step_time,
             "tokens_per_s": global_tokens / step_time,
             "padding_fraction": 1 - global_tokens / global_positions if global_positions else 0.0,
+            "padded_equivalent_positions": int(padded_equivalent),
+            "padding_saved_fraction": 1 - global_positions / padded_equivalent if padded_equivalent else 0.0,
+            "model_flops": model_flops(global_tokens, sum_sq, *self.flop_params),
             "step_time_s": step_time,
             "peak_mem_gib": peak_memory_gib(self.device),
         }
 
     def train(self) -> dict:
         self.model.train()
-        while self.step < self.total_steps:
-            metrics = self.train_step()
-            self.summary.add(metrics)
-            if self.step % self.cfg.logger.log_every == 0 or self.step == self.total_steps:
-                self.metrics.log(metrics)
+        every = self.cfg.eval.every
+        with ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar:
+            while self.step < self.total_steps:
+                metrics = self.train_step()
+                self.summary.add(metrics)
+                bar.update(metrics)
+                if self.step % self.cfg.logger.log_every == 0 or self.step == self.total_steps:
+                    self.metrics.log(metrics)
+                if self.step == self.total_steps or (every and self.step % every == 0):
+                    self.evaluate()
         return self.finish()
 
+    def evaluate(self) -> dict | None:
+        """Eval loss on the held-out split (packed batches; every rank takes part)."""
+        if self.eval_dataset is None:
+            return None
+        result = {"step": self.step} | evaluate(
+            self.model, self.eval_dataset, self.cfg.packing.token_budget, self.device, self.tokenizer.pad_token_id
+        )
+        self.summary.add_eval(result)
+        self.metrics.log_eval(result)
+        return result
+
     def finish(self) -> dict:
-        result = self.summary.result() | {
+        result = self.summary.result(self.peak_tflops * self.world_size) | {
             "mode": "packed" if self.cfg.packing.packed else "padded",
             "strategy": self.cfg.packing.strategy,
             "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
             "world_size": self.world_size,
+            "device": dist_device_name(self.device),
+            "model_params": self.flop_params[0],
+            "peak_tflops_per_device": self.peak_tflops,
+            "peak_tflops_source": self.peak_source,
+            "train_examples": len(self.dataset),
+            "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
             "dataset": asdict(self.dataset.stats),
             "run_dir": str(self.run_dir),
         }
         self.metrics.close()
         if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(result, indent=2))
+            (self.run_dir / "summary.json").write_text(json.dumps(json_safe(result), indent=2))
             log.info(
-                "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | %d steps on %d rank(s)",
+                "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | eval loss %.4f | "
+                "MFU %.2f%% | %d steps on %d rank(s)",
                 result["mode"], result["strategy"], result["useful_tokens_per_s"],
-                100 * result["padding_fraction"], result["final_loss"], result["steps"], self.world_size,
+                100 * result["padding_fraction"], result["final_loss"], result["final_eval_loss"],
+                100 * result["mfu"], result["steps"], self.world_size,
             )
         return result
+
+
+def json_safe(record: dict) -> dict:
+    """NaN (an unknown MFU, no eval) becomes null so the file stays strict JSON."""
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
+
+
+def dist_device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

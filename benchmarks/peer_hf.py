@@ -1,0 +1,241 @@
+"""Peer benchmark: packfsdp next to Hugging Face's ways of training on variable-length data.
+
+    python benchmarks/peer_hf.py [--steps 30] [--warmup 3] [--threads 1] [--budget 1024]
+
+One run, each system in its own process, one after another, on the same tiny GPT-2 (2 layers, width 128,
+random init, same seed), the same tokenized DailyDialog-like examples (the embedded default, loss on all
+tokens, no held-out split), the same CPU threads, bf16 compute, AdamW, one micro-batch of about ``--budget``
+tokens per optimizer step:
+
+- ``hf_padded``: transformers ``Trainer``, random batches padded to the longest (``DataCollatorForSeq2Seq``),
+  as many examples per batch as a packed micro-batch holds on average;
+- ``hf_flattening``: ``Trainer`` with ``DataCollatorWithFlattening`` (same batches, concatenated, position
+  ids restart per example; transformers' SDPA path turns them into a block-diagonal mask);
+- ``trl_sft_bfd``: TRL ``SFTTrainer`` with ``packing=True, packing_strategy="bfd"`` into ``--budget``-token
+  rows (only when ``trl`` is installed: ``pip install trl``);
+- ``packfsdp_padded`` and ``packfsdp_packed``: ``trainer.train`` on one rank (FSDP2 over a world of 1).
+
+Useful tokens = tokens with a label (the first token of each example never has one), counted from the
+batches each system actually trained on. Throughput = useful tokens of the timed steps / their wall time
+(data loading, forward, backward and optimizer step included), after ``--warmup`` steps.
+Prints one line per system and packfsdp packed's ratio to each; the target is >= 1.3x the fastest peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+PEERS = ("hf_padded", "hf_flattening", "trl_sft_bfd")
+OURS = ("packfsdp_padded", "packfsdp_packed")
+SEED, LR = 1234, 1e-3
+MODEL = dict(n_layer=2, n_embd=128, n_head=4, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per system")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
+    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for every system")
+    p.add_argument("--budget", type=int, default=1024, help="tokens per packed micro-batch / packed row")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="run every system this many times, round-robin, and keep each one's best (load on a shared "
+                        "machine comes and goes; the best run is the least disturbed)")
+    p.add_argument("--systems", nargs="+", default=[*PEERS, *OURS], choices=[*PEERS, *OURS])
+    p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+# ------------------------------------------------------------------------------------------- shared data
+def load_examples(budget: int):
+    """The embedded default's tokenizer and tokenized examples (cached by trainer.data)."""
+    from trainer.config import DataConfig, ModelConfig
+    from trainer.data import load_dataset, load_tokenizer
+
+    data_cfg = DataConfig()
+    data_cfg.cache_dir = os.path.expanduser(os.environ.get("PACKFSDP_CACHE", "~/.cache/packfsdp"))
+    tokenizer = load_tokenizer(ModelConfig(), data_cfg)
+    return tokenizer, load_dataset(data_cfg, tokenizer, min(data_cfg.max_length, budget))
+
+
+def matched_batch_size(dataset, budget: int) -> int:
+    from trainer.config import PackingConfig
+    from trainer.packing import matched_padded_batch_size
+
+    return matched_padded_batch_size(dataset.lengths, PackingConfig(token_budget=budget), SEED)
+
+
+# --------------------------------------------------------------------------------------------- HF systems
+def hf_worker(system: str, args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+    from datasets import Dataset
+    from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
+                              Trainer, TrainerCallback, TrainingArguments)
+
+    from trainer.collate import _labels_for
+
+    torch.set_num_threads(args.threads)
+    tokenizer, dataset = load_examples(args.budget)
+    ids, labels = [], []
+    for i in range(len(dataset)):
+        tok, mask = dataset.example(i)
+        ids.append(tok.astype(np.int64).tolist())
+        labels.append(_labels_for(tok, mask).tolist())
+    torch.manual_seed(SEED)
+    config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    steps = args.warmup + args.steps
+    out_dir = tempfile.mkdtemp(prefix=f"peer-{system}-")
+    common = dict(output_dir=out_dir, max_steps=steps, gradient_accumulation_steps=1, learning_rate=LR,
+                  weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=True, use_cpu=True,
+                  report_to=[], logging_steps=10**6, save_strategy="no", dataloader_num_workers=0, seed=SEED,
+                  disable_tqdm=True, remove_unused_columns=False)
+
+    if system == "trl_sft_bfd":
+        from trl import SFTConfig, SFTTrainer
+
+        sft_args = SFTConfig(**common, per_device_train_batch_size=1, max_length=args.budget, packing=True,
+                             packing_strategy="bfd")
+        trainer = SFTTrainer(model=model, args=sft_args, train_dataset=Dataset.from_dict({"input_ids": ids}),
+                             processing_class=tokenizer)
+        batch_note = f"bfd rows of {args.budget} tokens"
+    else:
+        bs = matched_batch_size(dataset, args.budget)
+        collator = (DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+                    if system == "hf_flattening" else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
+        trainer = Trainer(model=model, args=TrainingArguments(**common, per_device_train_batch_size=bs),
+                          train_dataset=Dataset.from_dict({"input_ids": ids, "labels": labels}), data_collator=collator)
+        batch_note = f"{bs} examples per batch"
+
+    counts: list[int] = []
+    inner = trainer.data_collator
+
+    def counting_collator(features):
+        batch = inner(features)
+        counts.append(int((batch["labels"][..., 1:] != -100).sum()))  # the model shifts: labels[0] is never predicted
+        return batch
+
+    trainer.data_collator = counting_collator
+    ends: list[float] = []
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            ends.append(time.perf_counter())
+
+    trainer.add_callback(StepClock())
+    trainer.train()
+    w = args.warmup
+    seconds = ends[steps - 1] - ends[w - 1] if w > 0 else ends[steps - 1] - ends[0]
+    useful = sum(counts[w:steps]) if w > 0 else sum(counts[1:steps])
+    return {"useful_tokens_per_s": useful / seconds, "useful_tokens_per_step": useful / args.steps,
+            "step_time_s": seconds / args.steps, "batches": batch_note}
+
+
+# --------------------------------------------------------------------------------------------- packfsdp
+def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
+    """trainer.train on one rank, timed by its own summary (same definition: labels / step wall time)."""
+    run_dir = Path(tempfile.mkdtemp(prefix=f"peer-{system}-"))
+    cmd = [sys.executable, "-m", "trainer.train", "recipe=cpu_dailydialog", "grad_accum=1",
+           f"packing={'bfd' if system == 'packfsdp_packed' else 'none'}", f"packing.token_budget={args.budget}",
+           f"max_steps={args.warmup + args.steps}", f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0",
+           f"optim.lr={LR}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}",
+           "logger.progress_bar=false", "logger.log_every=1000", f"run_dir={run_dir}"]
+    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
+    env.pop("RANK", None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{system} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    per_step = summary["useful_tokens_per_s"] * summary["mean_step_time_s"]
+    return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "useful_tokens_per_step": per_step,
+            "step_time_s": summary["mean_step_time_s"],
+            "batches": "bfd bins" if system == "packfsdp_packed" else "matched padded batches"}
+
+
+# ------------------------------------------------------------------------------------------------ driver
+def run_system(system: str, args: argparse.Namespace) -> dict | None:
+    if system == "trl_sft_bfd":
+        try:
+            import trl  # noqa: F401
+        except ImportError:
+            print(f"{system:16s} skipped: trl is not installed (pip install trl)")
+            return None
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
+               "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+               "--budget", str(args.budget)]
+        env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+                            "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+        if proc.returncode != 0 or not result.is_file():
+            print(f"{system:16s} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
+            return None
+        return json.loads(result.read_text())
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    if args.worker:
+        fn = packfsdp_worker if args.worker in OURS else hf_worker
+        args.result.write_text(json.dumps(fn(args.worker, args)))
+        return {}
+    import torch
+
+    print(f"peer benchmark: tiny GPT-2, {args.steps} timed steps after {args.warmup}, {args.threads} thread(s), "
+          f"~{args.budget} tokens per step, torch {torch.__version__}")
+    results: dict[str, dict] = {}
+    for round_ in range(1, args.rounds + 1):
+        for system in args.systems:
+            r = run_system(system, args)
+            if r is None:
+                continue
+            print(f"round {round_} {system:16s} {r['useful_tokens_per_s']:10,.0f} useful tok/s | "
+                  f"{r['useful_tokens_per_step']:6.0f} useful tok/step | {1000 * r['step_time_s']:6.0f} ms/step | "
+                  f"{r['batches']}", flush=True)
+            best = results.get(system)
+            r["runs"] = (best["runs"] if best else []) + [r["useful_tokens_per_s"]]
+            if best is None or r["useful_tokens_per_s"] > best["useful_tokens_per_s"]:
+                results[system] = r
+            else:
+                best["runs"] = r["runs"]
+    print("best of each (median in brackets):")
+    for system, r in results.items():
+        r["median_useful_tokens_per_s"] = statistics.median(r["runs"])
+        print(f"{system:16s} {r['useful_tokens_per_s']:10,.0f} useful tok/s  [{r['median_useful_tokens_per_s']:,.0f}]  "
+              f"(runs: {', '.join(f'{x:,.0f}' for x in r['runs'])})")
+    ours = results.get("packfsdp_packed")
+    peers = {k: v for k, v in results.items() if k in PEERS}
+    if ours:
+        for name, r in results.items():
+            if name != "packfsdp_packed":
+                print(f"packfsdp_packed / {name}: {ours['useful_tokens_per_s'] / r['useful_tokens_per_s']:.2f}x")
+        if peers:
+            best = max(peers, key=lambda k: peers[k]["useful_tokens_per_s"])
+            ratio = ours["useful_tokens_per_s"] / peers[best]["useful_tokens_per_s"]
+            print(f"vs the fastest peer ({best}): {ratio:.2f}x -> target 1.3x {'met' if ratio >= 1.3 else 'NOT met'}")
+            key = "median_useful_tokens_per_s"
+            best_median = max(peers, key=lambda k: peers[k][key])
+            print(f"on medians, vs the fastest peer ({best_median}): {ours[key] / peers[best_median][key]:.2f}x")
+    if args.json:
+        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in ("json", "result")},
+                                         "results": results}, indent=2, default=str))
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""The compare command end to end on the CPU recipe (a few steps, small data, 2 ranks per run)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+
+
+@pytest.mark.slow
+def test_compare_command_writes_report_plots_and_eval(tmp_path):
+    out = tmp_path / "cmp"
+    cmd = [sys.executable, "-m", "trainer.compare", "recipe=cpu_dailydialog", "max_steps=4", "data.num_dialogs=400",
+           "eval.every=2", "eval.holdout_fraction=0.1", "packing.token_budget=512", "grad_accum=1",
+           "summary_skip_steps=1", "--nproc", "2", "--out", str(out)]
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "packing speedup (useful tokens/s)" in proc.stdout
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["world_size"] == 2
+    assert report["attention"] == {"packed": "sdpa_varlen", "padded": "sdpa_padded"}
+    packed, padded = report["runs"]["packed"], report["runs"]["padded"]
+    assert report["comparison"]["useful_tokens_per_s_ratio"] == pytest.approx(
+        packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"])
+    assert packed["padding_fraction"] == 0.0 and padded["padding_fraction"] > 0.0
+    for run in (packed, padded):
+        assert run["final_eval_loss"] > 0 and run["model_tflops_per_s"] > 0 and run["eval_examples"] > 0
+    # Same held-out examples in both runs, and the same training examples.
+    assert packed["eval_examples"] == padded["eval_examples"]
+    assert packed["train_examples"] == padded["train_examples"]
+    for name in ("report.md", "loss.png", "throughput.png"):
+        assert (out / name).is_file()
+
+    steps = [json.loads(line) for line in (out / "packed" / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (out / "packed" / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    assert [r["step"] for r in evals] == [2, 4]
+    assert all(r["padded_equivalent_positions"] >= r["positions"] for r in steps)
+    assert all(0.0 <= r["padding_saved_fraction"] < 1.0 for r in steps)

@@ -1,0 +1,112 @@
+"""The compare report (from stored runs), its argument checks, and wandb logging offline."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from trainer import compare
+from trainer.config import LoggerConfig
+from trainer.metrics import MetricsLogger, RunSummary
+
+STEP_KEYS = ("loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
+             "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction",
+             "model_flops", "step_time_s", "peak_mem_gib")
+
+
+def _step(step: int, useful_per_s: float, positions: int, padded_equivalent: int) -> dict:
+    m = dict.fromkeys(STEP_KEYS, 1.0) | {"step": step, "epoch": 0, "loss": 5.0 - 0.1 * step}
+    return m | {"useful_tokens": 1000, "tokens": 1100, "positions": positions, "step_time_s": 1000 / useful_per_s,
+                "useful_tokens_per_s": useful_per_s, "padded_equivalent_positions": padded_equivalent,
+                "model_flops": 1e9, "peak_mem_gib": 0.5}
+
+
+def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: float) -> None:
+    path.mkdir(parents=True)
+    summary = RunSummary(skip=1)
+    records = []
+    for s in range(1, 6):
+        m = _step(s, useful_per_s, positions, max(positions, 1500))
+        summary.add(m)
+        records.append(m)
+    summary.add_eval({"step": 5, "eval_loss": eval_loss, "eval_tokens": 10, "eval_time_s": 0.1})
+    records.append({"step": 5, "eval_loss": eval_loss, "eval_tokens": 10, "eval_time_s": 0.1})
+    result = summary.result(peak_tflops_total=1.0) | {
+        "mode": mode, "strategy": "bfd" if mode == "packed" else "none", "world_size": 2, "device": "cpu",
+        "attention": "sdpa_varlen" if mode == "packed" else "sdpa_padded", "peak_tflops_per_device": 0.5,
+        "peak_tflops_source": "test",
+    }
+    (path / "summary.json").write_text(json.dumps(result))
+    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
+    (path / "eval.jsonl").write_text(json.dumps(records[-1]) + "\n")
+
+
+def test_report_from_stored_runs(tmp_path):
+    _fake_run(tmp_path / "padded", "padded", 1000.0, 2200, 4.50)
+    _fake_run(tmp_path / "packed", "packed", 1600.0, 1100, 4.52)
+    publish = tmp_path / "docs"
+    report = compare.main(["--report-only", str(tmp_path), "--publish", str(publish), "recipe=x"])
+    c = report["comparison"]
+    assert c["useful_tokens_per_s_ratio"] == pytest.approx(1.6)
+    assert c["final_eval_loss_diff"] == pytest.approx(0.02)
+    assert c["eval_loss_within_tolerance"] is True
+    assert report["runs"]["packed"]["padding_saved_fraction"] == pytest.approx(1 - 1100 / 1500)
+    # 1e9 model FLOPs per step in 1000 / 1600 s, over a 1 TFLOP/s total peak.
+    assert report["runs"]["packed"]["mfu"] == pytest.approx(1e9 * 1.6 / 1e12, rel=1e-6)
+    stored = json.loads((tmp_path / "report.json").read_text())
+    assert stored["comparison"] == c and stored["versions"]["torch"]
+    md = (tmp_path / "report.md").read_text()
+    assert "| useful tokens/s | 1,000 | 1,600 | 1.60x |" in md and "loss.png" in md
+    for name in ("loss.png", "throughput.png"):
+        assert (tmp_path / name).stat().st_size > 5000
+        assert (publish / name).is_file()
+
+
+@pytest.mark.parametrize("bad", ["packing=none", "packing=sorted", "run_dir=/tmp/x", "--bogus"])
+def test_compare_refuses_overrides_it_sets_itself(bad):
+    with pytest.raises(SystemExit):
+        compare.parse_args(["recipe=cpu_dailydialog", bad])
+
+
+def test_wandb_offline_without_key_logs_the_jsonl_names(tmp_path):
+    """A run with wandb on, no API key and no network completes; wandb carries the JSONL's metric names."""
+    code = f"""
+import json, os
+from pathlib import Path
+from trainer.config import LoggerConfig
+from trainer.metrics import MetricsLogger
+run_dir = Path({str(tmp_path)!r})
+logger = MetricsLogger(LoggerConfig(wandb=True, wandb_mode="offline"), run_dir, enabled=True)
+seen = set()
+wandb_log = logger._wandb.log
+def spy(data, **kwargs):
+    seen.update(data)
+    return wandb_log(data, **kwargs)
+logger._wandb.log = spy
+m = {json.dumps(_step(1, 100.0, 10, 20))}
+logger.log(m)
+logger.log_eval({{"step": 1, "eval_loss": 3.0, "eval_tokens": 5, "eval_time_s": 0.1}})
+keys = seen
+logger.close()
+print(json.dumps(sorted(keys)))
+"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env |= {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=compare.REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    keys = set(json.loads(out.stdout.strip().splitlines()[-1]))
+    jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch"} <= keys
+    assert "eval_loss" in keys and set(evals[0]) - {"step"} <= keys
+    assert list(tmp_path.glob("wandb/offline-run-*"))
+
+
+def test_compare_takes_the_packed_strategy_from_the_command_line():
+    _, overrides = compare.parse_args(["recipe=cpu_dailydialog", "packing=bfd_split"])
+    assert overrides == ["recipe=cpu_dailydialog", "packing=bfd_split"]

@@ -1,0 +1,116 @@
+"""Held-out split and packed eval.
+
+The split: example ``i`` is held out iff ``blake2b(seed, tokens_i)`` read as a number in ``[0, 1)`` falls
+below ``holdout_fraction``. It depends on each example's content only, so it is deterministic, the same on
+every rank and in packed and padded runs, disjoint from training by construction, and identical copies of
+an example always land on the same side (no leak of a duplicated dialog into eval).
+
+Eval packs the held-out examples with best-fit decreasing into the training token budget and deals the
+bins to ranks exactly like training (equal micro-batch counts on every rank, empty fillers where needed),
+then reports the summed token loss over all ranks divided by the global label count. Packed attention
+keeps examples apart and labels never cross a boundary, so this equals the mean token loss of the same
+examples evaluated one by one (``tests/unit/test_eval.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer import dist
+from trainer.collate import IGNORE_INDEX, Batch, collate_packed
+from trainer.data.dataset import TokenizedDataset
+from trainer.packing import deal_bins, even_out_bins, pack_best_fit_decreasing
+
+_HASH_SCALE = float(2**64)
+
+
+def holdout_mask(dataset: TokenizedDataset, fraction: float, seed: int = 0) -> np.ndarray:
+    """Boolean per example: is it held out for eval (see the module docstring)."""
+    held = np.zeros(len(dataset), dtype=bool)
+    if fraction <= 0:
+        return held
+    salt = seed.to_bytes(8, "little", signed=True)
+    for i in range(len(dataset)):
+        tokens, _ = dataset.example(i)
+        digest = hashlib.blake2b(np.ascontiguousarray(tokens).tobytes(), digest_size=8, key=salt).digest()
+        held[i] = int.from_bytes(digest, "little") / _HASH_SCALE < fraction
+    return held
+
+
+def subset(dataset: TokenizedDataset, indices: np.ndarray) -> TokenizedDataset:
+    """A new dataset holding the examples ``indices`` (in that order); stats are carried over unchanged."""
+    indices = np.asarray(indices, dtype=np.int64)
+    lengths = dataset.lengths[indices]
+    offsets = np.zeros(len(indices) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    if len(indices):
+        gather = np.concatenate([np.arange(dataset.offsets[i], dataset.offsets[i + 1]) for i in indices])
+    else:
+        gather = np.zeros(0, dtype=np.int64)
+    return TokenizedDataset(dataset.tokens[gather], dataset.loss_mask[gather], offsets, dataset.stats)
+
+
+def split_holdout(
+    dataset: TokenizedDataset, fraction: float, seed: int = 0, max_examples: int | None = None
+) -> tuple[TokenizedDataset, TokenizedDataset | None]:
+    """(training set, held-out set or ``None`` when ``fraction`` is 0 or nothing was drawn)."""
+    held = holdout_mask(dataset, fraction, seed)
+    if not held.any():
+        return dataset, None
+    if held.all():
+        raise ValueError(f"eval.holdout_fraction={fraction} held out every one of {len(dataset)} examples")
+    eval_idx = np.flatnonzero(held)
+    if max_examples is not None:
+        eval_idx = eval_idx[:max_examples]
+    return subset(dataset, np.flatnonzero(~held)), subset(dataset, eval_idx)
+
+
+def eval_microbatches(lengths: np.ndarray, token_budget: int, rank: int, world_size: int) -> list[np.ndarray]:
+    """This rank's eval micro-batches: BFD bins of whole examples, evened out and dealt like training (no
+    shuffling). Examples are never cut for eval (a piece could not attend to its example's earlier tokens,
+    so its loss would differ from the whole example's): under a splitting strategy, where examples may be
+    longer than the budget, the eval bins grow to the longest example."""
+    budget = max(token_budget, int(lengths.max())) if len(lengths) else token_budget
+    bins = pack_best_fit_decreasing(lengths, budget)
+    bins, _, _ = even_out_bins(bins, world_size, lengths)
+    return [round_[rank] for round_ in deal_bins(bins, world_size, lengths, rng=None)]
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module,
+    dataset: TokenizedDataset,
+    token_budget: int,
+    device: torch.device,
+    pad_id: int = 0,
+) -> dict[str, float]:
+    """Mean token loss over ``dataset`` (all ranks), from packed micro-batches.
+
+    Every rank must call this together: the micro-batch count is equal on every rank by construction, so
+    FSDP's all-gathers line up.
+    """
+    start = time.perf_counter()
+    was_training = model.training
+    model.eval()
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    labels = 0
+    for indices in eval_microbatches(dataset.lengths, token_budget, dist.rank(), dist.world_size()):
+        batch: Batch = collate_packed(dataset, indices, pad_id).to(device)
+        logits = model(**batch.model_inputs())
+        loss_sum += F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), batch.labels[:, 1:].flatten(),
+            ignore_index=IGNORE_INDEX, reduction="sum",
+        ).double()
+        labels += batch.num_label_tokens
+    model.train(was_training)
+    total_loss, total_labels = dist.all_reduce_sum([loss_sum.item(), labels], device)
+    return {
+        "eval_loss": total_loss / max(total_labels, 1.0),
+        "eval_tokens": int(total_labels),
+        "eval_time_s": time.perf_counter() - start,
+    }

@@ -1,0 +1,76 @@
+"""PNG plots of a comparison (matplotlib, no display needed): loss curves, useful tokens/s, variability."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on training machines
+import matplotlib.pyplot as plt  # noqa: E402
+
+COLORS = {"packed": "tab:blue", "padded": "tab:orange"}
+_FIGSIZE, _DPI = (6.4, 3.6), 100  # small PNGs (~30-50 kB) that still read well in a README
+
+
+def _records(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
+    rows = [m for m in metrics if key in m]
+    return [m["step"] for m in rows], [m[key] for m in rows]
+
+
+def plot_loss(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
+    """Train loss per step (lines) and held-out eval loss (markers) of every run on one axis."""
+    fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
+    for name, metrics in runs.items():
+        color = COLORS.get(name)
+        ax.plot(*_records(metrics, "loss"), label=f"{name} train", color=color, lw=1.4)
+        steps, losses = _records(metrics, "eval_loss")
+        if steps:
+            ax.plot(steps, losses, "o--", label=f"{name} eval", color=color, ms=4, lw=0.8)
+    ax.set(xlabel="optimizer step", ylabel="loss (mean token cross-entropy)", title=title or "Loss: packed vs padded")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_throughput(runs: dict[str, list[dict]], path: Path, summaries: dict[str, dict], title: str = "") -> Path:
+    """Useful tokens/s per step of every run, with the run's mean (after warm-up) as a dashed line."""
+    fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
+    for name, metrics in runs.items():
+        color = COLORS.get(name)
+        ax.plot(*_records(metrics, "useful_tokens_per_s"), label=name, color=color, lw=1.2, alpha=0.8)
+        mean = summaries.get(name, {}).get("useful_tokens_per_s")
+        if mean:
+            ax.axhline(mean, color=color, ls="--", lw=1, label=f"{name} mean {mean:,.0f}")
+    ax.set(xlabel="optimizer step", ylabel="useful tokens / s", title=title or "Useful tokens/s: packed vs padded")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    return _save(fig, path)
+
+
+def plot_variability(rows: list[dict], path: Path, title: str = "") -> Path:
+    """Measured packed/padded speedup against the coefficient of variation of example length."""
+    fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
+    rows = sorted(rows, key=lambda r: r["cv"])
+    cvs = [r["cv"] for r in rows]
+    speedups = [r["speedup"] for r in rows]
+    ax.plot(cvs, speedups, "o-", color=COLORS["packed"])
+    for r in rows:
+        ax.annotate(r["name"], (r["cv"], r["speedup"]), textcoords="offset points", xytext=(4, -10), fontsize=7)
+    ax.axhline(1.0, color="gray", lw=0.8, ls=":")
+    ax.set(xlabel="coefficient of variation of example length (std / mean)",
+           ylabel="speedup (useful tokens/s, packed / padded)",
+           title=title or "Packing speedup vs length variability (equal mean length)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+    return _save(fig, path)
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path

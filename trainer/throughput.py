@@ -1,0 +1,100 @@
+"""What a step cost and what it would have cost padded: padded-equivalent positions, model FLOPs, MFU.
+
+- **Padded-equivalent positions** of a micro-batch: the positions a padded micro-batch of the *same*
+  examples would compute (examples x longest). A packed run logs it next to ``positions`` so its saving is
+  visible without running the baseline; for a padded batch it equals ``positions``.
+- **Model FLOPs** count the work on real tokens only (pads are waste, not model work), forward + backward:
+  ``6 * N`` per token for the matmul parameters ``N`` (everything but the position table), plus causal
+  attention ``6 * n_layer * d_model * len^2`` per example (QK^T and AV, halved by the causal mask, x3 for
+  the backward). MFU divides the achieved rate by the peak of the hardware used.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from trainer.collate import Batch
+
+log = logging.getLogger("trainer")
+
+# Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity).
+GPU_PEAK_TFLOPS = {
+    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
+    "A10G": 70.0, "A10": 125.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
+    "V100": 125.0, "T4": 65.0,
+}
+
+
+def padded_equivalent_positions(batch: Batch) -> int:
+    """Positions a padded micro-batch of this batch's examples would cost (examples x longest)."""
+    if not batch.packed:
+        return batch.num_positions
+    if batch.num_examples == 0:
+        return batch.num_positions  # a filler costs the same either way
+    return batch.num_examples * batch.max_seqlen
+
+
+def sum_squared_lengths(batch: Batch) -> int:
+    """Sum over the batch's examples of length^2 (the attention part of the model FLOPs)."""
+    if batch.num_examples == 0:
+        return 0
+    if batch.packed:
+        lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
+    else:
+        lengths = batch.attention_mask.sum(dim=1)
+    return int((lengths.long() ** 2).sum())
+
+
+def step_counts(batches: list[Batch]) -> list[int]:
+    """[padded-equivalent positions, sum of squared example lengths] of this rank's micro-batches."""
+    return [sum(padded_equivalent_positions(b) for b in batches), sum(sum_squared_lengths(b) for b in batches)]
+
+
+def flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
+    """(matmul parameters N, layers, model width) of a transformers causal LM (wrapped or not).
+
+    Parameter counts of FSDP2's DTensors are global, so every rank gets the full model's numbers.
+    """
+    config = model.config
+    n_layer = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
+    d_model = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)
+    n = 0
+    for name, p in model.named_parameters():
+        if "wpe" in name or "position_embedding" in name:
+            continue  # a table lookup, no matmul
+        n += p.numel()
+    return n, int(n_layer), int(d_model)
+
+
+def model_flops(tokens: float, sum_sq_lengths: float, n_params: int, n_layer: int, d_model: int) -> float:
+    """Forward + backward model FLOPs on real tokens (see the module docstring)."""
+    return 6.0 * n_params * tokens + 6.0 * n_layer * d_model * sum_sq_lengths
+
+
+def peak_tflops(device: torch.device, configured: float | None = None) -> tuple[float, str]:
+    """Peak TFLOP/s of one device and where the number comes from."""
+    if configured:
+        return configured, "configured (logger.peak_tflops)"
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, value in sorted(GPU_PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
+            if key in name:
+                return value, f"datasheet bf16 dense peak of {name}"
+        return float("nan"), f"unknown GPU {name} (set logger.peak_tflops)"
+    return measured_matmul_tflops(device), "measured bf16 matmul rate of this CPU process"
+
+
+def measured_matmul_tflops(device: torch.device, size: int = 512, repeats: int = 20) -> float:
+    """The bf16 matmul rate this process reaches (CPUs publish no peak usable here)."""
+    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    start = time.perf_counter()
+    for _ in range(repeats):
+        a @ b
+    elapsed = time.perf_counter() - start
+    return 2.0 * size**3 * repeats / elapsed / 1e12
