@@ -28,10 +28,22 @@ class DataConfig:
     """Local file or directory for file-based sources; a hub id for hub sources."""
     split: str = "train"
     """Split to read where the source has splits."""
+    subset: str | None = None
+    """Hub sources: the dataset's configuration name (``datasets.load_dataset(path, subset)``)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Column mapping for table sources (jsonl, parquet, csv, hf): packfsdp field -> your column. Fields:
+    ``text``, ``messages``, ``turns``, ``prompt`` + ``response`` (+ ``system``), and ``role`` / ``content``
+    (keys inside each message). Empty: detected from the column names (see ``trainer.data.sources``)."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """Renames message roles to ``system`` / ``user`` / ``assistant`` (e.g. ``{human: user, gpt: assistant}``)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported before the source is looked up, so they can ``register_source`` their own
+    formats: dotted module names (importable from the working directory) or paths to ``.py`` files."""
     num_dialogs: int = 13118
     """Synthetic source only: how many dialogs to generate."""
-    loss_on: str = "all"
-    """Which tokens carry loss: ``all`` turns, or ``responses`` (every second turn, the replies)."""
+    loss_on: str = "auto"
+    """Which tokens carry loss: ``auto`` (chat: assistant messages only; dialogs and documents: all),
+    ``responses`` (chat: assistant messages; dialogs: every second turn, the replies) or ``all``."""
     max_length: int = 1024
     """Longest example in tokens; longer ones follow ``overlong``. Clamped to the model's context."""
     overlong: str = "truncate"
@@ -44,7 +56,7 @@ class DataConfig:
     """Where the locally trained tokenizer and tokenized datasets are cached."""
 
     def validate(self) -> None:
-        _choice("data.loss_on", self.loss_on, ("all", "responses"))
+        _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
         _choice("data.overlong", self.overlong, ("truncate", "drop"))
         _positive("data.max_length", self.max_length)
         _positive("data.num_dialogs", self.num_dialogs)
@@ -72,6 +84,10 @@ class ModelConfig:
     """dtype of the master weights (the optimizer's copy). Compute dtype is ``parallel.param_dtype``."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained``; off unless you trust the model repository."""
+    chat_template: str | None = None
+    """How chat records (``messages``) are rendered: ``null`` uses the tokenizer's own template (else the
+    built-in ``default``); ``default`` (``role:\\n content EOS``), ``chatml`` (Qwen's format; the local BPE
+    then gets ``<|im_start|>``/``<|im_end|>`` as special tokens) or a Jinja string replace it."""
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
