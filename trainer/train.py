@@ -214,10 +214,11 @@ def agree_run_dir(cfg: JobConfig) -> Path:
     takes it from there, so ranks started in different seconds never disagree."""
     chosen = None
     if dist.is_rank0():
+        job = multirun_job_tag()
         if cfg.run_dir:
-            chosen = Path(cfg.run_dir)
+            chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
         else:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
             chosen = Path(cfg.output_root) / cfg.name / stamp
             suffix = 1
             while chosen.exists():
@@ -226,6 +227,19 @@ def agree_run_dir(cfg: JobConfig) -> Path:
         chosen.mkdir(parents=True, exist_ok=True)
         (chosen / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return Path(dist.broadcast_object(str(chosen) if chosen else None))
+
+
+def multirun_job_tag() -> str:
+    """In a Hydra multirun (``-m``): ``<job number>-<its overrides>``, so every job of a sweep gets its own
+    run directory that says what it ran; ``""`` otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    job = HydraConfig.get().job
+    overrides = "".join(c if c.isalnum() or c in "=.,-_+" else "_" for c in job.override_dirname)
+    return f"{job.num}-{overrides}"[:120]
 
 
 def run(cfg: JobConfig) -> dict:
