@@ -73,7 +73,7 @@ class ModelConfig:
     """transformers ``model_type`` used when building from a config (gpt2, llama, qwen2, ...)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the transformers config (sizes for small random models, dropout, ...)."""
-    tokenizer: str = "local_bpe"
+    tokenizer: str | None = "local_bpe"
     """``local_bpe`` trains a byte-level BPE tokenizer on the data and caches it; anything else is a hub id
     or local directory passed to ``AutoTokenizer.from_pretrained``. ``null`` means ``name_or_path``."""
     tokenizer_vocab_size: int = 4096
