@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, MissingMandatoryValue, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -302,7 +302,10 @@ def register_configs() -> None:
 
 def to_job_config(cfg: Any) -> JobConfig:
     """Turn a composed DictConfig into a validated JobConfig (the one place that sees OmegaConf)."""
-    job = OmegaConf.to_object(cfg)
+    try:
+        job = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:  # `???` in a YAML (e.g. data=jsonl without data.path)
+        raise ConfigError(f"{e.full_key} must be set (e.g. {e.full_key}=...)") from None
     if not isinstance(job, JobConfig):
         raise ConfigError("the composed config does not follow the JobConfig schema")
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())

@@ -158,7 +158,13 @@ def read_dialog_parquet(files: list[Path]) -> list[list[str]]:
 def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
     import datasets
 
-    ds = datasets.load_dataset(hub_id, split=split)
+    try:
+        ds = datasets.load_dataset(hub_id, split=split)
+    except Exception as e:  # a script-based hub dataset (datasets >= 4 no longer runs scripts)
+        if "script" not in str(e).lower():
+            raise
+        log.warning("%s: %s; reading the hub's parquet conversion (refs/convert/parquet) instead", hub_id, e)
+        ds = datasets.load_dataset(hub_id, split=split, revision="refs/convert/parquet")
     if "dialog" not in ds.column_names:
         raise ValueError(f"{hub_id}: no 'dialog' column (columns: {', '.join(ds.column_names)})")
     return [[u.strip() for u in row if u and u.strip()] for row in ds["dialog"]]
