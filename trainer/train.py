@@ -261,6 +261,9 @@ def hydra_main(raw: DictConfig) -> dict | None:
     except AttentionBackendError as e:
         print(f"packfsdp: attention backend error: {e}", file=sys.stderr)
         sys.exit(2)
+    except ConfigError as e:  # found while building (a data path, source or column mapping)
+        print(f"packfsdp: config error: {e}", file=sys.stderr)
+        sys.exit(2)
 
 
 def main() -> None:
