@@ -19,7 +19,7 @@ from trainer.config import config_dir, recipe_dirs, register_configs, to_job_con
 
 RECIPES = sorted(p.stem for d in recipe_dirs() for p in d.glob("*.yaml"))
 # Keep CPU runs tiny: few records, a few steps.
-QUICK = ["max_steps=3", "data.limit=200", "optim.warmup_steps=1"]
+QUICK = ["max_steps=3", "data.limit=200", "data.num_dialogs=200", "optim.warmup_steps=1"]
 
 
 def compose_job(overrides: list[str]):
