@@ -198,7 +198,10 @@ def build_dataset(
         [RENDER_VERSION, cache_key, asdict(cfg) | {"cache_dir": None}, max_length], sort_keys=True, default=str
     )
     path = Path(cfg.cache_dir) / "datasets" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
-    if not path.is_file() and is_rank0():
+    if path.is_file():
+        log.info("data %s: tokenized dataset read from the cache %s", cfg.source, path)
+    elif is_rank0():
+        log.info("data %s: tokenizing once into %s", cfg.source, path)
         ds = render_records(records_fn(), tokenizer, cfg, max_length)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")

@@ -174,7 +174,14 @@ def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
 # Table sources: rows with a text, messages, turns or prompt/response column
 # ---------------------------------------------------------------------------------------------------------
 
-from trainer.data.tables import read_csv, read_jsonl, read_parquet, rows_to_records, table_files  # noqa: E402
+from trainer.data.tables import (  # noqa: E402
+    detect_columns,
+    read_csv,
+    read_jsonl,
+    read_parquet,
+    rows_to_records,
+    table_files,
+)
 
 
 @register_source("jsonl")
@@ -204,4 +211,9 @@ def hf(cfg: DataConfig) -> list[Record]:
     if not cfg.path:
         raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
     ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
-    return rows_to_records(ds, cfg)
+    # Only the mapped columns, read column-wise (far faster than iterating rows of a large dataset).
+    columns = dict(cfg.columns) or detect_columns(ds.column_names)
+    keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
+    if keep:
+        ds = ds.select_columns(keep)
+    return rows_to_records(ds.to_list(), cfg)
