@@ -26,6 +26,15 @@ LLAMA3_LIKE = (
     "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|end|>\n\n{{ m['content'] }}<|eot|>{% endfor %}"
     "{% if add_generation_prompt %}<|start|>assistant<|end|>\n\n{% endif %}"
 )
+# Qwen2.5-style: a default system prompt when the conversation has none, indexing messages[0] (which an
+# empty conversation cannot render).
+QWEN_STYLE = (
+    "{% if messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
+    "{% else %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "{% for m in messages %}{% if not (loop.first and m['role'] == 'system') %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 # Moves the system prompt to the end: earlier renders are not prefixes of later ones.
 NOT_PREFIX_STABLE = (
     "{% for m in messages if m['role'] != 'system' %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
@@ -77,6 +86,10 @@ def test_other_template_and_refusal_of_unsplittable_one(tokenizer):
     tok.chat_template = LLAMA3_LIKE
     ds = render(tok, [{"messages": CHAT}])
     assert masked_text(tok, ds) == "Turn left at the park.<|eot|>You are welcome.<|eot|>"
+    tok.chat_template = QWEN_STYLE
+    ds = render(tok, [{"messages": CHAT[1:]}, {"messages": CHAT}])
+    assert masked_text(tok, ds, 0) == masked_text(tok, ds, 1) == "Turn left at the park.<|im_end|>\nYou are welcome.<|im_end|>\n"
+    assert tok.decode(ds.example(0)[0].tolist()).startswith("<|im_start|>system\nYou are a helpful assistant.")
     tok.chat_template = NOT_PREFIX_STABLE
     with pytest.raises(ChatTemplateError, match="model.chat_template"):
         render(tok, [{"messages": CHAT}])
