@@ -11,6 +11,7 @@ size optimise the same objective.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -242,11 +243,17 @@ def multirun_job_tag() -> str:
     return f"{job.num}-{overrides}"[:120]
 
 
-def run(cfg: JobConfig) -> dict:
+def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
+    """Train one job. ``keep_process_group``: the jobs of a multirun sweep share one process group (torn
+    down at exit): re-creating it under torchrun makes rank 0 host a second store on the port its first
+    one held, and the ranks hang in the rendezvous."""
     try:
         return Trainer(cfg).train()
     finally:
-        dist.destroy_distributed()
+        if keep_process_group:
+            dist.barrier()  # every rank finishes this job before any starts the next
+        else:
+            dist.destroy_distributed()
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
@@ -256,8 +263,11 @@ def hydra_main(raw: DictConfig) -> dict | None:
     except ConfigError as e:
         print(f"packfsdp: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    multirun = bool(multirun_job_tag())
+    if multirun:
+        atexit.register(dist.destroy_distributed)  # idempotent; after the sweep's last job
     try:
-        return run(cfg)
+        return run(cfg, keep_process_group=multirun)
     except AttentionBackendError as e:
         print(f"packfsdp: attention backend error: {e}", file=sys.stderr)
         sys.exit(2)

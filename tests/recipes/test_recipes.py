@@ -90,7 +90,9 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path):
-    proc = python_train(["-m", "recipe=cpu_chat_sft", "packing=none,bfd", "max_steps=1", "data.limit=100"], tmp_path)
+    # Two ranks, two jobs in the same processes: the process group must carry over between jobs.
+    proc = run_torchrun(["-m", "trainer.train", "-m", "recipe=cpu_chat_sft", "packing=none,bfd", "max_steps=1",
+                         "data.limit=100"], cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=240)
     assert_ok(proc)
     root = tmp_path / "outputs" / "cpu_chat_sft"
     runs = sorted(p for p in root.iterdir() if p.is_dir())
