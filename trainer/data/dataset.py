@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.chat import Segment, chat_segments, check_messages, effective_template
 from trainer.data.sources import Record
-from trainer.dist import barrier, is_rank0
+from trainer.dist import on_rank0_then_all
 
 log = logging.getLogger(__name__)
 
@@ -198,9 +198,11 @@ def build_dataset(
         [RENDER_VERSION, cache_key, asdict(cfg) | {"cache_dir": None}, max_length], sort_keys=True, default=str
     )
     path = Path(cfg.cache_dir) / "datasets" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
-    if path.is_file():
-        log.info("data %s: tokenized dataset read from the cache %s", cfg.source, path)
-    elif is_rank0():
+
+    def tokenize_into_cache() -> None:
+        if path.is_file():
+            log.info("data %s: tokenized dataset read from the cache %s", cfg.source, path)
+            return
         log.info("data %s: tokenizing once into %s", cfg.source, path)
         ds = render_records(records_fn(), tokenizer, cfg, max_length)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -208,7 +210,8 @@ def build_dataset(
         np.savez(tmp, tokens=ds.tokens, loss_mask=ds.loss_mask, offsets=ds.offsets,
                  stats=np.array(json.dumps(asdict(ds.stats))))
         tmp.rename(path)
-    barrier()
+
+    on_rank0_then_all(tokenize_into_cache)
     with np.load(path) as z:
         stats = DatasetStats(**json.loads(str(z["stats"])))
         ds = TokenizedDataset(z["tokens"], z["loss_mask"], z["offsets"], stats)

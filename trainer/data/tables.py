@@ -37,8 +37,8 @@ def table_files(cfg: DataConfig, suffixes: tuple[str, ...]) -> list[Path]:
         of_split = [f for f in files if cfg.split in f.name]
         if files:
             return of_split or files
-        raise FileNotFoundError(f"{path}: no {' or '.join(suffixes)} file inside")
-    raise FileNotFoundError(f"data.path={cfg.path}: no such file or folder")
+        raise ConfigError(f"data.path={cfg.path}: no {' or '.join(suffixes)} file inside")
+    raise ConfigError(f"data.path={cfg.path}: no such file or folder")
 
 
 def read_jsonl(files: list[Path]) -> list[dict]:

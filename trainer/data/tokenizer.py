@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from trainer.dist import barrier, is_rank0
+from trainer.dist import on_rank0_then_all
 
 log = logging.getLogger(__name__)
 
@@ -62,7 +62,10 @@ def local_tokenizer(
     key = [cache_key, vocab_size] + ([extra_special_tokens] if extra_special_tokens else [])
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{digest}"
-    if not (path / "tokenizer.json").is_file() and is_rank0():
+
+    def train_into_cache() -> None:
+        if (path / "tokenizer.json").is_file():
+            return
         corpus = texts()
         log.info("training a byte-level BPE tokenizer (vocab %d) on %d texts", vocab_size, len(corpus))
         tokenizer = train_bpe_tokenizer(corpus, vocab_size, extra_special_tokens)
@@ -70,7 +73,8 @@ def local_tokenizer(
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
-    barrier()
+
+    on_rank0_then_all(train_into_cache)  # a bad data path fails on every rank, not only on rank 0
     return AutoTokenizer.from_pretrained(path)
 
 
