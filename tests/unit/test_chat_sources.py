@@ -173,3 +173,20 @@ def test_plugins_register_sources(tmp_path, monkeypatch):
     assert load_records(DataConfig(source="plugin_test_source", plugins=["my_plugin_mod"]))
     with pytest.raises(ConfigError, match="cannot import"):
         load_records(DataConfig(source="plugin_test_source", plugins=["no_such_module_xyz"]))
+
+
+def test_hub_dailydialog_reads_the_parquet_conversion_of_a_script_dataset(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def fake_load_dataset(path, *args, split=None, revision=None, **kwargs):
+        calls.append(revision)
+        if revision is None:
+            raise RuntimeError("Dataset scripts are no longer supported, but found daily_dialog.py")
+        return datasets.Dataset.from_dict({"dialog": [["Hi there. ", " Hello!"]], "act": [[1, 2]]})
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    records = load_records(DataConfig(source="dailydialog", path="li2017dailydialog/daily_dialog"))
+    assert records == [{"turns": ["Hi there.", "Hello!"]}]
+    assert calls == [None, "refs/convert/parquet"]
