@@ -66,19 +66,6 @@ def test_chat_recipes_train_on_responses_only():
     assert compose_job(["recipe=qwen_chat_sft"]).model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", [n for n in RECIPES if compose_job([f"recipe={n}"]).parallel.device != "cuda"])
-def test_cpu_recipe_runs(name, tmp_path):
-    proc = run_torchrun(["-m", "trainer.train", f"recipe={name}", *QUICK, f"run_dir={tmp_path}"], timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["steps"] == 3 and summary["world_size"] == 2
-    saved = yaml.safe_load((tmp_path / "config.yaml").read_text())  # the resolved config of the run
-    assert saved["name"] == name and "${" not in json.dumps(saved)
-    if name == "cpu_chat_sft":  # response-only loss: prompts are in the tokens but carry no label
-        assert summary["dataset"]["label_tokens"] < 0.6 * summary["dataset"]["tokens"]
-
-
 def test_cfg_job_prints_the_resolved_config(tmp_path):
     proc = python_train(["recipe=cpu_chat_sft", "--cfg", "job", "--resolve"], cwd=tmp_path, timeout=120)
     assert_ok(proc)
@@ -88,20 +75,31 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
     assert list(tmp_path.iterdir()) == []  # printing the config writes nothing
 
 
+CPU_RECIPES = [n for n in RECIPES if compose_job([f"recipe={n}"]).parallel.device != "cuda"]
+
+
 @pytest.mark.slow
-def test_multirun_sweep_gives_each_run_its_own_directory(tmp_path):
-    # Two ranks, two jobs in the same processes: the process group must carry over between jobs.
-    proc = run_torchrun(["-m", "trainer.train", "-m", "recipe=cpu_chat_sft", "packing=none,bfd", "max_steps=1",
-                         "data.limit=100"], cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=240)
+def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
+    """Every CPU recipe, packed and padded, as one Hydra sweep on 2 ranks: each job runs a few steps in its
+    own run directory, and the process group carries over from job to job."""
+    sweep = ["-m", "trainer.train", "-m", f"recipe={','.join(CPU_RECIPES)}", "packing=none,bfd", *QUICK]
+    proc = run_torchrun(sweep, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=400)
     assert_ok(proc)
-    root = tmp_path / "outputs" / "cpu_chat_sft"
-    runs = sorted(p for p in root.iterdir() if p.is_dir())
-    assert len(runs) == 2 and (root / "multirun.yaml").is_file()
     assert [p.name for p in tmp_path.iterdir()] == ["outputs"]  # nothing else in the working directory
-    strategies = {json.loads((r / "summary.json").read_text())["strategy"] for r in runs}
-    assert strategies == {"none", "bfd"}
-    for r in runs:
-        assert yaml.safe_load((r / "config.yaml").read_text())["packing"]["strategy"] in r.name
+    # Hydra's multirun.yaml: one per sweep, under the name of the sweep's base config (`run` here).
+    assert [p.parent.name for p in (tmp_path / "outputs").glob("*/multirun.yaml")] == ["run"]
+    for name in CPU_RECIPES:
+        runs = sorted(p for p in (tmp_path / "outputs" / name).iterdir() if p.is_dir())
+        assert len(runs) == 2, runs
+        summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
+        assert {s["strategy"] for s in summaries} == {"none", "bfd"}
+        for run, summary in zip(runs, summaries):
+            assert summary["steps"] == 3 and summary["world_size"] == 2
+            saved = yaml.safe_load((run / "config.yaml").read_text())  # the resolved config of the run
+            assert saved["name"] == name and "${" not in json.dumps(saved)
+            assert f"packing={saved['packing']['strategy']}" in run.name
+            if name == "cpu_chat_sft":  # response-only loss: prompts are in the tokens but carry no label
+                assert summary["dataset"]["label_tokens"] < 0.6 * summary["dataset"]["tokens"]
 
 
 OWN_RECIPE = """\
