@@ -13,7 +13,7 @@ ENV PIP_NO_CACHE_DIR=1 \
 WORKDIR /opt/packfsdp
 # flash-attn compiles against the image's torch; --no-build-isolation makes it see that torch.
 RUN pip install --no-build-isolation "flash-attn>=2.6"
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY trainer ./trainer
 COPY configs ./configs
 COPY recipes ./recipes

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING, OmegaConf
+from omegaconf import MISSING, MissingMandatoryValue, OmegaConf
 
 
 class ConfigError(ValueError):
@@ -28,10 +28,22 @@ class DataConfig:
     """Local file or directory for file-based sources; a hub id for hub sources."""
     split: str = "train"
     """Split to read where the source has splits."""
+    subset: str | None = None
+    """Hub sources: the dataset's configuration name (``datasets.load_dataset(path, subset)``)."""
+    columns: dict[str, str] = field(default_factory=dict)
+    """Column mapping for table sources (jsonl, parquet, csv, hf): packfsdp field -> your column. Fields:
+    ``text``, ``messages``, ``turns``, ``prompt`` + ``response`` (+ ``system``), and ``role`` / ``content``
+    (keys inside each message). Empty: detected from the column names (see ``trainer.data.sources``)."""
+    roles: dict[str, str] = field(default_factory=dict)
+    """Renames message roles to ``system`` / ``user`` / ``assistant`` (e.g. ``{human: user, gpt: assistant}``)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported before the source is looked up, so they can ``register_source`` their own
+    formats: dotted module names (importable from the working directory) or paths to ``.py`` files."""
     num_dialogs: int = 13118
     """Synthetic source only: how many dialogs to generate."""
-    loss_on: str = "all"
-    """Which tokens carry loss: ``all`` turns, or ``responses`` (every second turn, the replies)."""
+    loss_on: str = "auto"
+    """Which tokens carry loss: ``auto`` (chat: assistant messages only; dialogs and documents: all),
+    ``responses`` (chat: assistant messages; dialogs: every second turn, the replies) or ``all``."""
     max_length: int = 1024
     """Longest example in tokens; longer ones follow ``overlong``. Clamped to the model's context."""
     overlong: str = "truncate"
@@ -44,7 +56,7 @@ class DataConfig:
     """Where the locally trained tokenizer and tokenized datasets are cached."""
 
     def validate(self) -> None:
-        _choice("data.loss_on", self.loss_on, ("all", "responses"))
+        _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
         _choice("data.overlong", self.overlong, ("truncate", "drop"))
         _positive("data.max_length", self.max_length)
         _positive("data.num_dialogs", self.num_dialogs)
@@ -61,7 +73,7 @@ class ModelConfig:
     """transformers ``model_type`` used when building from a config (gpt2, llama, qwen2, ...)."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
     """Fields set on the transformers config (sizes for small random models, dropout, ...)."""
-    tokenizer: str = "local_bpe"
+    tokenizer: str | None = "local_bpe"
     """``local_bpe`` trains a byte-level BPE tokenizer on the data and caches it; anything else is a hub id
     or local directory passed to ``AutoTokenizer.from_pretrained``. ``null`` means ``name_or_path``."""
     tokenizer_vocab_size: int = 4096
@@ -72,6 +84,10 @@ class ModelConfig:
     """dtype of the master weights (the optimizer's copy). Compute dtype is ``parallel.param_dtype``."""
     trust_remote_code: bool = False
     """Passed to ``from_pretrained``; off unless you trust the model repository."""
+    chat_template: str | None = None
+    """How chat records (``messages``) are rendered: ``null`` uses the tokenizer's own template (else the
+    built-in ``default``); ``default`` (``role:\\n content EOS``), ``chatml`` (Qwen's format; the local BPE
+    then gets ``<|im_start|>``/``<|im_end|>`` as special tokens) or a Jinja string replace it."""
 
     def validate(self) -> None:
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
@@ -314,7 +330,10 @@ def register_configs() -> None:
 
 def to_job_config(cfg: Any) -> JobConfig:
     """Turn a composed DictConfig into a validated JobConfig (the one place that sees OmegaConf)."""
-    job = OmegaConf.to_object(cfg)
+    try:
+        job = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as e:  # `???` in a YAML (e.g. data=jsonl without data.path)
+        raise ConfigError(f"{e.full_key} must be set (e.g. {e.full_key}=...)") from None
     if not isinstance(job, JobConfig):
         raise ConfigError("the composed config does not follow the JobConfig schema")
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())

@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -109,3 +110,25 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def on_rank0_then_all(fn: Callable[[], None]) -> None:
+    """Run ``fn`` on rank 0 while the other ranks wait (e.g. build a cache every rank then reads).
+
+    An error on rank 0 is raised on every rank, so a bad data path fails everywhere with the same message
+    instead of rank 0 exiting while the others wait in a barrier or read a file that was never written.
+    """
+    error = None
+    if is_rank0():
+        try:
+            fn()
+        except Exception as e:  # re-raised below, on every rank
+            error = e
+    try:
+        shared = broadcast_object(error)
+    except Exception:  # an exception that does not pickle: send its text
+        shared = broadcast_object(RuntimeError(f"on rank 0: {type(error).__name__}: {error}") if error else None)
+    if error is not None:
+        raise error
+    if shared is not None:
+        raise shared

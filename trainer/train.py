@@ -11,6 +11,7 @@ size optimise the same objective.
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
 import math
@@ -261,10 +262,11 @@ def agree_run_dir(cfg: JobConfig) -> Path:
     takes it from there, so ranks started in different seconds never disagree."""
     chosen = None
     if dist.is_rank0():
+        job = multirun_job_tag()
         if cfg.run_dir:
-            chosen = Path(cfg.run_dir)
+            chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
         else:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+            stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
             chosen = Path(cfg.output_root) / cfg.name / stamp
             suffix = 1
             while chosen.exists():
@@ -275,11 +277,30 @@ def agree_run_dir(cfg: JobConfig) -> Path:
     return Path(dist.broadcast_object(str(chosen) if chosen else None))
 
 
-def run(cfg: JobConfig) -> dict:
+def multirun_job_tag() -> str:
+    """In a Hydra multirun (``-m``): ``<job number>-<its overrides>``, so every job of a sweep gets its own
+    run directory that says what it ran; ``""`` otherwise."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return ""
+    job = HydraConfig.get().job
+    overrides = "".join(c if c.isalnum() or c in "=.,-_+" else "_" for c in job.override_dirname)
+    return f"{job.num}-{overrides}"[:120]
+
+
+def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
+    """Train one job. ``keep_process_group``: the jobs of a multirun sweep share one process group (torn
+    down at exit): re-creating it under torchrun makes rank 0 host a second store on the port its first
+    one held, and the ranks hang in the rendezvous."""
     try:
         return Trainer(cfg).train()
     finally:
-        dist.destroy_distributed()
+        if keep_process_group:
+            dist.barrier()  # every rank finishes this job before any starts the next
+        else:
+            dist.destroy_distributed()
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
@@ -289,10 +310,16 @@ def hydra_main(raw: DictConfig) -> dict | None:
     except ConfigError as e:
         print(f"packfsdp: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    multirun = bool(multirun_job_tag())
+    if multirun:
+        atexit.register(dist.destroy_distributed)  # idempotent; after the sweep's last job
     try:
-        return run(cfg)
+        return run(cfg, keep_process_group=multirun)
     except AttentionBackendError as e:
         print(f"packfsdp: attention backend error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except ConfigError as e:  # found while building (a data path, source or column mapping)
+        print(f"packfsdp: config error: {e}", file=sys.stderr)
         sys.exit(2)
 
 

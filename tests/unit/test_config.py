@@ -38,7 +38,7 @@ def test_recipes_first_line_is_the_command_that_runs_them():
     "override, message",
     [
         ("packing.token_budget=0", "packing.token_budget must be a positive number"),
-        ("data.loss_on=prompts", "data.loss_on='prompts' is not valid; choose one of: all, responses"),
+        ("data.loss_on=prompts", "data.loss_on='prompts' is not valid; choose one of: auto, responses, all"),
         ("grad_accum=-1", "grad_accum must be a positive number"),
         ("parallel.param_dtype=int8", "parallel.param_dtype='int8' is not valid"),
     ],
@@ -51,7 +51,7 @@ def test_bad_values_raise_config_errors(override, message):
 @pytest.mark.parametrize(
     "arg, expected",
     [
-        ("recipe=nope", "packfsdp: unknown recipe 'nope'; choose one of: cpu_dailydialog, gpt2_dailydialog"),
+        ("recipe=nope", "packfsdp: unknown recipe 'nope'; choose one of: cpu_chat_sft, cpu_dailydialog, gpt2_dailydialog, qwen_chat_sft"),
         ("packing=foo", "packfsdp: unknown packing 'foo'; choose one of:"),
         ("packing.token_budget=-5", "packfsdp: config error: packing.token_budget must be a positive number"),
     ],

@@ -11,35 +11,59 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig, ModelConfig
 from trainer.data.dataset import DatasetStats, TokenizedDataset, build_dataset, log_dataset_stats
-from trainer.data.sources import SOURCES, load_records, register_source
+from trainer.data.chat import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, apply_template_setting, template_fingerprint
+from trainer.data.sources import SOURCES, check_source, load_records, plugin_path, register_source
 from trainer.data.tokenizer import local_tokenizer, pretrained_tokenizer
 
 
 def source_fingerprint(cfg: DataConfig) -> str:
-    """What the records depend on: the config and, for local files, their size and modification time."""
+    """What the records depend on: the config and, for local files and plugin modules, their size and
+    modification time (an edited file or source function re-tokenizes)."""
+    check_source(cfg)
     parts = asdict(cfg) | {"cache_dir": None}
+    files: list[Path] = [plugin_path(p) for p in cfg.plugins]
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()
-        files = sorted(p.rglob("*")) if p.is_dir() else [p]
-        parts["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+        files += sorted(p.rglob("*")) if p.is_dir() else [p]
+    parts["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
     return json.dumps(parts, sort_keys=True, default=str)
 
 
+def record_texts(record: dict) -> list[str]:
+    """The raw text of a record of any kind (what the local BPE tokenizer is trained on)."""
+    if "messages" in record:
+        messages = [m for m in record["messages"] or [] if isinstance(m, dict)]
+        return [str(m.get(k) or "") for m in messages for k in ("role", "content")]
+    if "turns" in record:
+        return [t for t in record["turns"] or [] if isinstance(t, str)]
+    text = record.get("text")
+    return [text] if isinstance(text, str) else []
+
+
 def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTokenizerBase:
-    """The pretrained tokenizer named by the model config, or the local BPE trained on the data (cached)."""
+    """The pretrained tokenizer named by the model config, or the local BPE trained on the data (cached).
+
+    ``model.chat_template``, when set, replaces the tokenizer's chat template.
+    """
     if model_cfg.tokenizer == "local_bpe":
         records = functools.cache(lambda: load_records(data_cfg))
-        texts = lambda: [t for r in records() for t in r.get("turns", [])]  # noqa: E731
-        return local_tokenizer(texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, source_fingerprint(data_cfg))
-    name = model_cfg.tokenizer or model_cfg.name_or_path
-    if name is None:
-        raise ValueError("model.tokenizer is null and model.name_or_path is null: name a tokenizer")
-    return pretrained_tokenizer(name, model_cfg.trust_remote_code)
+        texts = lambda: [t for r in records() for t in record_texts(r)]  # noqa: E731
+        extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
+        tokenizer = local_tokenizer(
+            texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, source_fingerprint(data_cfg), extra
+        )
+    else:
+        name = model_cfg.tokenizer or model_cfg.name_or_path
+        if name is None:
+            raise ValueError("model.tokenizer is null and model.name_or_path is null: name a tokenizer")
+        tokenizer = pretrained_tokenizer(name, model_cfg.trust_remote_code)
+    apply_template_setting(tokenizer, model_cfg.chat_template)
+    return tokenizer
 
 
 def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TokenizedDataset:
     """The tokenized examples (cached; records are read only on a cache miss), with skips logged."""
-    tokenizer_id = json.dumps([tokenizer.name_or_path, len(tokenizer)])
+    tokenizer_id = json.dumps([tokenizer.name_or_path, len(tokenizer), template_fingerprint(tokenizer)])
     dataset = build_dataset(
         lambda: load_records(data_cfg), tokenizer, data_cfg, max_length, source_fingerprint(data_cfg) + tokenizer_id
     )
@@ -48,6 +72,7 @@ def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_l
 
 
 __all__ = [
+    "DEFAULT_CHAT_TEMPLATE",
     "DatasetStats",
     "SOURCES",
     "TokenizedDataset",

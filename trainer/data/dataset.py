@@ -1,9 +1,9 @@
 """Tokenized examples with loss masks, stored flat (one token array, one mask array, offsets).
 
-Rendering a dialog: ``BOS turn_1 EOS turn_2 EOS ... turn_n EOS``. ``loss_on=all`` puts loss on every token
-after BOS; ``loss_on=responses`` only on the replies (turns 2, 4, ...) and their EOS. The mask is aligned
-with ``input_ids`` (the model shifts), so a token's mask says "this token is predicted". The first token
-of an example never carries loss: nothing before it belongs to the same example.
+A record is a dialog (``turns``), a chat (``messages``, rendered with the chat template, loss on the
+assistant's replies by default) or a plain document (``text``); see ``record_segments``. The mask is
+aligned with ``input_ids`` (the model shifts), so a token's mask says "this token is predicted". The first
+token of an example never carries loss: nothing before it belongs to the same example.
 
 Bad input is never dropped silently: empty dialogs, over-long examples (truncated or dropped, by config)
 and examples left with no loss token are counted in ``DatasetStats`` and logged.
@@ -21,10 +21,14 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
+from trainer.data.chat import Segment, chat_segments, check_messages, effective_template
 from trainer.data.sources import Record
-from trainer.dist import barrier, is_rank0
+from trainer.dist import on_rank0_then_all
 
 log = logging.getLogger(__name__)
+
+RENDER_VERSION = 2
+"""Bumped whenever rendering changes, so stale cached datasets are never reused."""
 
 
 @dataclass
@@ -70,32 +74,75 @@ class TokenizedDataset:
         return self.tokens[lo:hi], self.loss_mask[lo:hi]
 
 
-def render_dialogs(
-    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int
-) -> TokenizedDataset:
-    """Tokenize dialog records into examples with loss masks, applying the over-length and empty rules."""
-    stats = DatasetStats(records=len(records))
+def record_segments(
+    record: Record, tokenizer: PreTrainedTokenizerBase, loss_on: str, template: str, where: str
+) -> list[Segment] | None:
+    """The pieces of one record (``None`` when it has no content). Three kinds of record:
+
+    - ``{"turns": [...]}`` (a dialog): ``BOS t1 EOS t2 EOS ...``; ``responses`` puts loss on turns 2, 4, ...
+      and their EOS, ``all``/``auto`` on every turn;
+    - ``{"messages": [...]}`` (a chat): rendered with the chat template (``trainer.data.chat``);
+      ``auto``/``responses`` puts loss on the assistant messages only, ``all`` on everything;
+    - ``{"text": "..."}`` (a plain document): ``BOS text EOS``, loss on every token.
+    """
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
-    turns_flat = [t for r in records for t in r.get("turns", [])]
-    encoded = tokenizer(turns_flat, add_special_tokens=False)["input_ids"] if turns_flat else []
+    if "messages" in record:
+        messages = check_messages(record["messages"], where)
+        if not any(m["content"].strip() for m in messages):
+            return None
+        return chat_segments(messages, tokenizer, template, loss_on)
+    if "turns" in record:
+        turns = record["turns"]
+        if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
+            raise ValueError(f"{where}: 'turns' must be a list of strings")
+        if not any(t.strip() for t in turns):
+            return None
+        segments = [Segment([bos], False)]
+        for k, turn in enumerate(turns):
+            carries = loss_on != "responses" or k % 2 == 1
+            segments += [Segment(turn, carries), Segment([eos], carries)]
+        return segments
+    if "text" in record:
+        text = record["text"]
+        if text is None or (isinstance(text, str) and not text.strip()):
+            return None
+        if not isinstance(text, str):
+            raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
+        return [Segment([bos], False), Segment(text, True), Segment([eos], True)]
+    raise ValueError(f"{where}: a record needs 'messages', 'turns' or 'text' (keys: {', '.join(map(str, record))})")
+
+
+def render_records(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int
+) -> TokenizedDataset:
+    """Tokenize records into examples with loss masks, applying the over-length and empty rules.
+
+    Every text piece of every record is tokenized in one batched call (fast tokenizers parallelise it).
+    """
+    stats = DatasetStats(records=len(records))
+    template = effective_template(tokenizer)
+    per_record = []
+    for i, record in enumerate(records):
+        if not isinstance(record, dict):
+            raise ValueError(f"data.source={cfg.source}: record {i} is a {type(record).__name__}, not a dict")
+        per_record.append(record_segments(record, tokenizer, cfg.loss_on, template, f"data.source={cfg.source} record {i}"))
+    texts = [s.text for segs in per_record if segs for s in segs if isinstance(s.text, str)]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
 
     token_chunks: list[np.ndarray] = []
     mask_chunks: list[np.ndarray] = []
     lengths: list[int] = []
-    pos = 0
-    for record in records:
-        n_turns = len(record.get("turns", []))
-        turn_ids = encoded[pos : pos + n_turns]
-        pos += n_turns
-        if n_turns == 0 or all(len(t) == 0 for t in turn_ids):
+    for segments in per_record:
+        if segments is None:
             stats.dropped_empty += 1
             continue
-        ids, mask = [bos], [False]
-        for k, t in enumerate(turn_ids):
-            carries = cfg.loss_on == "all" or k % 2 == 1
-            ids += [*t, eos]
-            mask += [carries] * (len(t) + 1)
+        ids: list[int] = []
+        mask: list[bool] = []
+        for s in segments:
+            piece = next(encoded) if isinstance(s.text, str) else s.text
+            ids += piece
+            mask += [s.loss] * len(piece)
         if len(ids) > max_length:
             if cfg.overlong == "drop":
                 stats.dropped_overlong += 1
@@ -123,6 +170,9 @@ def render_dialogs(
     return ds
 
 
+render_dialogs = render_records  # the skeleton's name
+
+
 def log_dataset_stats(name: str, stats: DatasetStats) -> None:
     """Log what was kept and, loudly, what was skipped or truncated."""
     log.info(
@@ -144,16 +194,24 @@ def build_dataset(
     ``records_fn`` is called only when the cache misses; ``cache_key`` must name everything the result
     depends on besides ``cfg`` and ``max_length`` (the source's identity, the tokenizer).
     """
-    key = json.dumps([cache_key, asdict(cfg) | {"cache_dir": None}, max_length], sort_keys=True, default=str)
+    key = json.dumps(
+        [RENDER_VERSION, cache_key, asdict(cfg) | {"cache_dir": None}, max_length], sort_keys=True, default=str
+    )
     path = Path(cfg.cache_dir) / "datasets" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
-    if not path.is_file() and is_rank0():
-        ds = render_dialogs(records_fn(), tokenizer, cfg, max_length)
+
+    def tokenize_into_cache() -> None:
+        if path.is_file():
+            log.info("data %s: tokenized dataset read from the cache %s", cfg.source, path)
+            return
+        log.info("data %s: tokenizing once into %s", cfg.source, path)
+        ds = render_records(records_fn(), tokenizer, cfg, max_length)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
         np.savez(tmp, tokens=ds.tokens, loss_mask=ds.loss_mask, offsets=ds.offsets,
                  stats=np.array(json.dumps(asdict(ds.stats))))
         tmp.rename(path)
-    barrier()
+
+    on_rank0_then_all(tokenize_into_cache)
     with np.load(path) as z:
         stats = DatasetStats(**json.loads(str(z["stats"])))
         ds = TokenizedDataset(z["tokens"], z["loss_mask"], z["offsets"], stats)

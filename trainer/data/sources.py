@@ -1,22 +1,34 @@
 """Data sources: small functions, registered by name, that read raw records.
 
-A source takes the ``DataConfig`` and returns a list of records. A record is a dict; today's renderer
-(``trainer.data.dataset``) understands ``{"turns": [utterance, ...]}``. Adding a format means registering
-one function here, not touching the loop::
+A source takes the ``DataConfig`` and returns a list of records. A record is a dict of one of three kinds
+(rendered by ``trainer.data.dataset``): ``{"messages": [{"role", "content"}, ...]}`` (chat),
+``{"turns": [utterance, ...]}`` (a dialog) or ``{"text": str}`` (a plain document). Adding a format means
+registering one function, not touching the loop; a module of your own is imported through
+``data.plugins``::
+
+    from trainer.data import register_source
 
     @register_source("my_format")
     def my_format(cfg: DataConfig) -> list[dict]:
         ...
+
+Shipped sources: ``dailydialog_synthetic`` and ``chat_synthetic`` (generated, offline), ``dailydialog``
+(original text, parquet or hub), ``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
+(any hub dataset id, or a local dataset folder), the table sources with ``data.columns`` mapping.
 """
 
 from __future__ import annotations
 
+import hashlib
+import importlib
+import importlib.util
 import logging
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
-from trainer.data.synthetic import generate_dialogs
+from trainer.data.synthetic import generate_chats, generate_dialogs
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +38,8 @@ SOURCES: dict[str, SourceFn] = {}
 
 
 def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
+    """Register ``fn(cfg: DataConfig) -> list[dict]`` as ``data.source=name``."""
+
     def wrap(fn: SourceFn) -> SourceFn:
         SOURCES[name] = fn
         return fn
@@ -33,17 +47,66 @@ def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
     return wrap
 
 
-def load_records(cfg: DataConfig) -> list[Record]:
+def check_source(cfg: DataConfig) -> SourceFn:
+    """Import ``data.plugins`` and return the registered source (a clear error naming the options)."""
+    import_plugins(cfg.plugins)
     if cfg.source not in SOURCES:
-        raise ConfigError(f"data.source={cfg.source!r} is not registered; choose one of: {', '.join(sorted(SOURCES))}")
-    records = SOURCES[cfg.source](cfg)
+        raise ConfigError(
+            f"data.source={cfg.source!r} is not registered; choose one of: {', '.join(sorted(SOURCES))} "
+            "(a source of your own: register_source in a module listed in data.plugins)"
+        )
+    return SOURCES[cfg.source]
+
+
+def load_records(cfg: DataConfig) -> list[Record]:
+    records = check_source(cfg)(cfg)
+    if not isinstance(records, list):
+        records = list(records)
     return records[: cfg.limit] if cfg.limit is not None else records
+
+
+def import_plugins(plugins: list[str]) -> None:
+    """Import each plugin once: a ``.py`` path (relative to the working directory) or a dotted module name."""
+    for plugin in plugins:
+        plugin_path(plugin)  # fails early with a clear message when it cannot be found
+        if plugin.endswith(".py"):
+            path = Path(plugin).expanduser().resolve()
+            name = f"packfsdp_plugin_{path.stem}_{hashlib.sha256(str(path).encode()).hexdigest()[:8]}"
+            if name in sys.modules:
+                continue
+            spec = importlib.util.spec_from_file_location(name, path)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            spec.loader.exec_module(module)
+        else:
+            importlib.import_module(plugin)
+
+
+def plugin_path(plugin: str) -> Path:
+    """The file a plugin is loaded from (its size and mtime are part of the dataset cache key)."""
+    if plugin.endswith(".py"):
+        path = Path(plugin).expanduser()
+        if not path.is_file():
+            raise ConfigError(f"data.plugins: {plugin} is not a file (relative paths start at {Path.cwd()})")
+        return path.resolve()
+    if str(Path.cwd()) not in sys.path and "" not in sys.path:
+        sys.path.insert(0, str(Path.cwd()))  # `torchrun -m` and console scripts do not add it themselves
+    spec = importlib.util.find_spec(plugin)
+    if spec is None or spec.origin is None:
+        raise ConfigError(f"data.plugins: cannot import {plugin!r} (not on sys.path nor in {Path.cwd()})")
+    return Path(spec.origin)
 
 
 @register_source("dailydialog_synthetic")
 def dailydialog_synthetic(cfg: DataConfig) -> list[Record]:
     """The generated DailyDialog-like corpus (offline; see ``trainer.data.synthetic``)."""
     return [{"turns": d} for d in generate_dialogs(cfg.num_dialogs, cfg.seed)]
+
+
+@register_source("chat_synthetic")
+def chat_synthetic(cfg: DataConfig) -> list[Record]:
+    """Generated chat conversations (system / user / assistant; offline; see ``trainer.data.synthetic``)."""
+    return [{"messages": m} for m in generate_chats(cfg.num_dialogs, cfg.seed)]
 
 
 @register_source("dailydialog")
@@ -95,7 +158,62 @@ def read_dialog_parquet(files: list[Path]) -> list[list[str]]:
 def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
     import datasets
 
-    ds = datasets.load_dataset(hub_id, split=split)
+    try:
+        ds = datasets.load_dataset(hub_id, split=split)
+    except Exception as e:  # a script-based hub dataset (datasets >= 4 no longer runs scripts)
+        if "script" not in str(e).lower():
+            raise
+        log.warning("%s: %s; reading the hub's parquet conversion (refs/convert/parquet) instead", hub_id, e)
+        ds = datasets.load_dataset(hub_id, split=split, revision="refs/convert/parquet")
     if "dialog" not in ds.column_names:
         raise ValueError(f"{hub_id}: no 'dialog' column (columns: {', '.join(ds.column_names)})")
     return [[u.strip() for u in row if u and u.strip()] for row in ds["dialog"]]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Table sources: rows with a text, messages, turns or prompt/response column
+# ---------------------------------------------------------------------------------------------------------
+
+from trainer.data.tables import (  # noqa: E402
+    detect_columns,
+    read_csv,
+    read_jsonl,
+    read_parquet,
+    rows_to_records,
+    table_files,
+)
+
+
+@register_source("jsonl")
+def jsonl(cfg: DataConfig) -> list[Record]:
+    """Local JSON Lines: a ``.jsonl`` file or a folder of them (``*{split}*.jsonl`` preferred)."""
+    return rows_to_records(read_jsonl(table_files(cfg, (".jsonl", ".json"))), cfg)
+
+
+@register_source("parquet")
+def parquet(cfg: DataConfig) -> list[Record]:
+    """Local Parquet: a ``.parquet`` file or a folder of them (``*{split}*.parquet`` preferred)."""
+    return rows_to_records(read_parquet(table_files(cfg, (".parquet",))), cfg)
+
+
+@register_source("csv")
+def csv(cfg: DataConfig) -> list[Record]:
+    """Local CSV with a header row; a ``messages`` cell holds the conversation as a JSON string."""
+    return rows_to_records(read_csv(table_files(cfg, (".csv",))), cfg)
+
+
+@register_source("hf")
+def hf(cfg: DataConfig) -> list[Record]:
+    """Any dataset ``datasets.load_dataset`` opens: a hub id (``data.path``, ``data.subset``, ``data.split``)
+    or a local dataset folder. Columns are mapped with ``data.columns``."""
+    import datasets
+
+    if not cfg.path:
+        raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
+    ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
+    # Only the mapped columns, read column-wise (far faster than iterating rows of a large dataset).
+    columns = dict(cfg.columns) or detect_columns(ds.column_names)
+    keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
+    if keep:
+        ds = ds.select_columns(keep)
+    return rows_to_records(ds.to_list(), cfg)

@@ -82,3 +82,24 @@ def generate_dialogs(num_dialogs: int = 13118, seed: int = 1234) -> list[list[st
             turn += 1
         dialogs.append(dialog)
     return dialogs
+
+
+SYSTEM_PROMPTS = (
+    "You are a helpful assistant.",
+    "You are a friendly assistant who answers in short sentences.",
+    "Answer the question and be polite.",
+)
+
+
+def generate_chats(num_chats: int = 2000, seed: int = 1234) -> list[list[dict]]:
+    """Return ``num_chats`` chat conversations (``[{role, content}, ...]``) built from generated dialogs:
+    an optional system prompt, then user and assistant messages taking turns (an even count, so every
+    conversation ends with the assistant). A pure function of (num_chats, seed)."""
+    rng = np.random.default_rng(seed + 1)
+    chats = []
+    for turns in generate_dialogs(num_chats, seed):
+        turns = turns[: len(turns) - len(turns) % 2]
+        messages = [{"role": "system", "content": SYSTEM_PROMPTS[rng.integers(len(SYSTEM_PROMPTS))]}] if rng.random() < 0.5 else []
+        messages += [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(turns)]
+        chats.append(messages)
+    return chats

@@ -17,15 +17,17 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from trainer.dist import barrier, is_rank0
+from trainer.dist import on_rank0_then_all
 
 log = logging.getLogger(__name__)
 
 EOS = "<|endoftext|>"
 
 
-def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
-    """Train a byte-level BPE tokenizer on ``texts``."""
+def train_bpe_tokenizer(
+    texts: Iterable[str], vocab_size: int, extra_special_tokens: list[str] | None = None
+) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE tokenizer on ``texts`` (``extra_special_tokens``: e.g. ChatML's markers)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
@@ -34,35 +36,45 @@ def train_bpe_tokenizer(texts: Iterable[str], vocab_size: int) -> PreTrainedToke
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         min_frequency=2,
-        special_tokens=[EOS],
+        special_tokens=[EOS, *(extra_special_tokens or [])],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS
+        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS,
+        additional_special_tokens=list(extra_special_tokens or []),
     )
 
 
 def local_tokenizer(
-    texts: Callable[[], list[str]], vocab_size: int, cache_dir: str | Path, cache_key: str
+    texts: Callable[[], list[str]],
+    vocab_size: int,
+    cache_dir: str | Path,
+    cache_key: str,
+    extra_special_tokens: list[str] | None = None,
 ) -> PreTrainedTokenizerBase:
     """Load the cached local tokenizer for ``cache_key``, training (on rank 0) and caching it first if needed.
 
     ``texts`` is called only on a cache miss; ``cache_key`` names what the texts are (source, seed, size)
     and, with the vocab size, selects the cache entry.
     """
-    digest = hashlib.sha256(json.dumps([cache_key, vocab_size]).encode()).hexdigest()[:16]
+    key = [cache_key, vocab_size] + ([extra_special_tokens] if extra_special_tokens else [])
+    digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{digest}"
-    if not (path / "tokenizer.json").is_file() and is_rank0():
+
+    def train_into_cache() -> None:
+        if (path / "tokenizer.json").is_file():
+            return
         corpus = texts()
         log.info("training a byte-level BPE tokenizer (vocab %d) on %d texts", vocab_size, len(corpus))
-        tokenizer = train_bpe_tokenizer(corpus, vocab_size)
+        tokenizer = train_bpe_tokenizer(corpus, vocab_size, extra_special_tokens)
         tmp = path.with_name(path.name + ".tmp")
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)
         tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
-    barrier()
+
+    on_rank0_then_all(train_into_cache)  # a bad data path fails on every rank, not only on rank 0
     return AutoTokenizer.from_pretrained(path)
 
 

@@ -1,0 +1,220 @@
+"""Every recipe composes; every CPU variant runs a few steps; Hydra habits; your own recipe from a folder
+outside the package; weights from a local save_pretrained folder; the installed package finds its configs."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from tests.conftest import REPO, run_torchrun
+from trainer.config import config_dir, recipe_dirs, register_configs, to_job_config
+
+RECIPES = sorted(p.stem for d in recipe_dirs() for p in d.glob("*.yaml"))
+# Keep CPU runs tiny: few records, a few steps.
+QUICK = ["max_steps=3", "data.limit=200", "data.num_dialogs=200", "optim.warmup_steps=1"]
+
+
+def compose_job(overrides: list[str]):
+    register_configs()
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        return to_job_config(compose("config", overrides=overrides))
+
+
+def python_train(args: list[str], cwd, timeout: float = 240) -> subprocess.CompletedProcess:
+    """``python -m trainer.train ARGS`` from ``cwd`` (outside the repository) with the repo importable."""
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "trainer.train", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_recipes_are_shipped():
+    assert {"cpu_dailydialog", "gpt2_dailydialog", "cpu_chat_sft", "qwen_chat_sft"} <= set(RECIPES)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_recipe_composes_and_names_its_command(name):
+    job = compose_job([f"recipe={name}"])
+    assert job.name == name
+    assert job.model.trust_remote_code is False  # off unless the user turns it on
+    path = next(p for d in recipe_dirs() for p in [d / f"{name}.yaml"] if p.is_file())
+    first = path.read_text().splitlines()[0]
+    assert first.startswith("# ") and "-m trainer.train" in first and f"recipe={name}" in first
+
+
+def test_embedded_default_composes():
+    job = compose_job([])
+    assert job.data.source == "dailydialog_synthetic" and job.model.name_or_path is None
+
+
+def test_chat_recipes_train_on_responses_only():
+    for name in ("cpu_chat_sft", "qwen_chat_sft"):
+        job = compose_job([f"recipe={name}"])
+        assert job.data.loss_on in ("auto", "responses")
+        assert job.model.family in ("qwen2", "llama")
+    assert compose_job(["recipe=qwen_chat_sft"]).model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_cfg_job_prints_the_resolved_config(tmp_path):
+    proc = python_train(["recipe=cpu_chat_sft", "--cfg", "job", "--resolve"], cwd=tmp_path, timeout=120)
+    assert_ok(proc)
+    printed = yaml.safe_load(proc.stdout)
+    assert printed["name"] == "cpu_chat_sft" and printed["model"]["family"] == "qwen2"
+    assert "${" not in proc.stdout
+    assert list(tmp_path.iterdir()) == []  # printing the config writes nothing
+
+
+CPU_RECIPES = [n for n in RECIPES if compose_job([f"recipe={n}"]).parallel.device != "cuda"]
+
+
+@pytest.mark.slow
+def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
+    """Every CPU recipe, packed and padded, as one Hydra sweep on 2 ranks: each job runs a few steps in its
+    own run directory, and the process group carries over from job to job."""
+    sweep = ["-m", "trainer.train", "-m", f"recipe={','.join(CPU_RECIPES)}", "packing=none,bfd", *QUICK]
+    proc = run_torchrun(sweep, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=400)
+    assert_ok(proc)
+    assert [p.name for p in tmp_path.iterdir()] == ["outputs"]  # nothing else in the working directory
+    # Hydra's multirun.yaml: one per sweep, under the name of the sweep's base config (`run` here).
+    assert [p.parent.name for p in (tmp_path / "outputs").glob("*/multirun.yaml")] == ["run"]
+    for name in CPU_RECIPES:
+        runs = sorted(p for p in (tmp_path / "outputs" / name).iterdir() if p.is_dir())
+        assert len(runs) == 2, runs
+        summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
+        assert {s["strategy"] for s in summaries} == {"none", "bfd"}
+        for run, summary in zip(runs, summaries):
+            assert summary["steps"] == 3 and summary["world_size"] == 2
+            saved = yaml.safe_load((run / "config.yaml").read_text())  # the resolved config of the run
+            assert saved["name"] == name and "${" not in json.dumps(saved)
+            assert f"packing={saved['packing']['strategy']}" in run.name
+            if name == "cpu_chat_sft":  # response-only loss: prompts are in the tokens but carry no label
+                assert summary["dataset"]["label_tokens"] < 0.6 * summary["dataset"]["tokens"]
+
+
+OWN_RECIPE = """\
+# @package _global_
+# python -m trainer.train hydra.searchpath=[file://myconf] recipe=faq_sft
+defaults:
+  - override /model: qwen2_tiny
+  - override /packing: bfd
+  - _self_
+
+name: faq_sft
+max_steps: 2
+data:
+  source: faq_lines
+  path: faq.tsv
+  plugins: [my_sources.py]
+parallel:
+  device: cpu
+optim:
+  warmup_steps: 1
+"""
+
+OWN_SOURCE = '''\
+from trainer.data import register_source
+
+
+@register_source("faq_lines")
+def faq_lines(cfg):
+    """One question<TAB>answer per line -> a two-message chat."""
+    records = []
+    with open(cfg.path, encoding="utf-8") as f:
+        for line in f:
+            question, _, answer = line.rstrip("\\n").partition("\\t")
+            records.append({"messages": [{"role": "user", "content": question},
+                                         {"role": "assistant", "content": answer}]})
+    return records
+'''
+
+
+@pytest.mark.slow
+def test_own_recipe_and_source_from_a_folder_outside_the_package(tmp_path):
+    (tmp_path / "myconf" / "recipe").mkdir(parents=True)
+    (tmp_path / "myconf" / "recipe" / "faq_sft.yaml").write_text(OWN_RECIPE)
+    (tmp_path / "my_sources.py").write_text(OWN_SOURCE)
+    words = "where when is the train bus shop open closed today tomorrow at nine ten it".split()
+    lines = [f"{' '.join(words[(i + k) % len(words)] for k in range(6))}?\t{' '.join(words[(3 * i + k) % len(words)] for k in range(9))}."
+             for i in range(120)]
+    (tmp_path / "faq.tsv").write_text("\n".join(lines) + "\n")
+
+    proc = python_train(["hydra.searchpath=[file://myconf]", "recipe=faq_sft"], cwd=tmp_path)
+    assert_ok(proc)
+    assert "data faq_lines: 120 records -> 120 examples" in proc.stderr + proc.stdout
+    (run,) = (tmp_path / "outputs" / "faq_sft").iterdir()
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["steps"] == 2
+    assert summary["dataset"]["label_tokens"] < summary["dataset"]["tokens"] // 2  # answers only
+
+
+@pytest.mark.slow
+def test_weights_from_a_local_save_pretrained_folder(tmp_path, cache_dir):
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from trainer.config import DataConfig, ModelConfig
+    from trainer.data import load_tokenizer
+
+    tokenizer = load_tokenizer(
+        ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
+        DataConfig(source="chat_synthetic", num_dialogs=100, cache_dir=cache_dir),
+    )
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(
+        "qwen2", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+    )
+    saved = tmp_path / "my-tiny-qwen"
+    AutoModelForCausalLM.from_config(config).save_pretrained(saved)
+    tokenizer.save_pretrained(saved)  # carries its ChatML template
+
+    run_dir = tmp_path / "run"
+    proc = python_train(
+        # The chat recipe's CPU variant with the real recipe's model group pointed at the folder.
+        ["recipe=cpu_chat_sft", "model=qwen2_5_0_5b_instruct", f"model.name_or_path={saved}",
+         "data.max_length=512", *QUICK, f"run_dir={run_dir}"],
+        cwd=tmp_path,
+    )
+    assert_ok(proc)
+    log = proc.stderr + proc.stdout
+    assert f"model {saved}:" in log  # loaded from the folder, not built from a config
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == 3 and summary["dataset"]["label_tokens"] < summary["dataset"]["tokens"]
+
+
+@pytest.mark.slow
+def test_installed_package_finds_configs_and_recipes_without_the_source_tree(tmp_path):
+    wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
+    build = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
+    (wheel,) = wheel_dir.glob("packfsdp-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "trainer/configs/config.yaml" in names and "trainer/recipes/cpu_chat_sft.yaml" in names
+    zipfile.ZipFile(wheel).extractall(site)  # what `pip install` puts in site-packages
+
+    env = os.environ | {"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
+    work = tmp_path / "elsewhere"
+    work.mkdir()
+    probe = "import trainer.config as c; print(c.__file__); print(c.config_dir()); print(*c.recipe_dirs())"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert all(line.startswith(str(site)) for line in out.stdout.split()), out.stdout
+    proc = subprocess.run([sys.executable, "-m", "trainer.train", "recipe=qwen_chat_sft", "--cfg", "job"],
+                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert yaml.safe_load(proc.stdout)["name"] == "qwen_chat_sft"
