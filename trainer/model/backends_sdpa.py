@@ -1,0 +1,126 @@
+"""The two SDPA backends for packed rows (CPU and GPU, no extra dependency).
+
+``sdpa_varlen``: exact causal attention inside each example. Examples of similar length share one
+batched SDPA call: each becomes a right-padded row of a ``[B, heads, L, head_dim]`` rectangle run with
+``is_causal=True``. Right padding is invisible to causal attention (a real token only sees keys at or
+before itself, all real), and the pads' own outputs are dropped, so the result is the per-example SDPA
+result, with a handful of calls instead of one per example.
+
+``sdpa_block_mask``: SDPA with a block-diagonal causal mask, the textbook reference::
+
+      a . . . . .      example a: tokens 0-2, example b: tokens 3-5
+      a a . . . .      row = query, column = key, letter = may attend
+      a a a . . .
+      . . . b . .
+      . . . b b .
+      . . . b b b
+
+A dense ``T x T`` mask costs ``T^2`` per head whatever the examples, which at budgets of thousands of
+tokens is more work than the padded baseline does. So the row is cut at example boundaries into tiles of
+``max(longest example, BLOCK_MASK_TILE)`` tokens and all tiles go through *one* SDPA call as a batch, each
+with its own block-diagonal causal mask: the same mask, minus the all-false blocks between tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.packed_layout import PackedLayout, RowPlan, allowed, causal_window_mask, packed_args
+
+VARLEN_BUCKET_RATIO = 0.75
+"""An example joins a length bucket if it is at least this fraction of the bucket's longest one."""
+BLOCK_MASK_TILE = 512
+"""Smallest tile of ``sdpa_block_mask``; tiles grow to the longest example of the row."""
+
+
+def _gather(x: torch.Tensor, plan: RowPlan) -> torch.Tensor:
+    """``[1, H, T, D]`` -> ``[B, H, L, D]`` along the plan's rows."""
+    return x[0][:, plan.index].transpose(0, 1)
+
+
+def _run_rows(query, key, value, layout: PackedLayout, plans: list[RowPlan], attend) -> torch.Tensor:
+    """Run ``attend(q, k, v, plan)`` on every plan's rectangle; return ``[1, T, H, D]`` in row order."""
+    if len(plans) == 1 and plans[0].identity:
+        return attend(query, key, value, plans[0]).transpose(1, 2)
+    outs, positions = [], []
+    for plan in plans:
+        out = attend(_gather(query, plan), _gather(key, plan), _gather(value, plan), plan)
+        outs.append(out.transpose(1, 2)[plan.valid])  # [n_real, H, D]
+        positions.append(plan.index[plan.valid])
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    pos = torch.cat(positions) if len(positions) > 1 else positions[0]
+    inverse = torch.empty_like(pos)
+    inverse[pos] = torch.arange(len(pos), device=pos.device)
+    return out.index_select(0, inverse).unsqueeze(0)
+
+
+def length_buckets(lengths: list[int], ratio: float = VARLEN_BUCKET_RATIO) -> list[list[int]]:
+    """Example ids grouped by similar length (longest first); every bucket becomes one SDPA call."""
+    buckets, top = [], 0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        if lengths[i] == 0:
+            continue
+        if not buckets or lengths[i] < ratio * top:
+            buckets.append([])
+            top = lengths[i]
+        buckets[-1].append(i)
+    return buckets
+
+
+def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Exact causal SDPA per example, examples of similar length batched into one call."""
+    args = packed_args(module, query, key, kwargs)
+    layout = PackedLayout.of(args.cu_seqlens)
+    gqa = query.shape[1] != key.shape[1]
+    if len(layout.lengths) == 1:  # one example: the row itself
+        mask = causal_window_mask(layout.total, args.window, query.device)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
+            enable_gqa=gqa,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    def attend(q, k, v, plan):
+        mask = causal_window_mask(q.shape[2], args.window, q.device)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+        )
+
+    buckets = length_buckets(layout.lengths)
+    plans = [
+        layout.plan(f"varlen:{b}", [[i] for i in bucket], query.device) for b, bucket in enumerate(buckets)
+    ]
+    return _run_rows(query, key, value, layout, plans, attend), None
+
+
+def tiles(lengths: list[int], width: int) -> list[list[int]]:
+    """Consecutive examples grouped into tiles of at most ``width`` tokens (each example fits one tile)."""
+    groups, used = [[]], 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and used + n > width:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc)."""
+    args = packed_args(module, query, key, kwargs)
+    layout = PackedLayout.of(args.cu_seqlens)
+    width = max(layout.max_len, BLOCK_MASK_TILE)
+    plan = layout.plan(f"tiles:{width}", tiles(layout.lengths, width), query.device)
+    mask_key = f"tilemask:{width}:{args.window}"
+    if mask_key not in layout._plans:
+        d, p = plan.doc, plan.pos
+        layout._plans[mask_key] = allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
+    mask = layout._plans[mask_key].unsqueeze(1)  # [tiles, 1, S, S]
+
+    def attend(q, k, v, plan):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    return _run_rows(query, key, value, layout, [plan], attend), None
