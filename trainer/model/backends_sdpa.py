@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from trainer.model.packed_layout import PackedLayout, RowPlan, allowed, causal_window_mask, packed_args
+from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
 
 VARLEN_BUCKET_RATIO = 0.75
 """An example joins a length bucket if it is at least this fraction of the bucket's longest one."""
@@ -34,25 +34,50 @@ BLOCK_MASK_TILE = 512
 """Smallest tile of ``sdpa_block_mask``; tiles grow to the longest example of the row."""
 
 
-def _gather(x: torch.Tensor, plan: RowPlan) -> torch.Tensor:
-    """``[1, H, T, D]`` -> ``[B, H, L, D]`` along the plan's rows."""
-    return x[0][:, plan.index].transpose(0, 1)
+class _PermuteRows(torch.autograd.Function):
+    """``src.index_select(0, index)`` where ``index`` is a permutation padded with dummy rows, and
+    ``inverse`` maps back. Backward is another gather (``grad.index_select(0, inverse)``, rows outside
+    ``keep`` zeroed) instead of autograd's scatter-add, which on CPU costs more than the attention itself.
+
+    Exact here because a pad slot's gradient is zero: causal masks keep real queries off pad keys and pad
+    outputs are dropped (``keep`` zeroes the gradient flowing into them).
+    """
+
+    @staticmethod
+    def forward(ctx, src, index, inverse, keep):
+        ctx.save_for_backward(inverse, keep)
+        return src.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inverse, keep = ctx.saved_tensors
+        out = grad.index_select(0, inverse)
+        if keep.numel():
+            out = out * keep.view(-1, *([1] * (out.dim() - 1)))
+        return out, None, None, None
 
 
-def _run_rows(query, key, value, layout: PackedLayout, plans: list[RowPlan], attend) -> torch.Tensor:
-    """Run ``attend(q, k, v, plan)`` on every plan's rectangle; return ``[1, T, H, D]`` in row order."""
-    if len(plans) == 1 and plans[0].identity:
-        return attend(query, key, value, plans[0]).transpose(1, 2)
-    outs, positions = [], []
-    for plan in plans:
-        out = attend(_gather(query, plan), _gather(key, plan), _gather(value, plan), plan)
-        outs.append(out.transpose(1, 2)[plan.valid])  # [n_real, H, D]
-        positions.append(plan.index[plan.valid])
+def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
+    """Run ``attend(q, k, v, r)`` on every rectangle ``r`` of the plan; return ``[1, T, H, D]`` in row order.
+
+    ``query`` is ``[1, H, T, D]``, a transposed view of transformers' ``[1, T, H, D]`` projections, so the
+    gather works on the token dimension of that memory and the rectangles come out in the same layout.
+    """
+    if plan.identity:
+        return attend(query, key, value, 0).transpose(1, 2)
+    none = plan.index.new_empty(0, dtype=torch.bool)
+    q, k, v = (_PermuteRows.apply(x[0].transpose(0, 1), plan.index, plan.token_slot, none) for x in (query, key, value))
+    # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add.
+    sizes = [rows * width for rows, width in plan.shapes]
+    parts = [torch.split(x, sizes) for x in (q, k, v)]
+    outs = []
+    for r, (rows, width) in enumerate(plan.shapes):
+        rect = [p[r].view(rows, width, p[r].shape[1], p[r].shape[2]).transpose(1, 2) for p in parts]
+        out = attend(*rect, r)  # [rows, H, width, D]
+        outs.append(out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    pos = torch.cat(positions) if len(positions) > 1 else positions[0]
-    inverse = torch.empty_like(pos)
-    inverse[pos] = torch.arange(len(pos), device=pos.device)
-    return out.index_select(0, inverse).unsqueeze(0)
+    return _PermuteRows.apply(out, plan.token_slot, plan.index, plan.valid).unsqueeze(0)
 
 
 def length_buckets(lengths: list[int], ratio: float = VARLEN_BUCKET_RATIO) -> list[list[int]]:
@@ -81,17 +106,15 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
         )
         return out.transpose(1, 2).contiguous(), None
 
-    def attend(q, k, v, plan):
+    def attend(q, k, v, r):
         mask = causal_window_mask(q.shape[2], args.window, q.device)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
 
-    buckets = length_buckets(layout.lengths)
-    plans = [
-        layout.plan(f"varlen:{b}", [[i] for i in bucket], query.device) for b, bucket in enumerate(buckets)
-    ]
-    return _run_rows(query, key, value, layout, plans, attend), None
+    # One rectangle per length bucket, one example per row.
+    buckets = [[[i] for i in bucket] for bucket in length_buckets(layout.lengths)]
+    return _run_rects(query, key, value, layout.plan("varlen", buckets, query.device), attend), None
 
 
 def tiles(lengths: list[int], width: int) -> list[list[int]]:
@@ -111,16 +134,17 @@ def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
     width = max(layout.max_len, BLOCK_MASK_TILE)
-    plan = layout.plan(f"tiles:{width}", tiles(layout.lengths, width), query.device)
+    plan = layout.plan(f"tiles:{width}", [tiles(layout.lengths, width)], query.device)
     mask_key = f"tilemask:{width}:{args.window}"
     if mask_key not in layout._plans:
-        d, p = plan.doc, plan.pos
+        rows, w = plan.shapes[0]
+        d, p = plan.doc.view(rows, w), plan.pos.view(rows, w)
         layout._plans[mask_key] = allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
     mask = layout._plans[mask_key].unsqueeze(1)  # [tiles, 1, S, S]
 
-    def attend(q, k, v, plan):
+    def attend(q, k, v, r):
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         )
 
-    return _run_rows(query, key, value, layout, [plan], attend), None
+    return _run_rects(query, key, value, plan, attend), None

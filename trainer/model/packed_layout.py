@@ -58,19 +58,27 @@ def packed_args(module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) ->
 
 
 @dataclass
-class RowPlan:
-    """Examples laid out as a ``[B, L]`` rectangle of flat token indices (right-padded)."""
+class SlotPlan:
+    """Examples laid out as right-padded rectangles stacked in one flat buffer of slots.
+
+    Rectangle ``r`` has ``shapes[r] = (rows, width)``; each row holds whole examples. One ``index_select``
+    fills every rectangle at once and one brings the results back (their backwards are single
+    ``index_add`` calls), whatever the number of rectangles.
+    """
 
     index: torch.Tensor
-    """``[B, L]`` long: flat position of each slot (pads point at position 0; their results are dropped)."""
-    valid: torch.Tensor
-    """``[B, L]`` bool: the slot holds a real token."""
+    """``[slots]`` long: the token each slot holds (pads point at token 0; their results are dropped)."""
+    token_slot: torch.Tensor
+    """``[T]`` long: the slot each token went to."""
+    shapes: list[tuple[int, int]]
     doc: torch.Tensor
-    """``[B, L]`` long: example id of each slot (a distinct negative id for every pad)."""
+    """``[slots]`` long: example id per slot (a distinct negative id for every pad)."""
     pos: torch.Tensor
-    """``[B, L]`` long: position of the slot's token inside its example."""
+    """``[slots]`` long: position of the slot's token inside its example."""
+    valid: torch.Tensor
+    """``[slots]`` bool: the slot holds a real token."""
     identity: bool = False
-    """One row holding every token in order: no gather needed."""
+    """One rectangle of one row holding every token in order: no gather needed."""
 
 
 @dataclass
@@ -98,29 +106,37 @@ class PackedLayout:
         cls._last = (cu, layout, cu._version)
         return layout
 
-    def plan(self, key: str, groups: list[list[int]], device: torch.device) -> RowPlan:
-        """Rows made of consecutive-in-row groups of examples (``groups`` lists example ids per row)."""
+    def plan(self, key: str, rectangles: list[list[list[int]]], device: torch.device) -> SlotPlan:
+        """Slots for ``rectangles``: each a list of rows, each row a list of example ids (cached by key)."""
         if key not in self._plans:
             starts = [0]
             for n in self.lengths:
                 starts.append(starts[-1] + n)
-            width = max(sum(self.lengths[i] for i in g) for g in groups)
-            index = torch.zeros(len(groups), width, dtype=torch.long)
-            valid = torch.zeros(len(groups), width, dtype=torch.bool)
-            doc = -1 - torch.arange(len(groups) * width).view(len(groups), width)
-            pos = torch.zeros(len(groups), width, dtype=torch.long)
-            for row, g in enumerate(groups):
-                col = 0
-                for i in g:
-                    n = self.lengths[i]
-                    index[row, col : col + n] = torch.arange(starts[i], starts[i] + n)
-                    valid[row, col : col + n] = True
-                    doc[row, col : col + n] = i
-                    pos[row, col : col + n] = torch.arange(n)
-                    col += n
-            identity = len(groups) == 1 and bool(valid.all()) and width == self.total
-            tensors = (t.to(device, non_blocking=True) for t in (index, valid, doc, pos))
-            self._plans[key] = RowPlan(*tensors, identity=identity)
+            index, doc, pos, shapes = [], [], [], []
+            token_slot = torch.empty(self.total, dtype=torch.long)
+            for rows in rectangles:
+                width = max(sum(self.lengths[i] for i in row) for row in rows)
+                shapes.append((len(rows), width))
+                for row in rows:
+                    used = 0
+                    for i in row:
+                        n = self.lengths[i]
+                        token_slot[starts[i] : starts[i] + n] = torch.arange(len(index), len(index) + n)
+                        index += range(starts[i], starts[i] + n)
+                        doc += [i] * n
+                        pos += range(n)
+                        used += n
+                    pads = width - used
+                    index += [0] * pads
+                    doc += range(-len(doc) - 1, -len(doc) - 1 - pads, -1)
+                    pos += [0] * pads
+            identity = shapes == [(1, self.total)] and index == list(range(self.total))
+            doc_t = torch.tensor(doc)
+            tensors = (torch.tensor(index), token_slot, shapes, doc_t, torch.tensor(pos), doc_t >= 0)
+            self._plans[key] = SlotPlan(
+                *(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in tensors),
+                identity=identity,
+            )
         return self._plans[key]
 
 
