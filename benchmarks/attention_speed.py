@@ -120,7 +120,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--bins", type=int, default=4, help="packed micro-batches timed per budget")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1,
+                        help="1 by default: on a shared machine, OpenMP threads spinning at barriers turn timings into noise")
     parser.add_argument("--num-dialogs", type=int, default=13118)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)

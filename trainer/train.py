@@ -102,7 +102,7 @@ class Trainer:
         if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
             first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
             run_startup_self_check(model, self.collate(self.dataset, first, self.tokenizer.pad_token_id),
-                                   cfg.model.self_check_tolerance, DTYPES[cfg.parallel.param_dtype])
+                                   cfg.model.self_check_tolerance, DTYPES[cfg.parallel.param_dtype], first)
         self.model = parallelize(model, build_mesh(self.device, self.world_size), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()

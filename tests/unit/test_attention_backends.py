@@ -65,13 +65,16 @@ LENGTH_SETS = {
 }
 
 
+@pytest.mark.parametrize("grouping", ["few", "many"])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
 @pytest.mark.parametrize("lengths", list(LENGTH_SETS), ids=str)
 @pytest.mark.parametrize("backend", ["sdpa_varlen", "sdpa_block_mask"])
-def test_cpu_backend_matches_reference(backend, lengths, kv_heads, window, monkeypatch):
+def test_cpu_backend_matches_reference(backend, lengths, kv_heads, window, grouping, monkeypatch):
     lengths = LENGTH_SETS[lengths]
-    monkeypatch.setattr(backends_sdpa, "BLOCK_MASK_TILE", 16)  # several tiles even for these short rows
+    if grouping == "many":  # a bucket per length, a tile per longest example: the gather paths run
+        monkeypatch.setattr(backends_sdpa, "CALL_COST", 1.0)
+        monkeypatch.setattr(backends_sdpa, "tile_width", lambda lengths, longest: longest)
     q, k, v = qkv(lengths, kv_heads=kv_heads)
     out = call(BACKENDS[backend].fn, q, k, v, lengths, window)
     ref = reference(q, k, v, lengths, window, 0.3)
@@ -93,8 +96,10 @@ def test_flex_forward_matches_reference_on_cpu(window):
 
 
 def test_buckets_and_tiles():
-    assert backends_sdpa.length_buckets([10, 2, 9, 8, 3]) == [[0, 2, 3], [4], [1]]
+    assert backends_sdpa.length_buckets([10, 2, 9, 8, 3], call_pairs=40) == [[0, 2], [3], [4, 1]]
+    assert backends_sdpa.length_buckets([10, 2, 9, 8, 3], call_pairs=0) == [[0], [2], [3], [4], [1]]
     assert backends_sdpa.tiles([5, 5, 5, 2, 9], width=10) == [[0, 1], [2, 3], [4]]
+    assert backends_sdpa.tile_width([5, 5, 5, 2, 9], 9) == 26  # one tile beats three of 64
 
 
 def test_missing_boundaries_is_an_error():

@@ -16,9 +16,10 @@ result, with a handful of calls instead of one per example.
       . . . b b b
 
 A dense ``T x T`` mask costs ``T^2`` per head whatever the examples, which at budgets of thousands of
-tokens is more work than the padded baseline does. So the row is cut at example boundaries into tiles of
-``max(longest example, BLOCK_MASK_TILE)`` tokens and all tiles go through *one* SDPA call as a batch, each
-with its own block-diagonal causal mask: the same mask, minus the all-false blocks between tiles.
+tokens is more work than the padded baseline does. So the row is cut at example boundaries into tiles
+(``tile_width``: at least the longest example, chosen to minimise ``tiles * width^2``) and all tiles go
+through *one* SDPA call as a batch, each with its own block-diagonal causal mask: the same mask, minus
+the all-false blocks between tiles.
 """
 
 from __future__ import annotations
@@ -28,10 +29,14 @@ import torch.nn.functional as F
 
 from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
 
-VARLEN_BUCKET_RATIO = 0.75
-"""An example joins a length bucket if it is at least this fraction of the bucket's longest one."""
-BLOCK_MASK_TILE = 512
-"""Smallest tile of ``sdpa_block_mask``; tiles grow to the longest example of the row."""
+CALL_COST = 2e7
+"""What one extra SDPA call costs, in (query, key) pairs times ``heads * head_dim``: the fixed overhead of
+a call (dispatch, threads, autograd) measured against the per-pair work. Buckets and tiles trade padding
+waste against calls with it; only the grouping changes, never the result."""
+
+
+def _call_cost_pairs(query: torch.Tensor) -> float:
+    return CALL_COST / (query.shape[1] * query.shape[3])
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -80,16 +85,23 @@ def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
     return _PermuteRows.apply(out, plan.token_slot, plan.index, plan.valid).unsqueeze(0)
 
 
-def length_buckets(lengths: list[int], ratio: float = VARLEN_BUCKET_RATIO) -> list[list[int]]:
-    """Example ids grouped by similar length (longest first); every bucket becomes one SDPA call."""
-    buckets, top = [], 0
+def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
+    """Example ids grouped by similar length (longest first); every bucket becomes one SDPA call.
+
+    Walking down the sorted lengths, an example joins the current bucket (padded to its longest, ``top``)
+    unless the bucket's padding waste, ``sum(top^2 - l^2)`` pairs, would exceed the cost of another call.
+    """
+    buckets, top, waste = [], 0, 0.0
     for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i] == 0:
+        n = lengths[i]
+        if n == 0:
             continue
-        if not buckets or lengths[i] < ratio * top:
+        extra = top * top - n * n
+        if not buckets or waste + extra > call_pairs:
             buckets.append([])
-            top = lengths[i]
+            top, waste, extra = n, 0.0, 0
         buckets[-1].append(i)
+        waste += extra
     return buckets
 
 
@@ -113,8 +125,9 @@ def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=Non
         )
 
     # One rectangle per length bucket, one example per row.
-    buckets = [[[i] for i in bucket] for bucket in length_buckets(layout.lengths)]
-    return _run_rects(query, key, value, layout.plan("varlen", buckets, query.device), attend), None
+    call_pairs = _call_cost_pairs(query)
+    buckets = [[[i] for i in bucket] for bucket in length_buckets(layout.lengths, call_pairs)]
+    return _run_rects(query, key, value, layout.plan(f"varlen:{call_pairs}", buckets, query.device), attend), None
 
 
 def tiles(lengths: list[int], width: int) -> list[list[int]]:
@@ -129,11 +142,19 @@ def tiles(lengths: list[int], width: int) -> list[list[int]]:
     return groups
 
 
+def tile_width(lengths: list[int], longest: int) -> int:
+    """The tile width (a multiple of 64, at least the longest example) with the least masked work,
+    ``tiles * width^2``; one tile of the whole row is a candidate too. All tiles share one call."""
+    total = sum(lengths)
+    candidates = {total} | {min(total, -(-longest // 64) * 64 * k) for k in (1, 2, 4, 8)}
+    return min(sorted(candidates), key=lambda w: len(tiles(lengths, w)) * w * w)
+
+
 def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc)."""
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
-    width = max(layout.max_len, BLOCK_MASK_TILE)
+    width = tile_width(layout.lengths, layout.max_len)
     plan = layout.plan(f"tiles:{width}", [tiles(layout.lengths, width)], query.device)
     mask_key = f"tilemask:{width}:{args.window}"
     if mask_key not in layout._plans:

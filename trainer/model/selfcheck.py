@@ -66,12 +66,16 @@ def _examples(batch: Batch) -> list[tuple[int, slice]]:
     return [(row, slice(0, int(n))) for row, n in enumerate(lengths)]
 
 
-def check_positions(batch: Batch) -> None:
-    """position_ids restart at 0 in every example and the first token of each carries no label."""
-    for row, span in _examples(batch):
-        pos = batch.position_ids[row, span]
-        if not torch.equal(pos.cpu(), torch.arange(span.stop - span.start)):
-            raise SelfCheckError(f"position_ids of the example at tokens {span.start}-{span.stop} do not restart at 0")
+def check_positions(batch: Batch, starts: list[int] | None = None) -> None:
+    """position_ids restart in every segment, at 0 (or at ``starts[k]`` for a split piece of an example,
+    ``packing=bfd_split|wrapped``) and count up by one; the first token of each segment carries no label."""
+    for k, (row, span) in enumerate(_examples(batch)):
+        first = starts[k] if starts is not None else 0
+        pos = batch.position_ids[row, span].cpu()
+        if not torch.equal(pos, torch.arange(first, first + len(pos))):
+            raise SelfCheckError(
+                f"position_ids of the example at tokens {span.start}-{span.stop} do not restart at {first}"
+            )
         if int(batch.labels[row, span.start]) != IGNORE_INDEX:
             raise SelfCheckError(f"the example at token {span.start} has a label on its first token (crosses a boundary)")
 
@@ -82,10 +86,15 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def self_check(
-    model: VarlenCausalLM, batch: Batch, tolerance: float | None = None, compute_dtype: torch.dtype | None = None
+    model: VarlenCausalLM,
+    batch: Batch,
+    tolerance: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    starts: list[int] | None = None,
 ) -> SelfCheckResult:
-    """Compare ``batch`` run as is with its examples run one by one (see the module docstring)."""
-    check_positions(batch)
+    """Compare ``batch`` run as is with its examples run one by one (see the module docstring).
+    ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0."""
+    check_positions(batch, starts)
     device = next(model.parameters()).device
     dtype = compute_dtype or next(model.parameters()).dtype
     autocast = (
@@ -101,7 +110,7 @@ def self_check(
                 ids = batch.input_ids[row : row + 1, span]
                 alone = model(
                     input_ids=ids,
-                    position_ids=torch.arange(ids.shape[1], device=device)[None],
+                    position_ids=batch.position_ids[row : row + 1, span],  # a split piece keeps its offset
                     attention_mask=torch.ones_like(ids),
                 ).float()[0]
                 together = full[row, span]
@@ -131,14 +140,18 @@ def first_microbatch(sampler, epoch: int, index: int, rank: int) -> np.ndarray:
     return rounds[index][rank]
 
 
-def run_startup_self_check(model: VarlenCausalLM, batch: Batch, tolerance: float | None, compute_dtype) -> None:
-    """Run ``self_check`` on every rank, agree on the worst result, log it, raise ``SelfCheckError`` on a mismatch."""
+def run_startup_self_check(
+    model: VarlenCausalLM, batch: Batch, tolerance: float | None, compute_dtype, indices: np.ndarray | None = None
+) -> None:
+    """Run ``self_check`` on every rank, agree on the worst result, log it, raise ``SelfCheckError`` on a
+    mismatch. ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split)."""
+    starts = [int(s) for s in indices[:, 1]] if indices is not None and np.ndim(indices) == 2 else None
     param = next(model.parameters())
     # Check in the master dtype (exact); only kernels that refuse it run under autocast to the compute dtype.
     if model.backend.unavailable(param.device, param.dtype) is None:
         compute_dtype = None
     device = param.device
-    result = self_check(model, batch.to(device), tolerance, compute_dtype)
+    result = self_check(model, batch.to(device), tolerance, compute_dtype, starts)
     excess, = dist.all_reduce_max([result.max_logit_diff / max(result.tolerance, 1e-30)], device)
     if excess > 1.0:
         raise SelfCheckError(
