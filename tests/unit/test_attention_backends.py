@@ -74,7 +74,7 @@ def test_cpu_backend_matches_reference(backend, lengths, kv_heads, window, group
     lengths = LENGTH_SETS[lengths]
     if grouping == "many":  # a bucket per length, a tile per longest example: the gather paths run
         monkeypatch.setattr(backends_sdpa, "CALL_COST", 1.0)
-        monkeypatch.setattr(backends_sdpa, "tile_width", lambda lengths, longest: longest)
+        monkeypatch.setattr(backends_sdpa, "tile_width", lambda lengths, longest, call_pairs: longest)
     q, k, v = qkv(lengths, kv_heads=kv_heads)
     out = call(BACKENDS[backend].fn, q, k, v, lengths, window)
     ref = reference(q, k, v, lengths, window, 0.3)
@@ -100,6 +100,8 @@ def test_buckets_and_tiles():
     assert backends_sdpa.length_buckets([10, 2, 9, 8, 3], call_pairs=0) == [[0], [2], [3], [4], [1]]
     assert backends_sdpa.tiles([5, 5, 5, 2, 9], width=10) == [[0, 1], [2, 3], [4]]
     assert backends_sdpa.tile_width([5, 5, 5, 2, 9], 9) == 26  # one tile beats three of 64
+    assert backends_sdpa.tile_width([300] * 8, 300) == 320  # 8 tiles of 320 beat one of 2400
+    assert backends_sdpa.tile_width([300] * 8, 300, call_pairs=1e7) == 2400  # unless gathers cost more
 
 
 def test_missing_boundaries_is_an_error():

@@ -35,8 +35,15 @@ a call (dispatch, threads, autograd) measured against the per-pair work. Buckets
 waste against calls with it; only the grouping changes, never the result."""
 
 
+GATHER_CALLS = 4
+"""The gathers into and out of tiles (forward and backward) cost about this many SDPA calls' overhead."""
+
+
 def _call_cost_pairs(query: torch.Tensor) -> float:
-    return CALL_COST / (query.shape[1] * query.shape[3])
+    # On CPU the per-pair work is split over the threads while a call's fixed cost is not (each op is a
+    # parallel region with its own barrier), so an extra call is worth more pairs with more threads.
+    threads = torch.get_num_threads() if query.device.type == "cpu" else 1
+    return CALL_COST * threads / (query.shape[1] * query.shape[3])
 
 
 class _PermuteRows(torch.autograd.Function):
@@ -142,19 +149,25 @@ def tiles(lengths: list[int], width: int) -> list[list[int]]:
     return groups
 
 
-def tile_width(lengths: list[int], longest: int) -> int:
-    """The tile width (a multiple of 64, at least the longest example) with the least masked work,
-    ``tiles * width^2``; one tile of the whole row is a candidate too. All tiles share one call."""
+def tile_width(lengths: list[int], longest: int, call_pairs: float = 0.0) -> int:
+    """The tile width (a multiple of 64, at least the longest example) with the least estimated cost:
+    ``tiles * width^2`` masked pairs (all tiles share one call), plus, unless one tile is the whole row
+    (no gather), the gathers' cost counted as ``GATHER_CALLS`` calls."""
     total = sum(lengths)
     candidates = {total} | {min(total, -(-longest // 64) * 64 * k) for k in (1, 2, 4, 8)}
-    return min(sorted(candidates), key=lambda w: len(tiles(lengths, w)) * w * w)
+
+    def cost(w: int) -> float:
+        n = len(tiles(lengths, w))
+        return n * w * w + (0.0 if n == 1 else GATHER_CALLS * call_pairs)
+
+    return min(sorted(candidates), key=cost)
 
 
 def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc)."""
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
-    width = tile_width(layout.lengths, layout.max_len)
+    width = tile_width(layout.lengths, layout.max_len, _call_cost_pairs(query))
     plan = layout.plan(f"tiles:{width}", [tiles(layout.lengths, width)], query.device)
     mask_key = f"tilemask:{width}:{args.window}"
     if mask_key not in layout._plans:
