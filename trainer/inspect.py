@@ -22,6 +22,7 @@ from transformers import AutoConfig
 from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
 from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
 from trainer.data import load_dataset, load_tokenizer
+from trainer.evaluate import split_holdout
 from trainer.packing import build_sampler
 
 EXTRA = {"num_batches": 2, "rank": 0, "world_size": 1, "show_tokens": 40}
@@ -60,13 +61,14 @@ def render_tokens(tokenizer, ids: np.ndarray, has_loss: np.ndarray, show: int) -
     return "".join(parts).replace("\n", "\\n")
 
 
-def positions_summary(pos: np.ndarray) -> str:
-    ok = np.array_equal(pos, np.arange(len(pos)))
+def positions_summary(pos: np.ndarray, start: int = 0) -> str:
+    ok = np.array_equal(pos, np.arange(start, start + len(pos)))
     shown = " ".join(map(str, pos[:4])) + (f" ... {pos[-1]}" if len(pos) > 4 else "")
-    return f"position_ids {shown} ({'restart at 0: ok' if ok else 'DO NOT RESTART'})"
+    verdict = ("restart at 0: ok" if start == 0 else f"split piece, continues at {start}: ok") if ok else "DO NOT RESTART"
+    return f"position_ids {shown} ({verdict})"
 
 
-def describe(batch: Batch, tokenizer, budget: int, show: int) -> list[str]:
+def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] | None = None) -> list[str]:
     """Lines describing one micro-batch and each of its examples."""
     labels = batch.labels.numpy()
     if batch.packed:
@@ -87,7 +89,7 @@ def describe(batch: Batch, tokenizer, budget: int, show: int) -> list[str]:
         has_loss = labels[row, s:e] != IGNORE_INDEX
         where = f"tokens {s}-{e - 1}" if batch.packed else f"row {row}, pads after {e}"
         lines.append(f"  example {batch.example_ids[k]} | {where} ({e - s} tokens, {int(has_loss.sum())} with loss) | "
-                     f"{positions_summary(batch.position_ids[row, s:e].numpy())}"
+                     f"{positions_summary(batch.position_ids[row, s:e].numpy(), starts[k] if starts else 0)}"
                      f"{'' if not has_loss[0] else ' | FIRST TOKEN HAS A LABEL'}")
         lines.append("    " + render_tokens(tokenizer, ids, has_loss, show))
     return lines
@@ -121,9 +123,17 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(f"packfsdp: rank={extra['rank']} is outside world_size={extra['world_size']}")
 
     tokenizer = load_tokenizer(cfg.model, cfg.data)
-    context = model_context(cfg) or cfg.data.max_length
-    dataset = load_dataset(cfg.data, tokenizer, min(cfg.data.max_length, context, cfg.packing.token_budget))
-    sampler = build_sampler(dataset.lengths, cfg.packing, extra["rank"], extra["world_size"], cfg.seed)
+    # The same examples as trainer.train: clamped like there, eval hold-out removed like there.
+    max_length = min(cfg.data.max_length, model_context(cfg) or cfg.data.max_length)
+    if not cfg.packing.splits_examples:
+        max_length = min(max_length, cfg.packing.token_budget)
+    dataset, _ = split_holdout(
+        load_dataset(cfg.data, tokenizer, max_length),
+        cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
+    )
+    sampler = build_sampler(
+        dataset.lengths, cfg.packing, extra["rank"], extra["world_size"], cfg.seed, grad_accum=cfg.grad_accum
+    )
     collate = collate_packed if cfg.packing.packed else collate_padded
     print(f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.packing.token_budget} | "
           f"rank {extra['rank']} of {extra['world_size']} | text in {NO_LOSS_OPEN} {NO_LOSS_CLOSE} carries no loss")
@@ -131,7 +141,9 @@ def main(argv: list[str] | None = None) -> None:
         epoch, indices, _ = sampler.next_microbatch()
         print(f"\n== micro-batch {n + 1} (epoch {epoch}) ==")
         batch = collate(dataset, indices, tokenizer.pad_token_id)
-        print("\n".join(describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"])))
+        # A split piece (packing=bfd_split|wrapped) starts at its offset inside the example, not at 0.
+        starts = [int(v) for v in indices[:, 1]] if np.ndim(indices) == 2 else None
+        print("\n".join(describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"], starts)))
 
 
 if __name__ == "__main__":

@@ -54,3 +54,15 @@ def test_positions_that_do_not_restart_are_caught(model, small_dataset, tokenize
     batch.position_ids = torch.arange(batch.num_tokens)[None]
     with pytest.raises(SelfCheckError, match="do not restart"):
         self_check(model, batch)
+
+
+def test_split_pieces_keep_their_offsets(model, small_dataset, tokenizer):
+    """packing=bfd_split|wrapped: a piece's positions continue inside its example; that passes, and a
+    piece whose positions were reset to 0 is caught."""
+    pieces = np.array([[3, 0, 10], [17, 5, 20], [42, 2, 9]])
+    batch = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
+    run_startup_self_check(model, batch, None, None, pieces)
+    with pytest.raises(SelfCheckError, match="do not restart at 5"):
+        broken = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
+        broken.position_ids[0, 10:25] = torch.arange(15)
+        self_check(model, broken, starts=[0, 5, 2])
