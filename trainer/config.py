@@ -79,7 +79,12 @@ class ModelConfig:
     tokenizer_vocab_size: int = 4096
     """Vocabulary size of the locally trained tokenizer."""
     attention: str = "auto"
-    """Attention backend for packed batches (see ``trainer.model.attention.BACKENDS``)."""
+    """Attention backend for packed batches: ``auto``, ``flash_attn``, ``torch_varlen``, ``flex``,
+    ``sdpa_varlen`` or ``sdpa_block_mask`` (see ``trainer.model.attention``)."""
+    self_check: bool = True
+    """Before step 1, run one real micro-batch as built and example by example; stop on a mismatch."""
+    self_check_tolerance: float | None = None
+    """Max |logit difference| (relative to the largest logit) the self-check allows; ``None``: by dtype."""
     dtype: str = "float32"
     """dtype of the master weights (the optimizer's copy). Compute dtype is ``parallel.param_dtype``."""
     trust_remote_code: bool = False

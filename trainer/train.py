@@ -32,7 +32,8 @@ from trainer.config import ConfigError, JobConfig, config_dir, register_configs,
 from trainer.data import load_dataset, load_tokenizer
 from trainer.evaluate import evaluate, split_holdout
 from trainer.metrics import MetricsLogger, ProgressBar, RunSummary, peak_memory_gib, setup_logging
-from trainer.model import AttentionBackendError, build_model, max_positions, resolve_backend
+from trainer.model import DTYPES, AttentionBackendError, build_model, max_positions, resolve_backend
+from trainer.model.selfcheck import SelfCheckError, first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
@@ -67,9 +68,10 @@ class Trainer:
 
         packed = cfg.packing.packed
         # Resolve the backend first: a backend that cannot run here fails before any heavy work.
-        self.backend = resolve_backend(cfg.model.attention, self.device)
+        self.backend = resolve_backend(cfg.model.attention, self.device, DTYPES[cfg.parallel.param_dtype])
         self.tokenizer = load_tokenizer(cfg.model, cfg.data)
         model = build_model(cfg.model, self.tokenizer, self.backend, cfg.seed)
+        self.backend = model.backend  # `auto` may move on to a backend that supports the model's dropout
         if packed:
             log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
         else:
@@ -96,7 +98,12 @@ class Trainer:
 
         self.flop_params = flop_params(model)
         self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
-        self.model = parallelize(model.to(self.device), build_mesh(self.device, self.world_size), cfg.parallel)
+        model = model.to(self.device)
+        if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
+            first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
+            run_startup_self_check(model, self.collate(self.dataset, first, self.tokenizer.pad_token_id),
+                                   cfg.model.self_check_tolerance, DTYPES[cfg.parallel.param_dtype], first)
+        self.model = parallelize(model, build_mesh(self.device, self.world_size), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -321,6 +328,9 @@ def hydra_main(raw: DictConfig) -> dict | None:
     except ConfigError as e:  # found while building (a data path, source or column mapping)
         print(f"packfsdp: config error: {e}", file=sys.stderr)
         sys.exit(2)
+    except SelfCheckError as e:
+        print(f"packfsdp: {e}", file=sys.stderr)
+        sys.exit(3)
 
 
 def main() -> None:

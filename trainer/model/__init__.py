@@ -4,9 +4,11 @@ from trainer.model.attention import (
     BACKENDS,
     AttentionBackend,
     AttentionBackendError,
+    attention_dropout,
     document_causal_mask,
     resolve_backend,
 )
+from trainer.model.selfcheck import SelfCheckError, self_check
 from trainer.model.loading import DTYPES, build_model, max_positions
 from trainer.model.wrapper import VarlenCausalLM
 
@@ -15,9 +17,12 @@ __all__ = [
     "DTYPES",
     "AttentionBackend",
     "AttentionBackendError",
+    "SelfCheckError",
     "VarlenCausalLM",
+    "attention_dropout",
     "build_model",
     "document_causal_mask",
     "max_positions",
     "resolve_backend",
+    "self_check",
 ]

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import ModelConfig
-from trainer.model.attention import AttentionBackend
+from trainer.model.attention import AttentionBackend, fit_backend_to_model
 from trainer.model.wrapper import PADDED_ATTENTION, VarlenCausalLM
 
 log = logging.getLogger(__name__)
@@ -46,7 +46,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     model.config.use_cache = False
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, %s", cfg.name_or_path or cfg.family, n_params / 1e6, cfg.dtype)
-    return VarlenCausalLM(model, backend)
+    # A backend without attention dropout cannot train a model that asks for it: `auto` moves on, a named
+    # backend fails here, before any data is read.
+    return VarlenCausalLM(model, fit_backend_to_model(backend, model.config))
 
 
 def max_positions(model: VarlenCausalLM) -> int | None:

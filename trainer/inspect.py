@@ -1,0 +1,150 @@
+"""Look at packed micro-batches before a long run: ``python -m trainer.inspect recipe=NAME num_batches=2``.
+
+Builds the tokenizer, dataset and sampler exactly as ``trainer.train`` would for the same overrides, then
+decodes the first micro-batches of one rank and prints, for each example: its slot in the row
+(``cu_seqlens`` boundary), its position_ids (which must restart at 0) and its text with the tokens that
+carry **no** loss shown inside ``[[ ]]`` (the first token of every example never carries loss).
+
+Extra keys (not part of the training config): ``num_batches`` (default 2), ``rank`` (default 0),
+``world_size`` (default 1: the plan a run on that many ranks would deal) and ``show_tokens`` (tokens shown
+at each end of an example, default 40; ``-1`` shows everything). Every other ``key=value`` is a normal
+Hydra override (``packing=none`` shows the padded baseline's micro-batches).
+"""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+from hydra import compose, initialize_config_dir
+from transformers import AutoConfig
+
+from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
+from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
+from trainer.data import load_dataset, load_tokenizer
+from trainer.evaluate import split_holdout
+from trainer.packing import build_sampler
+
+EXTRA = {"num_batches": 2, "rank": 0, "world_size": 1, "show_tokens": 40}
+NO_LOSS_OPEN, NO_LOSS_CLOSE = "[[", "]]"
+
+
+def model_context(cfg: JobConfig) -> int | None:
+    """The model's context length from its config alone (no weights are loaded)."""
+    m = cfg.model
+    config = (
+        AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **m.config_overrides)
+        if m.name_or_path
+        else AutoConfig.for_model(m.family, **dict(m.config_overrides))
+    )
+    for key in ("n_positions", "max_position_embeddings"):
+        if getattr(config, key, None):
+            return int(getattr(config, key))
+    return None
+
+
+def render_tokens(tokenizer, ids: np.ndarray, has_loss: np.ndarray, show: int) -> str:
+    """Decoded text, no-loss runs inside ``[[ ]]``; long examples keep ``show`` tokens at each end."""
+    spans = [(0, len(ids))] if show < 0 or len(ids) <= 2 * show else [(0, show), (len(ids) - show, len(ids))]
+    parts = []
+    for k, (start, stop) in enumerate(spans):
+        if k:
+            parts.append(f" ...({spans[1][0] - spans[0][1]} tokens)... ")
+        t = start
+        while t < stop:
+            end = t
+            while end < stop and has_loss[end] == has_loss[t]:
+                end += 1
+            text = tokenizer.decode(ids[t:end].tolist())
+            parts.append(text if has_loss[t] else f"{NO_LOSS_OPEN}{text}{NO_LOSS_CLOSE}")
+            t = end
+    return "".join(parts).replace("\n", "\\n")
+
+
+def positions_summary(pos: np.ndarray, start: int = 0) -> str:
+    ok = np.array_equal(pos, np.arange(start, start + len(pos)))
+    shown = " ".join(map(str, pos[:4])) + (f" ... {pos[-1]}" if len(pos) > 4 else "")
+    verdict = ("restart at 0: ok" if start == 0 else f"split piece, continues at {start}: ok") if ok else "DO NOT RESTART"
+    return f"position_ids {shown} ({verdict})"
+
+
+def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] | None = None) -> list[str]:
+    """Lines describing one micro-batch and each of its examples."""
+    labels = batch.labels.numpy()
+    if batch.packed:
+        cu = batch.cu_seqlens.tolist()
+        slots = [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
+        head = (f"packed row: {batch.num_examples} examples, {batch.num_tokens}/{budget} tokens "
+                f"({100 * batch.num_tokens / budget:.1f}% of the budget), {batch.num_label_tokens} carry loss | "
+                f"cu_seqlens {cu}")
+    else:
+        lengths = batch.attention_mask.sum(1).tolist()
+        slots = [(row, 0, n) for row, n in enumerate(lengths)]
+        head = (f"padded: {batch.num_examples} rows x {batch.input_ids.shape[1]} positions, {batch.num_tokens} real "
+                f"tokens ({100 * (1 - batch.num_tokens / batch.num_positions):.1f}% padding), "
+                f"{batch.num_label_tokens} carry loss")
+    lines = [head]
+    for k, (row, s, e) in enumerate(slots):
+        ids = batch.input_ids[row, s:e].numpy()
+        has_loss = labels[row, s:e] != IGNORE_INDEX
+        where = f"tokens {s}-{e - 1}" if batch.packed else f"row {row}, pads after {e}"
+        lines.append(f"  example {batch.example_ids[k]} | {where} ({e - s} tokens, {int(has_loss.sum())} with loss) | "
+                     f"{positions_summary(batch.position_ids[row, s:e].numpy(), starts[k] if starts else 0)}"
+                     f"{'' if not has_loss[0] else ' | FIRST TOKEN HAS A LABEL'}")
+        lines.append("    " + render_tokens(tokenizer, ids, has_loss, show))
+    return lines
+
+
+def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
+    extra, overrides = dict(EXTRA), []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if sep and key in EXTRA:
+            extra[key] = int(value)
+        else:
+            overrides.append(arg)
+    return extra, overrides
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra, overrides = parse_args(argv)
+    register_configs()
+    from trainer.cli import check_group_choices
+
+    check_group_choices(overrides)
+    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
+        raw = compose(config_name="config", overrides=overrides)
+    try:
+        cfg = to_job_config(raw)
+    except ConfigError as e:
+        sys.exit(f"packfsdp: config error: {e}")
+    if not 0 <= extra["rank"] < extra["world_size"]:
+        sys.exit(f"packfsdp: rank={extra['rank']} is outside world_size={extra['world_size']}")
+
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    # The same examples as trainer.train: clamped like there, eval hold-out removed like there.
+    max_length = min(cfg.data.max_length, model_context(cfg) or cfg.data.max_length)
+    if not cfg.packing.splits_examples:
+        max_length = min(max_length, cfg.packing.token_budget)
+    dataset, _ = split_holdout(
+        load_dataset(cfg.data, tokenizer, max_length),
+        cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
+    )
+    sampler = build_sampler(
+        dataset.lengths, cfg.packing, extra["rank"], extra["world_size"], cfg.seed, grad_accum=cfg.grad_accum
+    )
+    collate = collate_packed if cfg.packing.packed else collate_padded
+    print(f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.packing.token_budget} | "
+          f"rank {extra['rank']} of {extra['world_size']} | text in {NO_LOSS_OPEN} {NO_LOSS_CLOSE} carries no loss")
+    for n in range(extra["num_batches"]):
+        epoch, indices, _ = sampler.next_microbatch()
+        print(f"\n== micro-batch {n + 1} (epoch {epoch}) ==")
+        batch = collate(dataset, indices, tokenizer.pad_token_id)
+        # A split piece (packing=bfd_split|wrapped) starts at its offset inside the example, not at 0.
+        starts = [int(v) for v in indices[:, 1]] if np.ndim(indices) == 2 else None
+        print("\n".join(describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"], starts)))
+
+
+if __name__ == "__main__":
+    main()

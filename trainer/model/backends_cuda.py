@@ -1,0 +1,157 @@
+"""GPU backends for packed rows: flash-attn's varlen kernel, torch's varlen_attn, FlexAttention.
+
+Each takes transformers' attention signature (``query`` ``[1, heads, T, head_dim]``) and returns
+``[1, T, heads, head_dim]``. Each has an ``*_unavailable(device, dtype)`` that says, in one line, why it
+cannot run here (or ``None``): ``resolve_backend`` calls it before any model is built.
+
+Sliding windows map onto the kernels' ``window_size=(left, right)``: transformers' window ``W`` (the last
+``W`` tokens, itself included) is ``(W - 1, 0)``; plain causal is ``(-1, 0)``. The kernels work per
+example (``cu_seqlens``), so the window never leaves its example.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+from trainer.model.packed_layout import AttentionBackendError, PackedLayout, allowed, packed_args
+
+log = logging.getLogger(__name__)
+
+HALF = (torch.bfloat16, torch.float16)
+
+
+def _needs_cuda(device: torch.device) -> str | None:
+    if device.type != "cuda":
+        return f"it needs a CUDA GPU and this run is on {device.type}"
+    return None
+
+
+def _needs_half(dtype: torch.dtype | None, what: str) -> str | None:
+    if dtype is not None and dtype not in HALF:
+        return f"{what} kernels compute in bfloat16/float16 only, and the compute dtype is {str(dtype).split('.')[-1]}"
+    return None
+
+
+def _needs_sm80(device: torch.device) -> str | None:
+    major, minor = torch.cuda.get_device_capability(device)
+    if major < 8:
+        return f"its flash kernels need an Ampere or newer GPU (sm80+), this one is sm{major}{minor}"
+    return None
+
+
+def _flat(x: torch.Tensor) -> torch.Tensor:
+    """``[1, H, T, D]`` -> ``[T, H, D]`` (the varlen kernels' layout)."""
+    return x[0].transpose(0, 1)
+
+
+def _window_size(window: int | None) -> tuple[int, int]:
+    return (-1, 0) if window is None else (window - 1, 0)
+
+
+# ------------------------------------------------------------------------------------------------ flash-attn
+def flash_attn_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    missing = importlib.util.find_spec("flash_attn") is None
+    install = "pip install 'packfsdp[flash]'"
+    if reason := _needs_cuda(device):
+        return reason + (f"; flash-attn is also not installed ({install})" if missing else "")
+    if missing:
+        return f"the flash-attn package is not installed ({install}), or choose model.attention=torch_varlen"
+    return _needs_sm80(device) or _needs_half(dtype, "flash-attn")
+
+
+def flash_attn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """flash-attn's ``flash_attn_varlen_func`` (GQA native, dropout supported)."""
+    from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
+
+    args = packed_args(module, query, key, kwargs)
+    cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
+    out = flash_attn_varlen_func(
+        _flat(query), _flat(key), _flat(value), cu, cu, args.max_seqlen, args.max_seqlen,
+        dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=_window_size(args.window),
+    )
+    return out.unsqueeze(0), None
+
+
+# ---------------------------------------------------------------------------------------------- torch varlen
+def torch_varlen_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    if reason := _needs_cuda(device):
+        return reason
+    if not torch.backends.cuda.is_flash_attention_available():
+        return "this torch build has no flash attention kernels"
+    return _needs_sm80(device) or _needs_half(dtype, "torch varlen_attn")
+
+
+def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """``torch.nn.attention.varlen.varlen_attn`` (no extra dependency; no dropout)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    if dropout > 0:
+        raise AttentionBackendError(
+            f"torch_varlen has no attention dropout but the model asks for {dropout}; set the model's attention "
+            "dropout to 0 or choose model.attention=flash_attn/flex"
+        )
+    args = packed_args(module, query, key, kwargs)
+    cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
+    out = varlen_attn(
+        _flat(query), _flat(key), _flat(value), cu, cu, args.max_seqlen, args.max_seqlen,
+        scale=scaling, window_size=_window_size(args.window), enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.unsqueeze(0), None
+
+
+# --------------------------------------------------------------------------------------------------- flex
+def flex_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
+    if device.type == "cpu":
+        # FlexAttention runs forward on CPU but has no backward there: training would fail at step 1.
+        return f"FlexAttention has no backward pass on CPU in torch {torch.__version__.split('+')[0]}, so it cannot train here"
+    return _needs_cuda(device)
+
+
+_compiled_flex = None
+
+
+def _flex_fn(device: torch.device):
+    """Compiled flex_attention on GPU (the eager path materialises scores); eager elsewhere (tests)."""
+    global _compiled_flex
+    if device.type != "cuda":
+        return flex_attention
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention, dynamic=True)
+    return _compiled_flex
+
+
+def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.device) -> BlockMask:
+    """The document-causal (sliding-window) BlockMask of a packed row, built once per forward."""
+    layout = PackedLayout.of(cu_seqlens)
+    key = f"flex:{window}:{device}"
+    if key not in layout._plans:
+        lengths = torch.tensor(layout.lengths, device=device)
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
+        starts = torch.repeat_interleave(cu_seqlens[:-1].to(device=device, dtype=torch.long), lengths)
+        pos = torch.arange(layout.total, device=device) - starts
+
+        def document_causal(b, h, q_idx, kv_idx):
+            return allowed(doc[q_idx], pos[q_idx], doc[kv_idx], pos[kv_idx], window)
+
+        layout._plans[key] = create_block_mask(document_causal, None, None, layout.total, layout.total, device=device)
+    return layout._plans[key]
+
+
+def flex_attention_backend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """FlexAttention with a document-causal block mask (blocks between examples are skipped entirely)."""
+    if dropout > 0:
+        raise AttentionBackendError(
+            f"flex has no attention dropout but the model asks for {dropout}; set it to 0 or use flash_attn"
+        )
+    args = packed_args(module, query, key, kwargs)
+    block_mask = flex_block_mask(args.cu_seqlens, args.window, query.device)
+    out = _flex_fn(query.device)(
+        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+    )
+    return out.transpose(1, 2).contiguous(), None

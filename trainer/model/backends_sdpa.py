@@ -1,0 +1,184 @@
+"""The two SDPA backends for packed rows (CPU and GPU, no extra dependency).
+
+``sdpa_varlen``: exact causal attention inside each example. Examples of similar length share one
+batched SDPA call: each becomes a right-padded row of a ``[B, heads, L, head_dim]`` rectangle run with
+``is_causal=True``. Right padding is invisible to causal attention (a real token only sees keys at or
+before itself, all real), and the pads' own outputs are dropped, so the result is the per-example SDPA
+result, with a handful of calls instead of one per example.
+
+``sdpa_block_mask``: SDPA with a block-diagonal causal mask, the textbook reference::
+
+      a . . . . .      example a: tokens 0-2, example b: tokens 3-5
+      a a . . . .      row = query, column = key, letter = may attend
+      a a a . . .
+      . . . b . .
+      . . . b b .
+      . . . b b b
+
+A dense ``T x T`` mask costs ``T^2`` per head whatever the examples, which at budgets of thousands of
+tokens is more work than the padded baseline does. So the row is cut at example boundaries into tiles
+(``tile_width``: at least the longest example, chosen to minimise ``tiles * width^2``) and all tiles go
+through *one* SDPA call as a batch, each with its own block-diagonal causal mask: the same mask, minus
+the all-false blocks between tiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
+
+CALL_COST = 2e7
+"""What one extra SDPA call costs, in (query, key) pairs times ``heads * head_dim``: the fixed overhead of
+a call (dispatch, threads, autograd) measured against the per-pair work. Buckets and tiles trade padding
+waste against calls with it; only the grouping changes, never the result."""
+
+
+GATHER_CALLS = 4
+"""The gathers into and out of tiles (forward and backward) cost about this many SDPA calls' overhead."""
+
+
+def _call_cost_pairs(query: torch.Tensor) -> float:
+    # On CPU the per-pair work is split over the threads while a call's fixed cost is not (each op is a
+    # parallel region with its own barrier), so an extra call is worth more pairs with more threads.
+    threads = torch.get_num_threads() if query.device.type == "cpu" else 1
+    return CALL_COST * threads / (query.shape[1] * query.shape[3])
+
+
+class _PermuteRows(torch.autograd.Function):
+    """``src.index_select(0, index)`` where ``index`` is a permutation padded with dummy rows, and
+    ``inverse`` maps back. Backward is another gather (``grad.index_select(0, inverse)``, rows outside
+    ``keep`` zeroed) instead of autograd's scatter-add, which on CPU costs more than the attention itself.
+
+    Exact here because a pad slot's gradient is zero: causal masks keep real queries off pad keys and pad
+    outputs are dropped (``keep`` zeroes the gradient flowing into them).
+    """
+
+    @staticmethod
+    def forward(ctx, src, index, inverse, keep):
+        ctx.save_for_backward(inverse, keep)
+        return src.index_select(0, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inverse, keep = ctx.saved_tensors
+        out = grad.index_select(0, inverse)
+        if keep.numel():
+            out = out * keep.view(-1, *([1] * (out.dim() - 1)))
+        return out, None, None, None
+
+
+def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
+    """Run ``attend(q, k, v, r)`` on every rectangle ``r`` of the plan; return ``[1, T, H, D]`` in row order.
+
+    ``query`` is ``[1, H, T, D]``, a transposed view of transformers' ``[1, T, H, D]`` projections, so the
+    gather works on the token dimension of that memory and the rectangles come out in the same layout.
+    """
+    if plan.identity:
+        return attend(query, key, value, 0).transpose(1, 2)
+    none = plan.index.new_empty(0, dtype=torch.bool)
+    q, k, v = (_PermuteRows.apply(x[0].transpose(0, 1), plan.index, plan.token_slot, none) for x in (query, key, value))
+    # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add.
+    sizes = [rows * width for rows, width in plan.shapes]
+    parts = [torch.split(x, sizes) for x in (q, k, v)]
+    outs = []
+    for r, (rows, width) in enumerate(plan.shapes):
+        rect = [p[r].view(rows, width, p[r].shape[1], p[r].shape[2]).transpose(1, 2) for p in parts]
+        out = attend(*rect, r)  # [rows, H, width, D]
+        outs.append(out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3]))
+    out = torch.cat(outs) if len(outs) > 1 else outs[0]
+    return _PermuteRows.apply(out, plan.token_slot, plan.index, plan.valid).unsqueeze(0)
+
+
+def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
+    """Example ids grouped by similar length (longest first); every bucket becomes one SDPA call.
+
+    Walking down the sorted lengths, an example joins the current bucket (padded to its longest, ``top``)
+    unless the bucket's padding waste, ``sum(top^2 - l^2)`` pairs, would exceed the cost of another call.
+    """
+    buckets, top, waste = [], 0, 0.0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n == 0:
+            continue
+        extra = top * top - n * n
+        if not buckets or waste + extra > call_pairs:
+            buckets.append([])
+            top, waste, extra = n, 0.0, 0
+        buckets[-1].append(i)
+        waste += extra
+    return buckets
+
+
+def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """Exact causal SDPA per example, examples of similar length batched into one call."""
+    args = packed_args(module, query, key, kwargs)
+    layout = PackedLayout.of(args.cu_seqlens)
+    gqa = query.shape[1] != key.shape[1]
+    if len(layout.lengths) == 1:  # one example: the row itself
+        mask = causal_window_mask(layout.total, args.window, query.device)
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
+            enable_gqa=gqa,
+        )
+        return out.transpose(1, 2).contiguous(), None
+
+    def attend(q, k, v, r):
+        mask = causal_window_mask(q.shape[2], args.window, q.device)
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
+        )
+
+    # One rectangle per length bucket, one example per row.
+    call_pairs = _call_cost_pairs(query)
+    buckets = [[[i] for i in bucket] for bucket in length_buckets(layout.lengths, call_pairs)]
+    return _run_rects(query, key, value, layout.plan(f"varlen:{call_pairs}", buckets, query.device), attend), None
+
+
+def tiles(lengths: list[int], width: int) -> list[list[int]]:
+    """Consecutive examples grouped into tiles of at most ``width`` tokens (each example fits one tile)."""
+    groups, used = [[]], 0
+    for i, n in enumerate(lengths):
+        if groups[-1] and used + n > width:
+            groups.append([])
+            used = 0
+        groups[-1].append(i)
+        used += n
+    return groups
+
+
+def tile_width(lengths: list[int], longest: int, call_pairs: float = 0.0) -> int:
+    """The tile width (a multiple of 64, at least the longest example) with the least estimated cost:
+    ``tiles * width^2`` masked pairs (all tiles share one call), plus, unless one tile is the whole row
+    (no gather), the gathers' cost counted as ``GATHER_CALLS`` calls."""
+    total = sum(lengths)
+    candidates = {total} | {min(total, -(-longest // 64) * 64 * k) for k in (1, 2, 4, 8)}
+
+    def cost(w: int) -> float:
+        n = len(tiles(lengths, w))
+        return n * w * w + (0.0 if n == 1 else GATHER_CALLS * call_pairs)
+
+    return min(sorted(candidates), key=cost)
+
+
+def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc)."""
+    args = packed_args(module, query, key, kwargs)
+    layout = PackedLayout.of(args.cu_seqlens)
+    width = tile_width(layout.lengths, layout.max_len, _call_cost_pairs(query))
+    plan = layout.plan(f"tiles:{width}", [tiles(layout.lengths, width)], query.device)
+    mask_key = f"tilemask:{width}:{args.window}"
+    if mask_key not in layout._plans:
+        rows, w = plan.shapes[0]
+        d, p = plan.doc.view(rows, w), plan.pos.view(rows, w)
+        layout._plans[mask_key] = allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
+    mask = layout._plans[mask_key].unsqueeze(1)  # [tiles, 1, S, S]
+
+    def attend(q, k, v, r):
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
+        )
+
+    return _run_rects(query, key, value, plan, attend), None

@@ -1,0 +1,161 @@
+"""Startup self-check: one real micro-batch, run as built and example by example, must agree.
+
+Before step 1 the trainer takes this rank's first micro-batch of the plan, runs it through the model as
+it will be trained (packed through the configured backend, or padded with its mask) and runs each of its
+examples alone through transformers' own SDPA path. Any disagreement above tolerance means examples see
+each other, positions do not restart, or the backend is wrong: the run stops with the numbers.
+
+It runs on the unsharded model (before FSDP), in eval mode (no dropout) and without gradients, in the
+master dtype; backends whose kernels compute only in half precision run under autocast to the compute
+dtype, with a looser tolerance. The worst difference is agreed across ranks, so every rank stops or none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from trainer import dist
+from trainer.collate import IGNORE_INDEX, Batch
+from trainer.model.wrapper import VarlenCausalLM
+
+log = logging.getLogger(__name__)
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 5e-2, torch.float16: 2e-2}
+"""Default max |logit difference|, relative to max(1, largest |logit|), per compute dtype."""
+
+
+class SelfCheckError(RuntimeError):
+    """The packed (or padded) micro-batch disagrees with its examples run one by one."""
+
+
+@dataclass
+class SelfCheckResult:
+    mode: str
+    examples: int
+    tokens: int
+    max_logit_diff: float
+    max_loss_diff: float
+    tolerance: float
+    worst_example: int
+    dtype: str
+
+    @property
+    def ok(self) -> bool:
+        return self.max_logit_diff <= self.tolerance
+
+    def line(self) -> str:
+        return (
+            f"{self.mode} micro-batch of {self.examples} examples / {self.tokens} tokens vs one by one ({self.dtype}): "
+            f"max |logit diff| {self.max_logit_diff:.3g} (tolerance {self.tolerance:.3g}, worst example "
+            f"#{self.worst_example}), max |token loss diff| {self.max_loss_diff:.3g}"
+        )
+
+
+def _examples(batch: Batch) -> list[tuple[int, slice]]:
+    """(row, token slice) of every example of the batch."""
+    if batch.packed:
+        cu = batch.cu_seqlens.tolist()
+        return [(0, slice(s, e)) for s, e in zip(cu[:-1], cu[1:])]
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    return [(row, slice(0, int(n))) for row, n in enumerate(lengths)]
+
+
+def check_positions(batch: Batch, starts: list[int] | None = None) -> None:
+    """position_ids restart in every segment, at 0 (or at ``starts[k]`` for a split piece of an example,
+    ``packing=bfd_split|wrapped``) and count up by one; the first token of each segment carries no label."""
+    for k, (row, span) in enumerate(_examples(batch)):
+        first = starts[k] if starts is not None else 0
+        pos = batch.position_ids[row, span].cpu()
+        if not torch.equal(pos, torch.arange(first, first + len(pos))):
+            raise SelfCheckError(
+                f"position_ids of the example at tokens {span.start}-{span.stop} do not restart at {first}"
+            )
+        if int(batch.labels[row, span.start]) != IGNORE_INDEX:
+            raise SelfCheckError(f"the example at token {span.start} has a label on its first token (crosses a boundary)")
+
+
+def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
+
+
+@torch.no_grad()
+def self_check(
+    model: VarlenCausalLM,
+    batch: Batch,
+    tolerance: float | None = None,
+    compute_dtype: torch.dtype | None = None,
+    starts: list[int] | None = None,
+) -> SelfCheckResult:
+    """Compare ``batch`` run as is with its examples run one by one (see the module docstring).
+    ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0."""
+    check_positions(batch, starts)
+    device = next(model.parameters()).device
+    dtype = compute_dtype or next(model.parameters()).dtype
+    autocast = (
+        torch.autocast(device.type, dtype=dtype) if dtype != next(model.parameters()).dtype else contextlib.nullcontext()
+    )
+    was_training = model.training
+    model.eval()
+    try:
+        with autocast:
+            full = model(**batch.model_inputs()).float()
+            worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
+            for i, (row, span) in enumerate(_examples(batch)):
+                ids = batch.input_ids[row : row + 1, span]
+                alone = model(
+                    input_ids=ids,
+                    position_ids=batch.position_ids[row : row + 1, span],  # a split piece keeps its offset
+                    attention_mask=torch.ones_like(ids),
+                ).float()[0]
+                together = full[row, span]
+                diff = float((together - alone).abs().max())
+                scale = max(scale, float(alone.abs().max()))
+                if diff > worst:
+                    worst, worst_i = diff, i
+                labels = batch.labels[row, span]
+                if len(labels) > 1:
+                    d = (_token_losses(together, labels) - _token_losses(alone, labels)).abs().max()
+                    loss_diff = max(loss_diff, float(d))
+    finally:
+        model.train(was_training)
+    tol = (TOLERANCE.get(dtype, 5e-2) if tolerance is None else tolerance) * scale
+    return SelfCheckResult(
+        "packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens, worst, loss_diff, tol,
+        worst_i, str(dtype).split(".")[-1],
+    )
+
+
+def first_microbatch(sampler, epoch: int, index: int, rank: int) -> np.ndarray:
+    """This rank's next non-empty micro-batch of the plan, without advancing the sampler."""
+    rounds = sampler.plan(epoch).rounds
+    for k in list(range(index, len(rounds))) + list(range(index)):
+        if len(rounds[k][rank]):
+            return rounds[k][rank]
+    return rounds[index][rank]
+
+
+def run_startup_self_check(
+    model: VarlenCausalLM, batch: Batch, tolerance: float | None, compute_dtype, indices: np.ndarray | None = None
+) -> None:
+    """Run ``self_check`` on every rank, agree on the worst result, log it, raise ``SelfCheckError`` on a
+    mismatch. ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split)."""
+    starts = [int(s) for s in indices[:, 1]] if indices is not None and np.ndim(indices) == 2 else None
+    param = next(model.parameters())
+    # Check in the master dtype (exact); only kernels that refuse it run under autocast to the compute dtype.
+    if model.backend.unavailable(param.device, param.dtype) is None:
+        compute_dtype = None
+    device = param.device
+    result = self_check(model, batch.to(device), tolerance, compute_dtype, starts)
+    excess, = dist.all_reduce_max([result.max_logit_diff / max(result.tolerance, 1e-30)], device)
+    if excess > 1.0:
+        raise SelfCheckError(
+            f"startup self-check failed: {result.line()}; worst rank is {excess:.3g}x over tolerance. "
+            "Examples are not kept apart: stopping before step 1 (model.self_check=false skips this check)"
+        )
+    log.info("startup self-check passed: %s", result.line())
