@@ -93,7 +93,9 @@ BACKENDS: dict[str, AttentionBackend] = {
 AUTO_ORDER = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa_block_mask")
 
 for _backend in BACKENDS.values():
-    AttentionInterface.register(_backend.hf_name, _backend.fn)
+    # Opaque to torch.compile: the per-example boundaries are data (cu_seqlens), so a traced backend would
+    # specialise on them and recompile for every packed batch. Compiled blocks break the graph here once.
+    AttentionInterface.register(_backend.hf_name, torch.compiler.disable(_backend.fn))
 
 
 def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype | None, dropout: float) -> str | None:
