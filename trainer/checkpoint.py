@@ -3,6 +3,7 @@
 Layout of one checkpoint (``<run_dir>/checkpoints/step_00000100/``)::
 
     .metadata, __0_0.distcp, ...   DCP: model parameters and optimizer state (sharded; any world size loads them)
+    hf/                            the model's transformers config and the tokenizer (for export)
     trainer_state.json             step, tokens seen, sampler position, scheduler, optimizer hyper-parameters
     rng/rank_00000.safetensors     each rank's RNG states (torch, CUDA, numpy, python)
     manifest.json                  size and SHA-256 of every file above; written last
@@ -56,6 +57,7 @@ log = logging.getLogger(__name__)
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
+HF_DIR = "hf"
 _NAME = re.compile(r"^step_(\d{8,})$")
 
 
@@ -72,6 +74,8 @@ class TrainingState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     sampler: Any
     """Anything with ``state_dict()`` / ``load_state_dict()`` returning/taking plain JSON-able data."""
+    tokenizer: Any = None
+    """Saved with the model's transformers config under ``hf/`` so that export needs only the checkpoint."""
 
 
 @dataclass
@@ -291,6 +295,17 @@ def set_rng_tensors(t: dict[str, torch.Tensor]) -> None:
     random.setstate((version, tuple(t["python"].tolist()), gauss))
 
 
+def save_hf_assets(state: TrainingState, directory: Path) -> None:
+    """The transformers config of the model (no weights) and the tokenizer."""
+    config = getattr(state.model, "config", None)
+    if config is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    config.to_json_file(str(directory / "config.json"))
+    if state.tokenizer is not None:
+        state.tokenizer.save_pretrained(str(directory))
+
+
 # ------------------------------------------------------------------------------------------ the checkpointer
 class Checkpointer:
     """Saves and restores a run's complete state with DCP; every method is collective (all ranks call it).
@@ -353,6 +368,7 @@ class Checkpointer:
                 "optimizer_param_groups": optim_sd["param_groups"],
             }
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, default=_jsonable))
+            save_hf_assets(state, tmp / HF_DIR)
         dist.barrier()  # every rank's files are on disk
 
         error = None

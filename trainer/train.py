@@ -121,7 +121,7 @@ class Trainer:
         )
 
     def training_state(self) -> TrainingState:
-        return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler)
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
 
     def resume(self) -> None:
         """Restore everything from the checkpoint ``cfg.resume`` names (``auto``: the latest complete one)."""

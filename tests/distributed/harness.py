@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
 from trainer import dist
-from trainer.checkpoint import CheckpointError
+from trainer.checkpoint import TRAINER_STATE, CheckpointError
 from trainer.collate import collate_packed
 from trainer.config import config_dir, register_configs, to_job_config
 from trainer.train import Trainer
@@ -45,6 +45,7 @@ def full_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
 def probe_logits(trainer: Trainer) -> torch.Tensor:
     """Logits of the sharded model on example 0 as a packed batch of one (collective)."""
     batch = collate_packed(trainer.dataset, [0], trainer.tokenizer.pad_token_id).to(trainer.device)
+    trainer.model.eval()  # no dropout: the exported model is compared in eval mode
     with torch.no_grad():
         logits = trainer.model(**batch.model_inputs())
     trainer.model.reshard()
@@ -65,6 +66,8 @@ class HarnessTrainer(Trainer):
             if "sampler" not in str(e) or not os.environ.get("PFTEST_DUMP_AFTER_RESUME"):
                 raise
             self.sampler_error = str(e)  # model, optimizer and scheduler were loaded before the sampler
+            saved = json.loads((self.checkpointer.resolve(self.cfg.resume) / TRAINER_STATE).read_text())
+            self.step, self.tokens_seen = saved["step"], saved["tokens_seen"]
         if os.environ.get("PFTEST_DUMP_AFTER_RESUME"):
             tensors = full_tensors(self)
             if self.rank == 0:

@@ -1,6 +1,6 @@
 """Exact resume, resharding and restart after a killed rank, on 2 gloo ranks (CPU, fp32, dropout on).
 
-One uninterrupted 10-step run is the reference (module fixture); every other run must match it bitwise
+One uninterrupted 10-step run is the reference (session fixture in conftest.py); every other run must match it bitwise
 or load its checkpoints exactly. Dropout is on, so the RNG states must be restored too.
 """
 
@@ -13,37 +13,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
+from tests.distributed.conftest import launch, overrides
 from trainer.checkpoint import complete_checkpoints, read_full_tensors
 
 pytestmark = pytest.mark.slow
-
-HARNESS = ["-m", "tests.distributed.harness"]
-
-
-def overrides(cache_dir: str, **extra) -> list[str]:
-    base = {
-        "parallel": "fsdp_fp32",
-        "parallel.device": "cpu",
-        "parallel.backend": "gloo",
-        "data.num_dialogs": 300,
-        "data.cache_dir": cache_dir,
-        "packing.token_budget": 512,
-        "model.config_overrides": "{n_layer:2,n_embd:32,n_head:4,n_positions:512,resid_pdrop:0.1,embd_pdrop:0.1,attn_pdrop:0.0}",
-        "max_steps": 10,
-        "grad_accum": 2,
-        "optim.warmup_steps": 2,
-        "checkpoint.every_steps": 3,
-        "checkpoint.keep_last": 0,
-    }
-    return [f"{k}={v}" for k, v in (base | extra).items()]
-
-
-def launch(out: Path, args: list[str], nproc: int = 2, env: dict | None = None, torchrun_args: list[str] = ()):
-    proc = run_torchrun([*torchrun_args, *HARNESS, *args], nproc=nproc, env={"PFTEST_OUT": str(out)} | (env or {}))
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    return proc
-
 
 def losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -69,14 +42,6 @@ def checkpoint_as_dump(path: Path) -> dict[str, torch.Tensor]:
             fqn, _, state = rest.rpartition(".")
             out[f"optim/{fqn}/{state}"] = value
     return out
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory, cache_dir):
-    """10 uninterrupted steps; checkpoints at 3, 6, 9 and 10."""
-    root = tmp_path_factory.mktemp("reference")
-    launch(root / "out", overrides(cache_dir, run_dir=root / "run"))
-    return root
 
 
 def test_reference_checkpoints_are_complete(reference):
