@@ -245,7 +245,9 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
 def load_tensors(state: dict, path: str | Path) -> None:
     """Fill ``state`` (nested dicts of tensors / DTensors) in place from the DCP checkpoint at ``path``.
     Works in a process group of any size and without one (full tensors)."""
-    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=TensorOnlyLoadPlanner())
+    reader = SafeFileSystemReader(str(path))
+    reader.read_metadata()  # refused metadata raises CheckpointError here, not wrapped inside DCP's errors
+    dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
 
 
 def read_full_tensors(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:
