@@ -430,7 +430,7 @@ class Checkpointer:
         except ValueError as e:
             raise CheckpointError(f"{path}: the data sampler cannot resume here: {e}") from e
         self._restore_rng(path, saved["world_size"], saved["step"])
-        if saved["total_steps"] != total_steps:
+        if saved["total_steps"] != total_steps and dist.is_rank0():
             log.warning(
                 "the checkpoint's schedule spans %d steps, this run's %d: the learning-rate schedule changes "
                 "from here on (set max_steps to keep it)", saved["total_steps"], total_steps,
