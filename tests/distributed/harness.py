@@ -55,6 +55,7 @@ def probe_logits(trainer: Trainer) -> torch.Tensor:
 class HarnessTrainer(Trainer):
     def __init__(self, cfg, out: Path | None) -> None:
         self.out, self.sampler_error = out, None
+        self.consumed: dict[int, list[int]] = {}
         kill = os.environ.get("PFTEST_KILL")
         self.kill = tuple(int(x) for x in kill.split(":")) if kill else None
         super().__init__(cfg)
@@ -74,6 +75,21 @@ class HarnessTrainer(Trainer):
                 save_file(tensors, str(self.out / "after_resume.safetensors"))
             # Re-saved on this world size (the sampler keeps its fresh state if it refused the old one).
             self.save_checkpoint()
+
+    def next_step_batches(self):
+        batches = super().next_step_batches()
+        self.consumed.setdefault(self.step + 1, []).extend(i for b in batches for i in b.example_ids)
+        return batches
+
+    def gathered_examples(self) -> dict[int, list[int]]:
+        """Example ids trained on per step, over all ranks (collective)."""
+        parts = [None] * self.world_size
+        torch.distributed.all_gather_object(parts, self.consumed)
+        merged: dict[int, list[int]] = {}
+        for part in parts:
+            for step, ids in part.items():
+                merged.setdefault(step, []).extend(ids)
+        return {step: sorted(ids) for step, ids in sorted(merged.items())}
 
     def train_step(self) -> dict:
         metrics = super().train_step()
@@ -96,6 +112,7 @@ def main(overrides: list[str]) -> None:
         result = {"sampler_error": trainer.sampler_error, "resumed_step": trainer.step}
         if trainer.sampler_error is None:
             result |= trainer.train()
+            result["examples"] = trainer.gathered_examples()
             if out:
                 tensors, logits = full_tensors(trainer), probe_logits(trainer)
                 if trainer.rank == 0:
