@@ -219,6 +219,10 @@ class Trainer:
         self.model.train()
         every = self.cfg.eval.every
         end = min(self.total_steps, self.cfg.stop_after_steps or self.total_steps)
+        if self.step >= end:  # e.g. a restart after the final checkpoint: the run is already complete
+            log.info("resumed at step %d of %d: nothing left to train", self.step, end)
+            self.metrics.close()
+            return {"steps": 0, "resumed_step": self.step, "run_dir": str(self.run_dir)}
         with ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar:
             while self.step < end:
                 metrics = self.train_step()
