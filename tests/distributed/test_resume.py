@@ -91,10 +91,12 @@ def test_reshard_2_to_1_to_2_loads_parameters_and_optimizer_exactly(reference, t
     one = tmp_path / "one"
     launch(tmp_path / "out1", overrides(cache_dir, run_dir=one, resume=source, max_steps=8), nproc=1, env=env)
     assert_tensors_equal(load_file(tmp_path / "out1" / "after_resume.safetensors"), expected)
-    # 1 -> 2, from the checkpoint the 1-rank run saved right after loading
+    # 1 -> 2, from the checkpoint the 1-rank run saved right after loading, onto an HSDP mesh (2 replicas x
+    # 1 shard): DCP reshards into any mesh; the run then saves HSDP checkpoints at steps 6 and 8.
     resaved = one / "checkpoints" / "step_00000006"
     assert_tensors_equal(checkpoint_as_dump(resaved), expected)
-    launch(tmp_path / "out2", overrides(cache_dir, run_dir=tmp_path / "two", resume=resaved, max_steps=8), env=env)
+    two = overrides(cache_dir, run_dir=tmp_path / "two", resume=resaved, max_steps=8, **{"parallel.dp_replicate": 2})
+    launch(tmp_path / "out2", two, env=env)
     assert_tensors_equal(load_file(tmp_path / "out2" / "after_resume.safetensors"), expected)
 
     sampler_errors = [json.loads((tmp_path / d / "result.json").read_text())["sampler_error"] for d in ("out1", "out2")]
@@ -103,6 +105,7 @@ def test_reshard_2_to_1_to_2_loads_parameters_and_optimizer_exactly(reference, t
     # of the 2-rank run never saw. (That every remaining bin is served exactly once on the new world size
     # is the sampler's own contract, tested in tests/unit/test_sampler.py.)
     assert sorted(losses(one)) == [7, 8] and sorted(losses(tmp_path / "two")) == [7, 8]
+    assert [p.name for p in complete_checkpoints(tmp_path / "two" / "checkpoints")] == ["step_00000006", "step_00000008"]
     seen = {i for step, ids in reference_examples(reference).items() if int(step) <= 6 for i in ids}
     for out in ("out1", "out2"):
         later = [i for ids in json.loads((tmp_path / out / "result.json").read_text())["examples"].values() for i in ids]
