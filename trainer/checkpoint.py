@@ -388,10 +388,15 @@ class Checkpointer:
     def _finalize(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0: manifest, then the atomic rename that makes the checkpoint count, then pruning."""
         write_manifest(tmp, step)
-        if final.exists():  # the same step saved again (e.g. a resumed run ending where it started)
-            shutil.rmtree(final)
+        replaced = None
+        if final.exists():  # the same step saved again: keep the old copy until the new one is in place
+            replaced = final.with_name(final.name + ".replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
         os.replace(tmp, final)
         _fsync_dir(self.dir)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
         if self.cfg.keep_last > 0:
             for old in complete_checkpoints(self.dir)[: -self.cfg.keep_last]:
                 shutil.rmtree(old, ignore_errors=True)

@@ -76,6 +76,15 @@ def test_save_then_load_restores_everything(tmp_path):
     assert torch.equal(torch.rand(3), expected_rand)
 
 
+def test_saving_the_same_step_again_replaces_it(tmp_path):
+    checkpointer, state = saved(tmp_path, steps=(3,))
+    checkpointer.save(3, state, tokens_seen=999, total_steps=10)
+    path = checkpointer.resolve("auto")
+    assert json.loads((path / "trainer_state.json").read_text())["tokens_seen"] == 999
+    assert [p.name for p in checkpointer.dir.iterdir()] == ["step_00000003"]
+    ckpt.verify_checkpoint(path)
+
+
 def test_keep_last_prunes_older_checkpoints(tmp_path):
     checkpointer, _ = saved(tmp_path, keep_last=2, steps=(1, 2, 3, 4))
     assert [p.name for p in ckpt.complete_checkpoints(checkpointer.dir)] == ["step_00000003", "step_00000004"]
