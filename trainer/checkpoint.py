@@ -42,6 +42,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -353,6 +354,11 @@ class Checkpointer:
             (tmp / "rng").mkdir(parents=True)
         dist.barrier()
 
+        # A forward under no_grad (eval) leaves blocks with reshard_after_forward=False gathered; save the
+        # sharded parameters the optimizer holds, in the same layout every time.
+        for module in state.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         model_sd = get_model_state_dict(state.model)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
