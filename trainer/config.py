@@ -162,8 +162,25 @@ class ParallelConfig:
     """MixedPrecisionPolicy: dtype the root module's outputs are cast to (``None``: leave them)."""
     reshard_after_forward: bool = True
     """Free the gathered parameters after forward (ZeRO-3); ``False`` keeps them until backward (ZeRO-2)."""
+    dp_replicate: int | None = None
+    """``None``: FSDP over all ranks (1-D mesh). An integer R: HSDP on a 2-D mesh, the model replicated R
+    times (set it to the number of nodes) and sharded over the ``world_size / R`` ranks of each replica."""
+    activation_checkpointing: str = "none"
+    """Recompute block activations in backward: ``none``, ``full`` (every block) or ``every_k``."""
+    activation_checkpointing_every: int = 2
+    """With ``every_k``: checkpoint blocks 0, k, 2k, ... (trades less memory saved for less recompute)."""
+    cpu_offload: bool = False
+    """Keep sharded parameters, gradients and the optimizer step on the CPU (FSDP2 ``CPUOffloadPolicy``)."""
+    compile: bool = False
+    """``torch.compile`` each transformer block's forward."""
+    compile_backend: str = "inductor"
+    """Backend for ``compile`` (``inductor``; ``aot_eager`` compiles fast, for tests and debugging)."""
 
     def validate(self) -> None:
+        _choice("parallel.activation_checkpointing", self.activation_checkpointing, ("none", "full", "every_k"))
+        _positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
+        if self.dp_replicate is not None:
+            _positive("parallel.dp_replicate", self.dp_replicate)
         _choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         _choice("parallel.device", self.device, ("auto", "cuda", "cpu"))
         for key in ("param_dtype", "reduce_dtype"):
@@ -241,6 +258,24 @@ class EvalConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every_steps: int = 0
+    """Save a checkpoint every N optimizer steps (``0``: only at the end)."""
+    at_end: bool = True
+    """Save a checkpoint when training ends (or stops at ``stop_after_steps``)."""
+    keep_last: int = 3
+    """Complete checkpoints kept; older ones are deleted after a newer one is complete (``0``: keep all)."""
+    dir: str | None = None
+    """Where checkpoints go (``None``: ``<run_dir>/checkpoints``). Must be shared by all nodes."""
+    verify: bool = True
+    """Check every file against the manifest's SHA-256 before loading (catches flipped or truncated files)."""
+
+    def validate(self) -> None:
+        if self.every_steps < 0 or self.keep_last < 0:
+            raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -249,12 +284,20 @@ class JobConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
 
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
     output_root: str = "outputs"
     run_dir: str | None = None
-    """Explicit run directory (all ranks use it as is)."""
+    """Explicit run directory (all ranks use it as is). Without it, a torchrun restart (same rendezvous id)
+    reuses the directory of the attempt it restarts, so ``resume=auto`` finds that attempt's checkpoints."""
+    resume: str = "none"
+    """``none``; ``auto`` (the latest complete checkpoint under the checkpoint dir, or a fresh start when
+    there is none); or the path of a checkpoint (``.../step_00000100``) or of a run / checkpoints dir."""
+    stop_after_steps: int | None = None
+    """Leave the loop after this many steps (checkpointing first) while the schedule still spans
+    ``max_steps``/``epochs``: a planned stop, e.g. before a job's time limit, to resume later."""
     seed: int = 1234
     """Seeds model init, data order and dropout."""
     epochs: int = 1
@@ -267,12 +310,15 @@ class JobConfig:
     """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
 
     def validate(self) -> None:
-        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval):
+        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
+                     self.checkpoint):
             part.validate()
         _positive("epochs", self.epochs)
         _positive("grad_accum", self.grad_accum)
         if self.max_steps is not None:
             _positive("max_steps", self.max_steps)
+        if self.stop_after_steps is not None:
+            _positive("stop_after_steps", self.stop_after_steps)
         if self.summary_skip_steps < 0:
             raise ConfigError("summary_skip_steps must be >= 0")
 
@@ -324,6 +370,7 @@ def register_configs() -> None:
         ("optim", OptimConfig),
         ("logger", LoggerConfig),
         ("eval", EvalConfig),
+        ("checkpoint", CheckpointConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=node)
     for directory in recipe_dirs():
@@ -347,6 +394,7 @@ def to_job_config(cfg: Any) -> JobConfig:
 
 
 __all__ = [
+    "CheckpointConfig",
     "ConfigError",
     "DataConfig",
     "EvalConfig",

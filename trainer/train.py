@@ -15,6 +15,7 @@ import atexit
 import json
 import logging
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import dist
+from trainer.checkpoint import Checkpointer, TrainingState, trim_metrics
 from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
 from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
 from trainer.data import load_dataset, load_tokenizer
@@ -54,6 +56,8 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.step = 0
+        self.tokens_seen = 0
+        """Label tokens trained on so far, over all ranks (restored on resume)."""
         self.setup()
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -103,16 +107,34 @@ class Trainer:
             first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
             run_startup_self_check(model, self.collate(self.dataset, first, self.tokenizer.pad_token_id),
                                    cfg.model.self_check_tolerance, DTYPES[cfg.parallel.param_dtype], first)
-        self.model = parallelize(model, build_mesh(self.device, self.world_size), cfg.parallel)
+        self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, cfg.seed)
+        self.resume()
         self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=asdict(cfg))
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
         log.info(
             "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
             len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
         )
+
+    def training_state(self) -> TrainingState:
+        return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
+
+    def resume(self) -> None:
+        """Restore everything from the checkpoint ``cfg.resume`` names (``auto``: the latest complete one)."""
+        path = self.checkpointer.resolve(self.cfg.resume)
+        if path is None:
+            return
+        restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
+        self.step, self.tokens_seen = restored.step, restored.tokens_seen
+        if self.rank == 0:
+            trim_metrics(self.run_dir, self.step)
+
+    def save_checkpoint(self) -> None:
+        self.checkpointer.save(self.step, self.training_state(), self.tokens_seen, self.total_steps)
 
     def count_total_steps(self) -> int:
         if self.cfg.max_steps is not None:
@@ -196,15 +218,24 @@ class Trainer:
     def train(self) -> dict:
         self.model.train()
         every = self.cfg.eval.every
+        end = min(self.total_steps, self.cfg.stop_after_steps or self.total_steps)
+        if self.step >= end:  # e.g. a restart after the final checkpoint: the run is already complete
+            log.info("resumed at step %d of %d: nothing left to train", self.step, end)
+            self.metrics.close()
+            return {"steps": 0, "resumed_step": self.step, "run_dir": str(self.run_dir)}
         with ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar:
-            while self.step < self.total_steps:
+            while self.step < end:
                 metrics = self.train_step()
+                self.tokens_seen += metrics["useful_tokens"]
+                metrics["tokens_seen"] = self.tokens_seen
                 self.summary.add(metrics)
                 bar.update(metrics)
-                if self.step % self.cfg.logger.log_every == 0 or self.step == self.total_steps:
+                if self.step % self.cfg.logger.log_every == 0 or self.step == end:
                     self.metrics.log(metrics)
                 if self.step == self.total_steps or (every and self.step % every == 0):
                     self.evaluate()
+                if self.checkpointer.due(self.step, last_step=self.step == end):
+                    self.save_checkpoint()
         return self.finish()
 
     def evaluate(self) -> dict | None:
@@ -266,12 +297,23 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
 
 def agree_run_dir(cfg: JobConfig) -> Path:
     """Rank 0 picks the run directory (``run_dir`` or ``<output_root>/<name>/<timestamp>``) and every rank
-    takes it from there, so ranks started in different seconds never disagree."""
+    takes it from there, so ranks started in different seconds never disagree.
+
+    A torchrun restart (``--max-restarts``) starts fresh processes in a later second; they must find the
+    checkpoints of the attempt they replace. Torchrun gives every attempt of one job the same rendezvous id
+    (``TORCHELASTIC_RUN_ID``: ``--rdzv-id``, or a random id per ``--standalone`` launch), so rank 0 records
+    the directory it chose under that id and a restarted attempt takes it from there."""
     chosen = None
     if dist.is_rank0():
         job = multirun_job_tag()
+        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+        marker = Path(cfg.output_root) / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
         if cfg.run_dir:
             chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
+        elif marker is not None and marker.is_file():
+            chosen = Path(marker.read_text().strip())
+            log.info("torchrun attempt %s of run %s: reusing %s",
+                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), run_id, chosen)
         else:
             stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
             chosen = Path(cfg.output_root) / cfg.name / stamp
@@ -279,6 +321,9 @@ def agree_run_dir(cfg: JobConfig) -> Path:
             while chosen.exists():
                 chosen = Path(cfg.output_root) / cfg.name / f"{stamp}-{suffix}"
                 suffix += 1
+            if marker is not None:
+                marker.parent.mkdir(parents=True, exist_ok=True)
+                marker.write_text(str(chosen))
         chosen.mkdir(parents=True, exist_ok=True)
         (chosen / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
     return Path(dist.broadcast_object(str(chosen) if chosen else None))
@@ -300,14 +345,17 @@ def multirun_job_tag() -> str:
 def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     """Train one job. ``keep_process_group``: the jobs of a multirun sweep share one process group (torn
     down at exit): re-creating it under torchrun makes rank 0 host a second store on the port its first
-    one held, and the ranks hang in the rendezvous."""
-    try:
-        return Trainer(cfg).train()
-    finally:
-        if keep_process_group:
-            dist.barrier()  # every rank finishes this job before any starts the next
-        else:
-            dist.destroy_distributed()
+    one held, and the ranks hang in the rendezvous.
+
+    No teardown barrier after an error: the other ranks may be blocked in a collective this rank will never
+    join, so a barrier would hang both until the timeout. Exiting lets torchrun stop the job (or restart
+    it, with --max-restarts) at once."""
+    result = Trainer(cfg).train()
+    if keep_process_group:
+        dist.barrier()  # every rank finishes this job before any starts the next
+    else:
+        dist.destroy_distributed()
+    return result
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)

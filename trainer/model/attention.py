@@ -92,8 +92,14 @@ BACKENDS: dict[str, AttentionBackend] = {
 # `auto` takes the first backend in this order that can run (fastest first).
 AUTO_ORDER = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa_block_mask")
 
+# Opaque to torch.compile (parallel.compile=true): these loop over the per-example boundaries in Python,
+# so a traced call would specialise on each batch's cu_seqlens and recompile for every packed batch.
+# Compiled blocks break the graph here once instead. (Kernel backends are left to the compiler.)
+_COMPILE_OPAQUE = ("sdpa_varlen", "sdpa_block_mask")
+
 for _backend in BACKENDS.values():
-    AttentionInterface.register(_backend.hf_name, _backend.fn)
+    fn = torch.compiler.disable(_backend.fn) if _backend.name in _COMPILE_OPAQUE else _backend.fn
+    AttentionInterface.register(_backend.hf_name, fn)
 
 
 def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype | None, dropout: float) -> str | None:

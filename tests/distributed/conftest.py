@@ -1,0 +1,45 @@
+"""Shared pieces of the distributed tests: the trainer harness launcher and one reference run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_torchrun
+
+HARNESS = ["-m", "tests.distributed.harness"]
+
+
+def overrides(cache_dir: str, **extra) -> list[str]:
+    base = {
+        "parallel": "fsdp_fp32",
+        "parallel.device": "cpu",
+        "parallel.backend": "gloo",
+        "data.num_dialogs": 300,
+        "data.cache_dir": cache_dir,
+        "packing.token_budget": 512,
+        "model.config_overrides": "{n_layer:2,n_embd:32,n_head:4,n_positions:512,resid_pdrop:0.1,embd_pdrop:0.1,attn_pdrop:0.0}",
+        "max_steps": 10,
+        "grad_accum": 2,
+        "optim.warmup_steps": 2,
+        "checkpoint.every_steps": 3,
+        "checkpoint.keep_last": 0,
+    }
+    return [f"{k}={v}" for k, v in (base | extra).items()]
+
+
+def launch(out: Path, args: list[str], nproc: int = 2, env: dict | None = None, torchrun_args: list[str] = ()):
+    proc = run_torchrun([*torchrun_args, *HARNESS, *args], nproc=nproc, env={"PFTEST_OUT": str(out)} | (env or {}))
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory, cache_dir):
+    """10 uninterrupted steps; checkpoints at 3, 6, 9 and 10."""
+    root = tmp_path_factory.mktemp("reference")
+    launch(root / "out", overrides(cache_dir, run_dir=root / "run"))
+    return root
+
+
