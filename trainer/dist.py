@@ -6,6 +6,7 @@ Every helper works without a process group (a plain ``python`` run): rank 0 of w
 from __future__ import annotations
 
 import datetime
+import gc
 import logging
 import os
 import socket
@@ -78,6 +79,11 @@ def destroy_distributed() -> None:
     """Tear the group down together: a rank that leaves while another still talks aborts gloo."""
     if is_initialized():
         dist.barrier()
+        # The model (FSDP state), device mesh and optimizer hold the group through reference cycles. Collect
+        # them now, while the interpreter is fully alive: left to interpreter finalisation, gloo's worker
+        # threads are torn down mid-exit and the process aborts ("terminate called without an active
+        # exception") after a run that had finished.
+        gc.collect()
         dist.destroy_process_group()
 
 
