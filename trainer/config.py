@@ -8,7 +8,7 @@ the composed ``DictConfig`` into a ``JobConfig`` once with ``OmegaConf.to_object
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -276,6 +276,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """What the trainer does when a step goes wrong (see ``trainer.guard``)."""
+
+    nonfinite: str = "skip"
+    """A step whose loss or gradient norm is NaN/Inf on any rank: ``skip`` it on every rank (parameters and
+    optimizer state unchanged; counted and logged) or ``stop`` the run with a message naming the step."""
+    max_consecutive_skips: int = 5
+    """With ``skip``: stop anyway after this many non-finite steps in a row (the run has diverged)."""
+    collective_timeout_s: float = 600.0
+    """Process-group timeout: a rank that waits this long in a collective (another rank stopped answering)
+    fails, so the job exits non-zero and torchrun can restart it. Covers the slowest legitimate wait too
+    (rank 0 building the dataset cache while the others wait)."""
+
+    def validate(self) -> None:
+        _choice("guard.nonfinite", self.nonfinite, ("skip", "stop"))
+        _positive("guard.max_consecutive_skips", self.max_consecutive_skips)
+        _positive("guard.collective_timeout_s", self.collective_timeout_s)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -285,6 +305,7 @@ class JobConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
@@ -310,8 +331,10 @@ class JobConfig:
     """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
 
     def validate(self) -> None:
-        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
-                     self.checkpoint):
+        for part in (
+            self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
+            self.checkpoint, self.guard,
+        ):
             part.validate()
         _positive("epochs", self.epochs)
         _positive("grad_accum", self.grad_accum)
@@ -321,6 +344,38 @@ class JobConfig:
             _positive("stop_after_steps", self.stop_after_steps)
         if self.summary_skip_steps < 0:
             raise ConfigError("summary_skip_steps must be >= 0")
+        self.validate_budget()
+
+    def validate_budget(self, context: int | None = None) -> None:
+        """Under a strategy that packs whole examples, one example of the longest allowed length must fit
+        one micro-batch; otherwise examples would be cut to the budget behind the user's back.
+
+        Args:
+            context: the model's context length when known (``setup`` checks again with the real model);
+                before the model exists, the size set in ``model.config_overrides`` if any.
+        """
+        if not self.packing.packed or getattr(self.packing, "splits_examples", False):
+            return
+        if context is None:
+            overrides = self.model.config_overrides or {}
+            context = overrides.get("n_positions") or overrides.get("max_position_embeddings")
+        longest = min(self.data.max_length, context) if context else self.data.max_length
+        if self.packing.token_budget < longest:
+            raise ConfigError(
+                f"packing.token_budget={self.packing.token_budget} cannot hold one example of {longest} tokens "
+                f"(data.max_length={self.data.max_length}, model context {context or 'unknown'}) and strategy "
+                f"{self.packing.strategy} does not split examples; set packing.token_budget>={longest} "
+                f"or data.max_length<={self.packing.token_budget}"
+            )
+
+    def validate_world(self, world_size: int) -> None:
+        """The launch fits the config (checked from ``WORLD_SIZE`` before the process group starts)."""
+        replicas = getattr(self.parallel, "dp_replicate", None)
+        if replicas is not None and world_size % replicas != 0:
+            raise ConfigError(
+                f"parallel.dp_replicate={replicas} does not divide the world size {world_size}; "
+                f"launch a multiple of {replicas} ranks or change parallel.dp_replicate"
+            )
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -371,6 +426,7 @@ def register_configs() -> None:
         ("logger", LoggerConfig),
         ("eval", EvalConfig),
         ("checkpoint", CheckpointConfig),
+        ("guard", GuardConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=node)
     for directory in recipe_dirs():
@@ -390,6 +446,16 @@ def to_job_config(cfg: Any) -> JobConfig:
         raise ConfigError("the composed config does not follow the JobConfig schema")
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
     job.validate()
+    job.validate_world(int(os.environ.get("WORLD_SIZE", 1)))
+    # Late imports: both modules import this one.
+    from trainer.model.attention import BACKENDS
+    from trainer.safety import UnsafeTargetError, check_targets
+
+    _choice("model.attention", job.model.attention, ("auto", *BACKENDS))
+    try:
+        check_targets(asdict(job))  # before anything is instantiated
+    except UnsafeTargetError as e:
+        raise ConfigError(str(e)) from None
     return job
 
 
@@ -398,6 +464,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "GuardConfig",
     "JobConfig",
     "LoggerConfig",
     "MISSING",

@@ -74,10 +74,15 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: flo
     )
 
 
-def destroy_distributed() -> None:
-    """Tear the group down together: a rank that leaves while another still talks aborts gloo."""
+def destroy_distributed(clean: bool = True) -> None:
+    """Tear the group down together: a rank that leaves while another still talks aborts gloo.
+
+    ``clean=False`` (after a failure) skips the final barrier: the other ranks may be gone or stuck, and
+    waiting for them would turn one rank's error into a hang.
+    """
     if is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -132,3 +137,45 @@ def on_rank0_then_all(fn: Callable[[], None]) -> None:
         raise error
     if shared is not None:
         raise shared
+
+
+def check_same_on_all_ranks(value: int, what: str, device: torch.device) -> None:
+    """Fail on every rank, together, unless ``value`` is equal on all ranks (one all-reduce).
+
+    Used for the number of optimizer steps: a rank that ran out of data before the others would leave them
+    waiting in a collective forever, so a disagreement is an error before the first step, never a hang.
+    """
+    high, neg_low = all_reduce_max([value, -value], device)
+    if high != -neg_low:
+        raise RuntimeError(f"ranks disagree on {what}: between {int(-neg_low)} and {int(high)} (this rank: {value})")
+
+
+# The c10d store every rank already shares: a failing rank leaves its reason there, so the ranks that only
+# see a broken collective can say *why* the job stopped.
+_FAILURE_KEY = "packfsdp/failure/{rank}"
+
+
+def record_failure(message: str) -> None:
+    """Leave this rank's failure reason in the shared store (best effort: the store may be gone)."""
+    if not is_initialized():
+        return
+    try:
+        dist.distributed_c10d._get_default_store().set(_FAILURE_KEY.format(rank=rank()), message)
+    except Exception:  # noqa: BLE001 - reporting must never raise over the real error
+        pass
+
+
+def peer_failures() -> dict[int, str]:
+    """Failure reasons other ranks recorded (best effort, never blocks: ``check`` before ``get``)."""
+    if not is_initialized():
+        return {}
+    found = {}
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in range(world_size()):
+            key = _FAILURE_KEY.format(rank=r)
+            if r != rank() and store.check([key]):
+                found[r] = store.get(key).decode(errors="replace")
+    except Exception:  # noqa: BLE001
+        pass
+    return found
