@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from trainer.config import LoggerConfig
-from trainer.safety import RedactingFilter
+from trainer.safety import RedactingFilter, redact_argv
 
 log = logging.getLogger("trainer")
 
@@ -160,6 +160,7 @@ def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
+    sys.argv[1:] = redact_argv(sys.argv[1:])  # wandb stores the command line in its run files
     kwargs = dict(project=cfg.wandb_project, dir=str(run_dir), config=run_config, name=run_dir.name)
     try:
         return wandb.init(mode=cfg.wandb_mode, **kwargs)

@@ -12,7 +12,7 @@ Three rules, each enforced in one place:
 2. **Secrets never leave the process.** Values of secret-looking environment variables (``WANDB_API_KEY``,
    ``HF_TOKEN``, anything named ``*_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``) and token-shaped
    strings are replaced by ``***`` in every log line (a filter on the root handler), in the saved
-   ``config.yaml``, in ``summary.json`` and in the config handed to wandb.
+   ``config.yaml``, in error lines, in the config handed to wandb and in the command line wandb records.
 3. **No pickle from disk.** ``load_tensors`` reads safetensors, or ``torch.load`` with
    ``weights_only=True`` (a pickle that names anything but tensors and plain containers is refused with
    one line naming the file).
@@ -119,6 +119,16 @@ def redact_tree(tree: Any) -> Any:
     if isinstance(tree, str):
         return redact(tree)
     return tree
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Command-line arguments with secrets redacted, ``key=value`` overrides of secret-named keys included
+    (wandb and others record ``sys.argv`` in their run files)."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        out.append(f"{key}={REDACTED}" if sep and value and SECRET_CONFIG_KEYS.search(key) else redact(arg))
+    return out
 
 
 class RedactingFilter(logging.Filter):
