@@ -139,15 +139,23 @@ def on_rank0_then_all(fn: Callable[[], None]) -> None:
         raise shared
 
 
-def check_same_on_all_ranks(value: int, what: str, device: torch.device) -> None:
-    """Fail on every rank, together, unless ``value`` is equal on all ranks (one all-reduce).
+def check_same_on_all_ranks(values: dict[str, int], device: torch.device) -> None:
+    """Fail on every rank, together, unless each named value is equal on all ranks (one all-reduce).
 
-    Used for the number of optimizer steps: a rank that ran out of data before the others would leave them
-    waiting in a collective forever, so a disagreement is an error before the first step, never a hang.
+    Used for the dataset size and the number of optimizer steps: a rank that ran out of data before the
+    others (a stale cache on one node, a sampler bug) would leave them waiting in a collective forever, so
+    a disagreement is an error before the first step, never a hang.
     """
-    high, neg_low = all_reduce_max([value, -value], device)
-    if high != -neg_low:
-        raise RuntimeError(f"ranks disagree on {what}: between {int(-neg_low)} and {int(high)} (this rank: {value})")
+    names = list(values)
+    flat = [float(values[n]) for n in names] + [-float(values[n]) for n in names]
+    reduced = all_reduce_max(flat, device)
+    for i, name in enumerate(names):
+        high, low = reduced[i], -reduced[len(names) + i]
+        if high != low:
+            raise RuntimeError(
+                f"ranks disagree on {name}: between {int(low)} and {int(high)} (this rank: {values[name]}); "
+                "every rank must see the same data"
+            )
 
 
 # The c10d store every rank already shares: a failing rank leaves its reason there, so the ranks that only

@@ -115,7 +115,10 @@ class Trainer:
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
-        dist.check_same_on_all_ranks(self.total_steps, "the number of optimizer steps", self.device)
+        dist.check_same_on_all_ranks(
+            {"the number of examples": len(self.dataset), "the number of optimizer steps": self.total_steps},
+            self.device,
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, cfg.seed)
         self.resume()
@@ -411,6 +414,9 @@ def hydra_main(raw: DictConfig) -> dict | None:
         if e.own and e.exit_code != 2:  # this rank's own error: its traceback helps; a peer's would not
             log.error("failed", exc_info=e.__cause__)
         print(f"packfsdp: {e}", file=sys.stderr)
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure summary shows this line, not a trace
+            record = {"message": str(e), "extraInfo": {"py_callstack": str(e), "timestamp": str(int(time.time()))}}
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": record}))
         sys.stdout.flush()
         sys.stderr.flush()
         # No barrier and no process-group destructor: either could wait forever on a dead or stuck peer.

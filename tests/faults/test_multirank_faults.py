@@ -59,6 +59,7 @@ def test_out_of_memory_on_one_rank_ends_the_job_on_every_rank(tmp_path):
     assert own.startswith("packfsdp: rank 1: out of memory at step 2:") and "packing.token_budget" in own
     (peer,) = _lines(out, "packfsdp: rank 0:")
     assert peer.startswith("packfsdp: rank 0: stopping at step 2 because rank 1 failed: out of memory"), peer
+    assert "traceback : rank 1: out of memory at step 2" in out.stderr  # torchrun's root-cause summary
     assert elapsed < 100, f"took {elapsed:.0f}s: the surviving rank must not wait for the collective timeout"
 
 

@@ -24,7 +24,7 @@ def _worker(rank: int, port: int, results) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A long timeout: a failing assertion below must come from run_on_rank0, not from the timeout.
     tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
-    out = {}
+    out, cpu = {}, torch.device("cpu")
     start = time.monotonic()
 
     def build():
@@ -35,10 +35,10 @@ def _worker(rank: int, port: int, results) -> None:
     except Exception as e:  # noqa: BLE001
         out["rank0_work"] = (type(e).__name__, str(e), time.monotonic() - start)
     try:
-        dist.check_same_on_all_ranks(10 + rank, "the number of optimizer steps", torch.device("cpu"))
+        dist.check_same_on_all_ranks({"the number of examples": 5, "the number of optimizer steps": 10 + rank}, cpu)
     except RuntimeError as e:
         out["disagree"] = str(e)
-    dist.check_same_on_all_ranks(7, "the number of optimizer steps", torch.device("cpu"))  # agreement: no error
+    dist.check_same_on_all_ranks({"the number of optimizer steps": 7}, cpu)  # agreement: no error
     results[rank] = out
     tdist.destroy_process_group()
 
