@@ -7,8 +7,9 @@ the composed ``DictConfig`` into a ``JobConfig`` once with ``OmegaConf.to_object
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -436,6 +437,19 @@ def register_configs() -> None:
             cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
 
 
+def _check_known_keys(raw: Any, node: Any, path: str = "") -> None:
+    """``+key=value`` can add a key the schema does not have; ``to_object`` would drop it silently."""
+    names = {f.name for f in fields(node)}
+    for key in raw.keys():
+        where = f"{path}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {path}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown key {where!r}{hint}")
+        if is_dataclass(getattr(node, key)):
+            _check_known_keys(raw[key], getattr(node, key), f"{where}.")
+
+
 def to_job_config(cfg: Any) -> JobConfig:
     """Turn a composed DictConfig into a validated JobConfig (the one place that sees OmegaConf)."""
     try:
@@ -444,6 +458,7 @@ def to_job_config(cfg: Any) -> JobConfig:
         raise ConfigError(f"{e.full_key} must be set (e.g. {e.full_key}=...)") from None
     if not isinstance(job, JobConfig):
         raise ConfigError("the composed config does not follow the JobConfig schema")
+    _check_known_keys(cfg, job)
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
     job.validate()
     job.validate_world(int(os.environ.get("WORLD_SIZE", 1)))

@@ -32,6 +32,10 @@ def trainer(tmp_path_factory):
     from trainer import dist
     from trainer.train import Trainer
 
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # other tests and helpers share the CPU cores: no oversubscription
     saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     saved_handlers = logging.getLogger().handlers[:]
     run_dir = tmp_path_factory.mktemp("inproc")
@@ -46,3 +50,4 @@ def trainer(tmp_path_factory):
         else:
             os.environ[k] = v
     logging.getLogger().handlers[:] = saved_handlers
+    torch.set_num_threads(threads)

@@ -40,6 +40,7 @@ def one_error_line(capsys, overrides: list[str]) -> str:
         ("max_steps=1.5", "max_steps: Value '1.5' of type 'float' could not be converted to Integer"),
         ("logger.wandb=maybe", "logger.wandb: Value 'maybe' is not a valid bool"),
         ("no_such_key=3", "Key 'no_such_key' not in 'JobConfig'"),
+        ("+packing.token_buget=512", "unknown key 'packing.token_buget'; did you mean packing.token_budget?"),
         # zero and negative sizes
         ("packing.token_budget=0", "packing.token_budget must be a positive"),
         ("grad_accum=-1", "grad_accum must be a positive number"),

@@ -24,6 +24,7 @@ class Payload:
         return (Path.touch, (self.marker,))
 
 
+@pytest.mark.filterwarnings("ignore:Detected pickle protocol")
 def test_pickle_payload_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "payload_ran"
     bad = tmp_path / "model.pt"
