@@ -68,6 +68,7 @@ def test_bad_config_is_one_line(capsys, override, expected):
         ["packing.token_budget=512", "data.max_length=512"],  # examples fit the budget
         ["packing.token_budget=512", "model.config_overrides.n_positions=512"],  # the context clamps them
         ["packing=none", "packing.token_budget=512"],  # the padded baseline does not pack by budget
+        ["packing.strategy=bfd_split", "packing.token_budget=512"],  # splitting strategies cut long examples
     ],
 )
 def test_budget_that_fits_is_accepted(overrides):
@@ -105,3 +106,27 @@ def test_type_error_from_the_command_line_is_one_line():
     assert out.stderr.strip() == (
         "packfsdp: config error: packing.token_budget: Value 'abc' of type 'str' could not be converted to Integer"
     )
+
+
+@pytest.mark.parametrize(
+    "strategy, oversize, outcome",
+    [("bfd", "error", "error"), ("bfd", "drop", "dropped"), ("bfd_split", "error", "split"), ("wrapped", "error", "split")],
+)
+def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strategy, oversize, outcome):
+    """Item 4's last case, at the packing stage (the data stage's truncate/drop is in test_bad_data.py)."""
+    import numpy as np
+
+    from trainer.config import PackingConfig
+    from trainer.packing import build_sampler
+
+    lengths = np.array([40, 300, 60, 50])
+    cfg = PackingConfig(strategy=strategy, token_budget=128, oversize=oversize)
+    if outcome == "error":
+        with pytest.raises(ValueError, match="longer than|over"):
+            build_sampler(lengths, cfg, 0, 1, seed=0).plan(0)
+        return
+    stats = build_sampler(lengths, cfg, 0, 1, seed=0).plan(0).stats
+    if outcome == "dropped":
+        assert (stats.dropped_oversize, stats.dropped_oversize_tokens) == (1, 300)
+    else:
+        assert stats.split_examples == 1 and stats.pieces >= 3 and stats.tokens >= lengths.sum()
