@@ -51,6 +51,9 @@ class DataConfig:
     """What to do with an example longer than ``max_length``: ``truncate`` or ``drop`` (counted either way)."""
     limit: int | None = None
     """Use only the first ``limit`` examples (quick experiments)."""
+    on_bad_record: str = "error"
+    """A malformed line or record (bad JSON, not UTF-8, a missing column, an unknown chat role, an empty
+    file): ``error`` names its file and line; ``skip`` leaves it out, counted and logged."""
     seed: int = 1234
     """Seed of the synthetic generator (the corpus is a pure function of it)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
@@ -59,6 +62,7 @@ class DataConfig:
     def validate(self) -> None:
         _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
         _choice("data.overlong", self.overlong, ("truncate", "drop"))
+        _choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
         _positive("data.max_length", self.max_length)
         _positive("data.num_dialogs", self.num_dialogs)
         if self.limit is not None:

@@ -34,6 +34,7 @@ import torch
 
 from trainer import dist
 from trainer.config import ConfigError, GuardConfig
+from trainer.data.bad_records import BadRecordError
 from trainer.safety import UnsafeFileError, redact
 
 log = logging.getLogger("trainer")
@@ -119,8 +120,9 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
 
     rank = dist.rank()
     text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError)):
-        kind = "config error" if isinstance(exc, ConfigError) else "error"
+    if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):
+        # Fix the config or the data, then run again: a restart alone would fail the same way (exit code 2).
+        kind = {ConfigError: "config error", BadRecordError: "data error"}.get(type(exc), "error")
         return _own(rank, f"{kind}: {text}", exit_code=2)
     from trainer.model.selfcheck import SelfCheckError
 

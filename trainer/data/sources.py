@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
+from trainer.data.bad_records import RecordList
 from trainer.data.synthetic import generate_chats, generate_dialogs
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,11 @@ def load_records(cfg: DataConfig) -> list[Record]:
     records = check_source(cfg)(cfg)
     if not isinstance(records, list):
         records = list(records)
-    return records[: cfg.limit] if cfg.limit is not None else records
+    if cfg.limit is None:
+        return records
+    limited = RecordList(records[: cfg.limit])
+    limited.skipped_bad = getattr(records, "skipped_bad", 0)  # skips stay counted
+    return limited
 
 
 def import_plugins(plugins: list[str]) -> None:
@@ -182,24 +187,31 @@ from trainer.data.tables import (  # noqa: E402
     rows_to_records,
     table_files,
 )
+from trainer.data.bad_records import BadRecords  # noqa: E402
+
+
+def _table_source(cfg: DataConfig, reader, suffixes: tuple[str, ...]) -> list[Record]:
+    """Read, map and count: bad lines and rows follow ``data.on_bad_record`` (error or counted skip)."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    return bad.finish(rows_to_records(reader(table_files(cfg, suffixes), bad), cfg, bad))
 
 
 @register_source("jsonl")
 def jsonl(cfg: DataConfig) -> list[Record]:
     """Local JSON Lines: a ``.jsonl`` file or a folder of them (``*{split}*.jsonl`` preferred)."""
-    return rows_to_records(read_jsonl(table_files(cfg, (".jsonl", ".json"))), cfg)
+    return _table_source(cfg, read_jsonl, (".jsonl", ".json"))
 
 
 @register_source("parquet")
 def parquet(cfg: DataConfig) -> list[Record]:
     """Local Parquet: a ``.parquet`` file or a folder of them (``*{split}*.parquet`` preferred)."""
-    return rows_to_records(read_parquet(table_files(cfg, (".parquet",))), cfg)
+    return _table_source(cfg, read_parquet, (".parquet",))
 
 
 @register_source("csv")
 def csv(cfg: DataConfig) -> list[Record]:
     """Local CSV with a header row; a ``messages`` cell holds the conversation as a JSON string."""
-    return rows_to_records(read_csv(table_files(cfg, (".csv",))), cfg)
+    return _table_source(cfg, read_csv, (".csv",))
 
 
 @register_source("hf")
