@@ -89,3 +89,12 @@ def test_over_long_example_follows_the_rule_and_is_counted(tmp_path, tokenizer, 
         assert len(ds) == 2 and ds.stats.truncated == 1 and ds.lengths.max() == 32
     else:
         assert len(ds) == 1 and ds.stats.dropped_overlong == 1
+
+
+def test_dailydialog_text_non_utf8_line_names_its_line(tmp_path):
+    path = tmp_path / "dialogues_text.txt"
+    path.write_bytes(b"Hi . __eou__ Hello . __eou__\nCaf\xe9 ? __eou__ Yes . __eou__\nBye . __eou__ Bye . __eou__\n")
+    with pytest.raises(BadRecordError, match=rf"^{path}:2: not UTF-8"):
+        load_records(_cfg(path, source="dailydialog"))
+    records = load_records(_cfg(path, source="dailydialog", on_bad_record="skip"))
+    assert len(records) == 2 and records.skipped_bad == 1
