@@ -9,6 +9,7 @@ import datetime
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -187,3 +188,26 @@ def peer_failures() -> dict[int, str]:
     except Exception:  # noqa: BLE001
         pass
     return found
+
+
+def store_barrier(name: str, timeout_s: float) -> bool:
+    """Wait (at most ``timeout_s``) until every rank reached ``name``, through the c10d store rather than a
+    collective, so it works while collectives are broken. Best effort: ``False`` on timeout or no store.
+
+    Used before exiting on a failure every rank reaches together: the first rank to exit makes torchrun
+    stop the others, which must have printed their own line by then.
+    """
+    if not is_initialized() or world_size() == 1:
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"packfsdp/barrier/{name}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world_size():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:  # noqa: BLE001
+        return False

@@ -50,9 +50,11 @@ class TrainingHalted(RuntimeError):
 class JobFailed(Exception):
     """What the entry point prints (one line) and exits with."""
 
-    def __init__(self, message: str, exit_code: int = 1, own: bool = True) -> None:
+    def __init__(self, message: str, exit_code: int = 1, own: bool = True, together: bool = False) -> None:
         super().__init__(message)
         self.exit_code, self.own = exit_code, own
+        self.together = together
+        """Every rank fails the same way at the same point (a halted step, a config or data error)."""
 
 
 # ----------------------------------------------------------------------------------------------- bad steps
@@ -122,8 +124,13 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
     text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):
         # Fix the config or the data, then run again: a restart alone would fail the same way (exit code 2).
-        kind = {ConfigError: "config error", BadRecordError: "data error"}.get(type(exc), "error")
-        return _own(rank, f"{kind}: {text}", exit_code=2)
+        kinds = {
+            ConfigError: "config error", BadRecordError: "data error", AttentionBackendError: "attention backend error"
+        }
+        kind = next((k for cls, k in kinds.items() if isinstance(exc, cls)), "error")
+        failure = _own(rank, f"{kind}: {text}", exit_code=2)
+        failure.together = True
+        return failure
     from trainer.model.selfcheck import SelfCheckError
 
     if isinstance(exc, SelfCheckError):  # the attention backend disagrees with the reference: exit code 3
@@ -131,7 +138,7 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
         failure.together = True
         return failure
     if isinstance(exc, TrainingHalted):  # every rank raised it together: nothing to blame on a peer
-        return JobFailed(f"rank {rank}: stopped: {text}", own=False)
+        return JobFailed(f"rank {rank}: stopped: {text}", own=False, together=True)
     if isinstance(exc, torch.OutOfMemoryError):
         return _own(
             rank,

@@ -419,7 +419,9 @@ def hydra_main(raw: DictConfig) -> dict | None:
             Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": record}))
         sys.stdout.flush()
         sys.stderr.flush()
-        # No barrier and no process-group destructor: either could wait forever on a dead or stuck peer.
+        if e.together:  # let every rank print its line before the first exit makes torchrun stop the rest
+            dist.store_barrier("failed", timeout_s=10)
+        # No collective and no process-group destructor: either could wait forever on a dead or stuck peer.
         os._exit(e.exit_code)
 
 
