@@ -411,7 +411,7 @@ def hydra_main(raw: DictConfig) -> dict | None:
     try:
         return run(cfg, keep_process_group=multirun)
     except JobFailed as e:
-        if e.own and e.exit_code != 2:  # this rank's own error: its traceback helps; a peer's would not
+        if e.own and e.exit_code == 1:  # this rank's own unexpected error: its traceback helps
             log.error("failed", exc_info=e.__cause__)
         print(f"packfsdp: {e}", file=sys.stderr)
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure summary shows this line, not a trace
