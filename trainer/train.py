@@ -413,7 +413,7 @@ def hydra_main(raw: DictConfig) -> dict | None:
     except JobFailed as e:
         if e.own and e.exit_code == 1:  # this rank's own unexpected error: its traceback helps
             log.error("failed", exc_info=e.__cause__)
-        print(f"packfsdp: {e}", file=sys.stderr)
+        sys.stderr.write(f"packfsdp: {e}\n")  # one write: ranks share the pipe, print() would interleave
         if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure summary shows this line, not a trace
             record = {"message": str(e), "extraInfo": {"py_callstack": str(e), "timestamp": str(int(time.time()))}}
             Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": record}))
