@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from hydra import compose, initialize_config_dir
@@ -61,7 +62,7 @@ def check_overrides(argv: list[str]) -> None:
     try:
         with initialize_config_dir(str(config_dir()), version_base=None):
             raw = compose("config", overrides=overrides)
-        to_job_config(raw)
+        to_job_config(raw).validate_world(int(os.environ.get("WORLD_SIZE", 1)))  # the launch fits the mesh
     except Exception as e:  # noqa: BLE001 - every composition/validation error is a config error here
         print(f"packfsdp: config error: {one_line(e)}", file=sys.stderr)
         sys.exit(2)

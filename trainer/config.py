@@ -465,7 +465,6 @@ def to_job_config(cfg: Any) -> JobConfig:
     _check_known_keys(cfg, job)
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
     job.validate()
-    job.validate_world(int(os.environ.get("WORLD_SIZE", 1)))
     # Late imports: both modules import this one.
     from trainer.model.attention import BACKENDS
     from trainer.safety import UnsafeTargetError, check_targets

@@ -402,6 +402,7 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
 def hydra_main(raw: DictConfig) -> dict | None:
     try:
         cfg = to_job_config(raw)
+        cfg.validate_world(dist.world_size())  # from WORLD_SIZE: before any process group exists
     except ConfigError as e:
         print(f"packfsdp: config error: {redact(str(e))}", file=sys.stderr)
         sys.exit(2)

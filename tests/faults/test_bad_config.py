@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import REPO
 from tests.faults.conftest import compose_job
 from trainer.cli import check_overrides
-from trainer.config import ConfigError, OptimConfig
+from trainer.config import OptimConfig
 from trainer.safety import UnsafeTargetError, check_target
 
 BASE = ["recipe=cpu_dailydialog"]
@@ -75,12 +75,12 @@ def test_budget_that_fits_is_accepted(overrides):
     compose_job([*BASE, *overrides])
 
 
-def test_world_size_must_fit_the_mesh():
-    job = compose_job(BASE)
-    job.parallel.dp_replicate = 3  # HSDP replicas (parallel.dp_replicate, issue 5)
-    with pytest.raises(ConfigError, match="parallel.dp_replicate=3 does not divide the world size 4"):
-        job.validate_world(4)
-    job.validate_world(6)
+def test_world_size_must_fit_the_mesh(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it, before any process group exists
+    line = one_error_line(capsys, [*BASE, "parallel.dp_replicate=2"])
+    assert line.startswith("parallel.dp_replicate=2 does not divide the world size 3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_overrides([*BASE, "parallel.dp_replicate=2"])
 
 
 def test_target_allowlist_is_user_extendable_but_never_reaches_dangerous_callables(monkeypatch):
