@@ -52,6 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from trainer import dist
 from trainer.config import CheckpointConfig
+from trainer.safety import redact_tree
 
 log = logging.getLogger(__name__)
 
@@ -304,7 +305,8 @@ def save_hf_assets(state: TrainingState, directory: Path) -> None:
     if config is None:
         return
     directory.mkdir(parents=True, exist_ok=True)
-    config.to_json_file(str(directory / "config.json"))
+    # Secrets passed through model.config_overrides (hub tokens, keys) never reach the saved config.
+    (directory / "config.json").write_text(json.dumps(redact_tree(config.to_dict()), indent=2, sort_keys=True) + "\n")
     if state.tokenizer is not None:
         state.tokenizer.save_pretrained(str(directory))
 

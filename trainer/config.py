@@ -7,8 +7,9 @@ the composed ``DictConfig`` into a ``JobConfig`` once with ``OmegaConf.to_object
 
 from __future__ import annotations
 
+import difflib
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +51,9 @@ class DataConfig:
     """What to do with an example longer than ``max_length``: ``truncate`` or ``drop`` (counted either way)."""
     limit: int | None = None
     """Use only the first ``limit`` examples (quick experiments)."""
+    on_bad_record: str = "error"
+    """A malformed line or record (bad JSON, not UTF-8, a missing column, an unknown chat role, an empty
+    file): ``error`` names its file and line; ``skip`` leaves it out, counted and logged."""
     seed: int = 1234
     """Seed of the synthetic generator (the corpus is a pure function of it)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
@@ -58,6 +62,7 @@ class DataConfig:
     def validate(self) -> None:
         _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
         _choice("data.overlong", self.overlong, ("truncate", "drop"))
+        _choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
         _positive("data.max_length", self.max_length)
         _positive("data.num_dialogs", self.num_dialogs)
         if self.limit is not None:
@@ -276,6 +281,26 @@ class CheckpointConfig:
 
 
 @dataclass
+class GuardConfig:
+    """What the trainer does when a step goes wrong (see ``trainer.guard``)."""
+
+    nonfinite: str = "skip"
+    """A step whose loss or gradient norm is NaN/Inf on any rank: ``skip`` it on every rank (parameters and
+    optimizer state unchanged; counted and logged) or ``stop`` the run with a message naming the step."""
+    max_consecutive_skips: int = 5
+    """With ``skip``: stop anyway after this many non-finite steps in a row (the run has diverged)."""
+    collective_timeout_s: float = 600.0
+    """Process-group timeout: a rank that waits this long in a collective (another rank stopped answering)
+    fails, so the job exits non-zero and torchrun can restart it. Covers the slowest legitimate wait too
+    (rank 0 building the dataset cache while the others wait)."""
+
+    def validate(self) -> None:
+        _choice("guard.nonfinite", self.nonfinite, ("skip", "stop"))
+        _positive("guard.max_consecutive_skips", self.max_consecutive_skips)
+        _positive("guard.collective_timeout_s", self.collective_timeout_s)
+
+
+@dataclass
 class JobConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -285,6 +310,7 @@ class JobConfig:
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
 
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
@@ -310,8 +336,10 @@ class JobConfig:
     """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
 
     def validate(self) -> None:
-        for part in (self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
-                     self.checkpoint):
+        for part in (
+            self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
+            self.checkpoint, self.guard,
+        ):
             part.validate()
         _positive("epochs", self.epochs)
         _positive("grad_accum", self.grad_accum)
@@ -321,6 +349,38 @@ class JobConfig:
             _positive("stop_after_steps", self.stop_after_steps)
         if self.summary_skip_steps < 0:
             raise ConfigError("summary_skip_steps must be >= 0")
+        self.validate_budget()
+
+    def validate_budget(self, context: int | None = None) -> None:
+        """Under a strategy that packs whole examples, one example of the longest allowed length must fit
+        one micro-batch; otherwise examples would be cut to the budget behind the user's back.
+
+        Args:
+            context: the model's context length when known (``setup`` checks again with the real model);
+                before the model exists, the size set in ``model.config_overrides`` if any.
+        """
+        if not self.packing.packed or getattr(self.packing, "splits_examples", False):
+            return
+        if context is None:
+            overrides = self.model.config_overrides or {}
+            context = overrides.get("n_positions") or overrides.get("max_position_embeddings")
+        longest = min(self.data.max_length, context) if context else self.data.max_length
+        if self.packing.token_budget < longest:
+            raise ConfigError(
+                f"packing.token_budget={self.packing.token_budget} cannot hold one example of {longest} tokens "
+                f"(data.max_length={self.data.max_length}, model context {context or 'unknown'}) and strategy "
+                f"{self.packing.strategy} does not split examples; set packing.token_budget>={longest} "
+                f"or data.max_length<={self.packing.token_budget}"
+            )
+
+    def validate_world(self, world_size: int) -> None:
+        """The launch fits the config (checked from ``WORLD_SIZE`` before the process group starts)."""
+        replicas = getattr(self.parallel, "dp_replicate", None)
+        if replicas is not None and world_size % replicas != 0:
+            raise ConfigError(
+                f"parallel.dp_replicate={replicas} does not divide the world size {world_size}; "
+                f"launch a multiple of {replicas} ranks or change parallel.dp_replicate"
+            )
 
 
 def _choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
@@ -371,6 +431,7 @@ def register_configs() -> None:
         ("logger", LoggerConfig),
         ("eval", EvalConfig),
         ("checkpoint", CheckpointConfig),
+        ("guard", GuardConfig),
     ):
         cs.store(group=group, name=f"{group}_schema", node=node)
     for directory in recipe_dirs():
@@ -378,6 +439,19 @@ def register_configs() -> None:
             # Recipes live in recipes/ (not configs/recipe/) so users find them at the top of the repo;
             # they are stored as the `recipe` group at the global package, like `# @package _global_`.
             cs.store(group="recipe", name=path.stem, node=OmegaConf.load(path), package="_global_")
+
+
+def _check_known_keys(raw: Any, node: Any, path: str = "") -> None:
+    """``+key=value`` can add a key the schema does not have; ``to_object`` would drop it silently."""
+    names = {f.name for f in fields(node)}
+    for key in raw.keys():
+        where = f"{path}{key}"
+        if key not in names:
+            close = difflib.get_close_matches(str(key), names, n=1)
+            hint = f"; did you mean {path}{close[0]}?" if close else ""
+            raise ConfigError(f"unknown key {where!r}{hint}")
+        if is_dataclass(getattr(node, key)):
+            _check_known_keys(raw[key], getattr(node, key), f"{where}.")
 
 
 def to_job_config(cfg: Any) -> JobConfig:
@@ -388,8 +462,18 @@ def to_job_config(cfg: Any) -> JobConfig:
         raise ConfigError(f"{e.full_key} must be set (e.g. {e.full_key}=...)") from None
     if not isinstance(job, JobConfig):
         raise ConfigError("the composed config does not follow the JobConfig schema")
+    _check_known_keys(cfg, job)
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
     job.validate()
+    # Late imports: both modules import this one.
+    from trainer.model.attention import BACKENDS
+    from trainer.safety import UnsafeTargetError, check_targets
+
+    _choice("model.attention", job.model.attention, ("auto", *BACKENDS))
+    try:
+        check_targets(asdict(job))  # before anything is instantiated
+    except UnsafeTargetError as e:
+        raise ConfigError(str(e)) from None
     return job
 
 
@@ -398,6 +482,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvalConfig",
+    "GuardConfig",
     "JobConfig",
     "LoggerConfig",
     "MISSING",

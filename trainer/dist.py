@@ -10,6 +10,7 @@ import gc
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -75,10 +76,15 @@ def init_distributed(device: torch.device, backend: str = "auto", timeout_s: flo
     )
 
 
-def destroy_distributed() -> None:
-    """Tear the group down together: a rank that leaves while another still talks aborts gloo."""
+def destroy_distributed(clean: bool = True) -> None:
+    """Tear the group down together: a rank that leaves while another still talks aborts gloo.
+
+    ``clean=False`` (after a failure) skips the final barrier: the other ranks may be gone or stuck, and
+    waiting for them would turn one rank's error into a hang.
+    """
     if is_initialized():
-        dist.barrier()
+        if clean:
+            dist.barrier()
         # The model (FSDP state), device mesh and optimizer hold the group through reference cycles. Collect
         # them now, while the interpreter is fully alive: left to interpreter finalisation, gloo's worker
         # threads are torn down mid-exit and the process aborts ("terminate called without an active
@@ -138,3 +144,76 @@ def on_rank0_then_all(fn: Callable[[], None]) -> None:
         raise error
     if shared is not None:
         raise shared
+
+
+def check_same_on_all_ranks(values: dict[str, int], device: torch.device) -> None:
+    """Fail on every rank, together, unless each named value is equal on all ranks (one all-reduce).
+
+    Used for the dataset size and the number of optimizer steps: a rank that ran out of data before the
+    others (a stale cache on one node, a sampler bug) would leave them waiting in a collective forever, so
+    a disagreement is an error before the first step, never a hang.
+    """
+    names = list(values)
+    flat = [float(values[n]) for n in names] + [-float(values[n]) for n in names]
+    reduced = all_reduce_max(flat, device)
+    for i, name in enumerate(names):
+        high, low = reduced[i], -reduced[len(names) + i]
+        if high != low:
+            raise RuntimeError(
+                f"ranks disagree on {name}: between {int(low)} and {int(high)} (this rank: {values[name]}); "
+                "every rank must see the same data"
+            )
+
+
+# The c10d store every rank already shares: a failing rank leaves its reason there, so the ranks that only
+# see a broken collective can say *why* the job stopped.
+_FAILURE_KEY = "packfsdp/failure/{rank}"
+
+
+def record_failure(message: str) -> None:
+    """Leave this rank's failure reason in the shared store (best effort: the store may be gone)."""
+    if not is_initialized():
+        return
+    try:
+        dist.distributed_c10d._get_default_store().set(_FAILURE_KEY.format(rank=rank()), message)
+    except Exception:  # noqa: BLE001 - reporting must never raise over the real error
+        pass
+
+
+def peer_failures() -> dict[int, str]:
+    """Failure reasons other ranks recorded (best effort, never blocks: ``check`` before ``get``)."""
+    if not is_initialized():
+        return {}
+    found = {}
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        for r in range(world_size()):
+            key = _FAILURE_KEY.format(rank=r)
+            if r != rank() and store.check([key]):
+                found[r] = store.get(key).decode(errors="replace")
+    except Exception:  # noqa: BLE001
+        pass
+    return found
+
+
+def store_barrier(name: str, timeout_s: float) -> bool:
+    """Wait (at most ``timeout_s``) until every rank reached ``name``, through the c10d store rather than a
+    collective, so it works while collectives are broken. Best effort: ``False`` on timeout or no store.
+
+    Used before exiting on a failure every rank reaches together: the first rank to exit makes torchrun
+    stop the others, which must have printed their own line by then.
+    """
+    if not is_initialized() or world_size() == 1:
+        return True
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        key = f"packfsdp/barrier/{name}"
+        store.add(key, 1)
+        deadline = time.monotonic() + timeout_s
+        while store.add(key, 0) < world_size():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+    except Exception:  # noqa: BLE001
+        return False

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from trainer.config import LoggerConfig
+from trainer.safety import RedactingFilter, redact_argv
 
 log = logging.getLogger("trainer")
 
@@ -33,6 +34,7 @@ def setup_logging(rank: int) -> None:
     root.handlers.clear()
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter(fmt, datefmt="%H:%M:%S"))
+    handler.addFilter(RedactingFilter())  # API keys never reach a log line
     root.addHandler(handler)
     root.setLevel(level)
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "torch.distributed"):
@@ -80,6 +82,7 @@ class RunSummary:
         kept = self.steps[self.skip :] or self.steps
         if not kept:
             return {}
+        trained = [m for m in self.steps if not m.get("skipped")] or self.steps  # skipped steps' loss is NaN
         time_s = sum(m["step_time_s"] for m in kept)
         useful = sum(m["useful_tokens"] for m in kept)
         tokens = sum(m["tokens"] for m in kept)
@@ -98,7 +101,7 @@ class RunSummary:
             "padding_saved_fraction": 1 - positions / padded_equivalent if padded_equivalent else 0.0,
             "model_tflops_per_s": model_tflops_per_s,
             "mfu": model_tflops_per_s / peak_tflops_total if peak_tflops_total > 0 else float("nan"),
-            "final_loss": self.steps[-1]["loss"],
+            "final_loss": trained[-1]["loss"],
             "final_eval_loss": self.evals[-1]["eval_loss"] if self.evals else float("nan"),
             "peak_mem_gib": max(m["peak_mem_gib"] for m in self.steps),
         }
@@ -157,6 +160,7 @@ def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
     import wandb
 
     os.environ.setdefault("WANDB_SILENT", "true")
+    sys.argv[1:] = redact_argv(sys.argv[1:])  # wandb stores the command line in its run files
     kwargs = dict(project=cfg.wandb_project, dir=str(run_dir), config=run_config, name=run_dir.name)
     try:
         return wandb.init(mode=cfg.wandb_mode, **kwargs)
@@ -208,6 +212,7 @@ def format_step(m: dict[str, Any]) -> str:
         f"useful tok/s {m['useful_tokens_per_s']:,.0f} | pad {100 * m['padding_fraction']:.1f}% | "
         f"saved {100 * m.get('padding_saved_fraction', 0.0):.1f}% | "
         f"step {1000 * m['step_time_s']:.0f} ms | mem {m['peak_mem_gib']:.2f} GiB"
+        + (f" | SKIPPED ({m['skipped']})" if m.get("skipped") else "")
     )
 
 

@@ -8,18 +8,14 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from trainer.config import ConfigError, OptimConfig
-
-# `_target_` values the optimizer config may name. Anything else is refused before instantiation, so an
-# override cannot make the trainer call an arbitrary function.
-ALLOWED_OPTIMIZER_PREFIXES = ("torch.optim.",)
+from trainer.config import OptimConfig
+from trainer.safety import check_target
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Weight decay on matrices (dim >= 2), none on biases and norm weights."""
-    target = str(cfg.optimizer.get("_target_", ""))
-    if not target.startswith(ALLOWED_OPTIMIZER_PREFIXES):
-        raise ConfigError(f"optim.optimizer._target_={target!r} is not allowed; use one under torch.optim")
+    # Checked with the whole config in to_job_config already; again here for callers that build one directly.
+    check_target("optim.optimizer._target_", cfg.optimizer.get("_target_", ""))
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [

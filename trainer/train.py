@@ -33,13 +33,15 @@ from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
 from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
 from trainer.data import load_dataset, load_tokenizer
 from trainer.evaluate import evaluate, split_holdout
+from trainer.guard import FaultInjector, JobFailed, StepGuard, describe_failure
 from trainer.metrics import MetricsLogger, ProgressBar, RunSummary, peak_memory_gib, setup_logging
-from trainer.model import DTYPES, AttentionBackendError, build_model, max_positions, resolve_backend
-from trainer.model.selfcheck import SelfCheckError, first_microbatch, run_startup_self_check
+from trainer.model import DTYPES, build_model, max_positions, resolve_backend
+from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.throughput import flop_params, model_flops, peak_tflops, step_counts
+from trainer.safety import redact, redact_tree
 
 log = logging.getLogger("trainer")
 
@@ -64,9 +66,11 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.device = dist.resolve_device(cfg.parallel.device)
-        dist.init_distributed(self.device, cfg.parallel.backend)
+        dist.init_distributed(self.device, cfg.parallel.backend, cfg.guard.collective_timeout_s)
         self.rank, self.world_size = dist.rank(), dist.world_size()
         setup_logging(self.rank)
+        self.guard = StepGuard(cfg.guard, self.device)
+        self.faults = FaultInjector.from_env(self.rank)
         self.run_dir = agree_run_dir(cfg)
         log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
 
@@ -84,6 +88,7 @@ class Trainer:
         # Every example fits the model's context and one micro-batch, in packed and padded runs alike,
         # so both runs train on exactly the same tokens; splitting strategies cut longer ones into pieces.
         context = max_positions(model) or cfg.data.max_length
+        cfg.validate_budget(context)  # same verdict on every rank: no rank is left waiting
         max_length = min(cfg.data.max_length, context)
         if not cfg.packing.splits_examples:
             max_length = min(max_length, cfg.packing.token_budget)
@@ -110,10 +115,14 @@ class Trainer:
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
+        dist.check_same_on_all_ranks(
+            {"the number of examples": len(self.dataset), "the number of optimizer steps": self.total_steps},
+            self.device,
+        )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, cfg.seed)
         self.resume()
-        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=asdict(cfg))
+        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=redact_tree(asdict(cfg)))
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
         log.info(
             "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
@@ -152,12 +161,17 @@ class Trainer:
         for _ in range(self.cfg.grad_accum):
             _, indices, last_of_epoch = self.sampler.next_microbatch()
             batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id).to(self.device))
+            if self.faults.due("no_labels", self.step + 1):
+                batches[-1].labels.fill_(IGNORE_INDEX)
+                batches[-1].num_label_tokens = 0
             if last_of_epoch:
                 break
         return batches
 
     def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
         """Summed token loss of one micro-batch; backward of its share of the global mean."""
+        if self.faults.due("oom", self.step + 1):
+            raise torch.OutOfMemoryError(f"injected out-of-memory ({FaultInjector.__module__})")
         logits = self.model(**batch.model_inputs())
         # labels are aligned with input_ids: position t predicts labels[t + 1].
         loss_sum = F.cross_entropy(
@@ -166,11 +180,16 @@ class Trainer:
             ignore_index=IGNORE_INDEX,
             reduction="sum",
         )
+        if self.faults.due("nan_loss", self.step + 1):
+            loss_sum = loss_sum * float("nan")
+        # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
         (loss_sum / max(global_label_tokens, 1.0)).backward()
         return loss_sum.detach()
 
     def train_step(self) -> dict:
         start = time.perf_counter()
+        if self.faults.due("hang", self.step + 1):
+            time.sleep(1e6)  # a rank that stops answering: the others must give up after the timeout
         batches = self.next_step_batches()
         local = [sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
                  sum(b.num_positions for b in batches), *step_counts(batches)]
@@ -183,29 +202,32 @@ class Trainer:
             set_gradient_sync(self.model, i == len(batches) - 1)
             loss_sum += self.forward_backward(batch, global_labels)
 
+        if self.faults.due("nan_grad", self.step + 1):
+            poison_one_gradient(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        if global_labels > 0:
+        # Every rank reaches the same verdict (one all-reduce): apply, or skip on all ranks together.
+        verdict = self.guard.check(self.step + 1, loss_sum.item(), grad_norm, global_labels)
+        if verdict.skip is None:
             self.optimizer.step()
-        else:
-            log.warning("step %d: no label token on any rank; optimizer step skipped", self.step + 1)
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        (global_loss_sum,) = dist.all_reduce_sum([loss_sum.item()], self.device)
+        global_loss_sum = verdict.loss_sum
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         step_time = time.perf_counter() - start
         self.step += 1
+        trained = 0 if verdict.skip else global_labels  # a skipped step trains on nothing: count nothing
         return {
             "step": self.step,
             "epoch": self.sampler.epoch,
             "loss": global_loss_sum / max(global_labels, 1.0),
             "lr": lr,
             "grad_norm": grad_norm,
-            "useful_tokens": int(global_labels),
+            "useful_tokens": int(trained),
             "tokens": int(global_tokens),
             "positions": int(global_positions),
-            "useful_tokens_per_s": global_labels / step_time,
+            "useful_tokens_per_s": trained / step_time,
             "tokens_per_s": global_tokens / step_time,
             "padding_fraction": 1 - global_tokens / global_positions if global_positions else 0.0,
             "padded_equivalent_positions": int(padded_equivalent),
@@ -213,6 +235,7 @@ class Trainer:
             "model_flops": model_flops(global_tokens, sum_sq, *self.flop_params),
             "step_time_s": step_time,
             "peak_mem_gib": peak_memory_gib(self.device),
+            "skipped": verdict.skip,
         }
 
     def train(self) -> dict:
@@ -262,6 +285,7 @@ class Trainer:
             "train_examples": len(self.dataset),
             "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
             "dataset": asdict(self.dataset.stats),
+            "skipped_steps": dict(self.guard.skipped),
             "run_dir": str(self.run_dir),
         }
         self.metrics.close()
@@ -295,6 +319,15 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     return float(norm)
 
 
+def poison_one_gradient(model: torch.nn.Module) -> None:
+    """Fault injection (``nan_grad``): this rank's shard of the first gradient becomes NaN."""
+    for p in model.parameters():
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            grad.fill_(float("nan"))
+            return
+
+
 def agree_run_dir(cfg: JobConfig) -> Path:
     """Rank 0 picks the run directory (``run_dir`` or ``<output_root>/<name>/<timestamp>``) and every rank
     takes it from there, so ranks started in different seconds never disagree.
@@ -325,7 +358,7 @@ def agree_run_dir(cfg: JobConfig) -> Path:
                 marker.parent.mkdir(parents=True, exist_ok=True)
                 marker.write_text(str(chosen))
         chosen.mkdir(parents=True, exist_ok=True)
-        (chosen / "config.yaml").write_text(OmegaConf.to_yaml(OmegaConf.structured(cfg)))
+        (chosen / "config.yaml").write_text(OmegaConf.to_yaml(redact_tree(asdict(cfg))))
     return Path(dist.broadcast_object(str(chosen) if chosen else None))
 
 
@@ -345,12 +378,19 @@ def multirun_job_tag() -> str:
 def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     """Train one job. ``keep_process_group``: the jobs of a multirun sweep share one process group (torn
     down at exit): re-creating it under torchrun makes rank 0 host a second store on the port its first
-    one held, and the ranks hang in the rendezvous.
+    one held, and the ranks hang in the rendezvous. Any failure becomes a ``JobFailed`` with one line for
+    this rank (see ``trainer.guard``).
 
     No teardown barrier after an error: the other ranks may be blocked in a collective this rank will never
     join, so a barrier would hang both until the timeout. Exiting lets torchrun stop the job (or restart
     it, with --max-restarts) at once."""
-    result = Trainer(cfg).train()
+    trainer = None
+    try:
+        trainer = Trainer(cfg)
+        result = trainer.train()
+    except Exception as e:
+        where = f"step {trainer.step + 1}" if trainer is not None else "setup"
+        raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
     if keep_process_group:
         dist.barrier()  # every rank finishes this job before any starts the next
     else:
@@ -362,30 +402,36 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
 def hydra_main(raw: DictConfig) -> dict | None:
     try:
         cfg = to_job_config(raw)
+        cfg.validate_world(dist.world_size())  # from WORLD_SIZE: before any process group exists
     except ConfigError as e:
-        print(f"packfsdp: config error: {e}", file=sys.stderr)
+        print(f"packfsdp: config error: {redact(str(e))}", file=sys.stderr)
         sys.exit(2)
     multirun = bool(multirun_job_tag())
     if multirun:
         atexit.register(dist.destroy_distributed)  # idempotent; after the sweep's last job
     try:
         return run(cfg, keep_process_group=multirun)
-    except AttentionBackendError as e:
-        print(f"packfsdp: attention backend error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except ConfigError as e:  # found while building (a data path, source or column mapping)
-        print(f"packfsdp: config error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except SelfCheckError as e:
-        print(f"packfsdp: {e}", file=sys.stderr)
-        sys.exit(3)
+    except JobFailed as e:
+        if e.own and e.exit_code == 1:  # this rank's own unexpected error: its traceback helps
+            log.error("failed", exc_info=e.__cause__)
+        sys.stderr.write(f"packfsdp: {e}\n")  # one write: ranks share the pipe, print() would interleave
+        if os.environ.get("TORCHELASTIC_ERROR_FILE"):  # torchrun's failure summary shows this line, not a trace
+            record = {"message": str(e), "extraInfo": {"py_callstack": str(e), "timestamp": str(int(time.time()))}}
+            Path(os.environ["TORCHELASTIC_ERROR_FILE"]).write_text(json.dumps({"message": record}))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        if e.together:  # let every rank print its line before the first exit makes torchrun stop the rest
+            dist.store_barrier("failed", timeout_s=10)
+        # No collective and no process-group destructor: either could wait forever on a dead or stuck peer.
+        os._exit(e.exit_code)
 
 
 def main() -> None:
     register_configs()
-    from trainer.cli import check_group_choices
+    from trainer.cli import check_group_choices, check_overrides
 
     check_group_choices(sys.argv[1:])
+    check_overrides(sys.argv[1:])
     hydra_main()
 
 

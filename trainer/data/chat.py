@@ -89,6 +89,11 @@ def template_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
     return hashlib.sha256(effective_template(tokenizer).encode()).hexdigest()[:16]
 
 
+KNOWN_ROLES = ("system", "user", "assistant", "tool")
+"""Roles a chat message may have (after ``data.roles`` renames); any other is a bad record: a typo such as
+``asistant`` would otherwise silently lose its loss."""
+
+
 def check_messages(messages: object, where: str) -> list[dict]:
     """Validate the shape of a ``messages`` value; a malformed record is an error naming the record."""
     if not isinstance(messages, list):
@@ -96,6 +101,11 @@ def check_messages(messages: object, where: str) -> list[dict]:
     for m in messages:
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: every message needs a string 'role' and a string 'content', got {m!r}")
+        if m["role"] not in KNOWN_ROLES:
+            raise ValueError(
+                f"{where}: unknown chat role {m['role']!r} (known: {', '.join(KNOWN_ROLES)}); "
+                f"rename it with data.roles={{{m['role']}: user}} or similar"
+            )
     return messages
 
 

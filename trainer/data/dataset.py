@@ -21,7 +21,8 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
-from trainer.data.chat import Segment, chat_segments, check_messages, effective_template
+from trainer.data.bad_records import BadRecords
+from trainer.data.chat import ChatTemplateError, Segment, chat_segments, check_messages, effective_template
 from trainer.data.sources import Record
 from trainer.dist import on_rank0_then_all
 
@@ -39,11 +40,13 @@ class DatasetStats:
     truncated: int = 0
     dropped_overlong: int = 0
     dropped_no_labels: int = 0
+    dropped_bad: int = 0
+    """Malformed lines/records/files left out under ``data.on_bad_record=skip``."""
     tokens: int = 0
     label_tokens: int = 0
 
     def skipped(self) -> int:
-        return self.dropped_empty + self.dropped_overlong + self.dropped_no_labels
+        return self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
 
 
 @dataclass
@@ -122,11 +125,21 @@ def render_records(
     """
     stats = DatasetStats(records=len(records))
     template = effective_template(tokenizer)
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
     per_record = []
     for i, record in enumerate(records):
+        where = getattr(record, "where", "") or f"data.source={cfg.source} record {i}"
         if not isinstance(record, dict):
-            raise ValueError(f"data.source={cfg.source}: record {i} is a {type(record).__name__}, not a dict")
-        per_record.append(record_segments(record, tokenizer, cfg.loss_on, template, f"data.source={cfg.source} record {i}"))
+            bad.bad(where, f"a {type(record).__name__}, not a dict")
+            continue
+        try:
+            per_record.append(record_segments(record, tokenizer, cfg.loss_on, template, where))
+        except ValueError as e:
+            if isinstance(e, ChatTemplateError):  # the template, not the record, is wrong: always an error
+                raise
+            bad.bad(where, str(e).removeprefix(f"{where}: "))
+    bad.finish([])
+    stats.dropped_bad = getattr(records, "skipped_bad", 0) + bad.skipped
     texts = [s.text for segs in per_record if segs for s in segs if isinstance(s.text, str)]
     encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
 
@@ -181,8 +194,9 @@ def log_dataset_stats(name: str, stats: DatasetStats) -> None:
     )
     if stats.skipped() or stats.truncated:
         log.warning(
-            "data %s: skipped %d empty, %d over-long, %d with no label token; truncated %d over-long",
-            name, stats.dropped_empty, stats.dropped_overlong, stats.dropped_no_labels, stats.truncated,
+            "data %s: skipped %d empty, %d over-long, %d with no label token, %d bad; truncated %d over-long",
+            name, stats.dropped_empty, stats.dropped_overlong, stats.dropped_no_labels, stats.dropped_bad,
+            stats.truncated,
         )
 
 

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
+from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
 from trainer.data.synthetic import generate_chats, generate_dialogs
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,11 @@ def load_records(cfg: DataConfig) -> list[Record]:
     records = check_source(cfg)(cfg)
     if not isinstance(records, list):
         records = list(records)
-    return records[: cfg.limit] if cfg.limit is not None else records
+    if cfg.limit is None:
+        return records
+    limited = RecordList(records[: cfg.limit])
+    limited.skipped_bad = getattr(records, "skipped_bad", 0)  # skips stay counted
+    return limited
 
 
 def import_plugins(plugins: list[str]) -> None:
@@ -117,7 +122,8 @@ def dailydialog(cfg: DataConfig) -> list[Record]:
         raise ConfigError("data.path must name a DailyDialog file, folder or hub id for data.source=dailydialog")
     path = Path(cfg.path).expanduser()
     if path.is_file() and path.suffix == ".txt":
-        return [{"turns": turns} for turns in read_dailydialog_text(path)]
+        bad = BadRecords(cfg.on_bad_record, cfg.source)
+        return bad.finish([{"turns": turns} for turns in read_dailydialog_text(path, bad)])
     if path.is_file() and path.suffix == ".parquet":
         return [{"turns": turns} for turns in read_dialog_parquet([path])]
     if path.is_dir():
@@ -126,20 +132,18 @@ def dailydialog(cfg: DataConfig) -> list[Record]:
         if files:
             return [{"turns": turns} for turns in read_dialog_parquet(files)]
         if text:
-            return [{"turns": turns} for turns in read_dailydialog_text(text[0])]
+            bad = BadRecords(cfg.on_bad_record, cfg.source)
+            return bad.finish([{"turns": turns} for turns in read_dailydialog_text(text[0], bad)])
         raise FileNotFoundError(f"{path}: no *.parquet or dialogues_text.txt inside")
     if path.exists():
         raise ConfigError(f"data.path={cfg.path}: expected a .txt, a .parquet or a folder")
     return [{"turns": turns} for turns in _hub_dialogs(cfg.path, cfg.split)]
 
 
-def read_dailydialog_text(path: Path) -> list[list[str]]:
-    """The original format: one dialog per line, each utterance followed by ``__eou__``."""
-    dialogs = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            dialogs.append([u.strip() for u in line.split("__eou__") if u.strip()])
-    return dialogs
+def read_dailydialog_text(path: Path, bad: BadRecords | None = None) -> list[list[str]]:
+    """The original format: one dialog per line, each utterance followed by ``__eou__``. A line that is not
+    UTF-8 is an error naming it (or a counted skip with ``bad`` in skip mode)."""
+    return [[u.strip() for u in line.split("__eou__") if u.strip()] for _, line in utf8_lines(path, bad or BadRecords())]
 
 
 def read_dialog_parquet(files: list[Path]) -> list[list[str]]:
@@ -184,22 +188,28 @@ from trainer.data.tables import (  # noqa: E402
 )
 
 
+def _table_source(cfg: DataConfig, reader, suffixes: tuple[str, ...]) -> list[Record]:
+    """Read, map and count: bad lines and rows follow ``data.on_bad_record`` (error or counted skip)."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    return bad.finish(rows_to_records(reader(table_files(cfg, suffixes), bad), cfg, bad))
+
+
 @register_source("jsonl")
 def jsonl(cfg: DataConfig) -> list[Record]:
     """Local JSON Lines: a ``.jsonl`` file or a folder of them (``*{split}*.jsonl`` preferred)."""
-    return rows_to_records(read_jsonl(table_files(cfg, (".jsonl", ".json"))), cfg)
+    return _table_source(cfg, read_jsonl, (".jsonl", ".json"))
 
 
 @register_source("parquet")
 def parquet(cfg: DataConfig) -> list[Record]:
     """Local Parquet: a ``.parquet`` file or a folder of them (``*{split}*.parquet`` preferred)."""
-    return rows_to_records(read_parquet(table_files(cfg, (".parquet",))), cfg)
+    return _table_source(cfg, read_parquet, (".parquet",))
 
 
 @register_source("csv")
 def csv(cfg: DataConfig) -> list[Record]:
     """Local CSV with a header row; a ``messages`` cell holds the conversation as a JSON string."""
-    return rows_to_records(read_csv(table_files(cfg, (".csv",))), cfg)
+    return _table_source(cfg, read_csv, (".csv",))
 
 
 @register_source("hf")
@@ -216,4 +226,5 @@ def hf(cfg: DataConfig) -> list[Record]:
     keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
     if keep:
         ds = ds.select_columns(keep)
-    return rows_to_records(ds.to_list(), cfg)
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    return bad.finish(rows_to_records(ds.to_list(), cfg, bad))

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
+from trainer.data.bad_records import BadRecords, check_not_empty, utf8_lines
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 
@@ -41,31 +42,60 @@ def table_files(cfg: DataConfig, suffixes: tuple[str, ...]) -> list[Path]:
     raise ConfigError(f"data.path={cfg.path}: no such file or folder")
 
 
-def read_jsonl(files: list[Path]) -> list[dict]:
+class Row(dict):
+    """A table row that remembers where it came from (``path:line`` or ``path row N``) for error messages."""
+
+    where: str = ""
+
+
+def _row(values: dict, where: str) -> Row:
+    row = Row(values)
+    row.where = where
+    return row
+
+
+def read_jsonl(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
+    bad = bad or BadRecords()
     rows = []
     for file in files:
-        with open(file, encoding="utf-8") as f:
-            for n, line in enumerate(f, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rows.append(json.loads(line))
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{file}:{n}: not valid JSON ({e.msg})") from None
+        before = len(rows)
+        for n, line in utf8_lines(file, bad):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))
+            except json.JSONDecodeError as e:
+                bad.bad(f"{file}:{n}", f"not valid JSON ({e.msg}, column {e.colno})", "line")
+                continue
+            if not isinstance(value, dict):
+                bad.bad(f"{file}:{n}", f"a JSON {type(value).__name__}, not an object", "line")
+                continue
+            rows.append(_row(value, f"{file}:{n}"))
+        check_not_empty(file, len(rows) - before, bad)
     return rows
 
 
-def read_parquet(files: list[Path]) -> list[dict]:
+def read_parquet(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
     import pyarrow.parquet as pq
 
-    return [row for file in files for row in pq.read_table(file).to_pylist()]
-
-
-def read_csv(files: list[Path]) -> list[dict]:
+    bad = bad or BadRecords()
     rows = []
     for file in files:
-        with open(file, encoding="utf-8", newline="") as f:
-            rows += list(csv.DictReader(f))
+        table = pq.read_table(file).to_pylist()
+        rows += [_row(r, f"{file} row {i}") for i, r in enumerate(table)]
+        check_not_empty(file, len(table), bad)
+    return rows
+
+
+def read_csv(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
+    bad = bad or BadRecords()
+    rows = []
+    for file in files:
+        before = len(rows)
+        reader = csv.DictReader(line for _, line in utf8_lines(file, bad))
+        for values in reader:
+            rows.append(_row(values, f"{file}:{reader.line_num}"))
+        check_not_empty(file, len(rows) - before, bad)
     return rows
 
 
@@ -84,8 +114,10 @@ def detect_columns(names: Iterable[str]) -> dict[str, str]:
     return {}
 
 
-def rows_to_records(rows: Iterable[dict], cfg: DataConfig) -> list[dict]:
-    """Map every row to a record with ``data.columns`` (or the detected mapping)."""
+def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | None = None) -> list[dict]:
+    """Map every row to a record with ``data.columns`` (or the detected mapping). A row that lacks a
+    mapped column or holds malformed messages goes to ``bad`` (an error naming its place, or a skip)."""
+    bad = bad or BadRecords()
     rows = rows if isinstance(rows, list) else list(rows)
     if not rows:
         return []
@@ -98,26 +130,39 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig) -> list[dict]:
             "{messages: chat}, {turns: utterances} or {prompt: question, response: answer}"
         )
     kind = kinds[0]
-    missing = [c for f, c in columns.items() if f not in ("role", "content") and c not in rows[0]]
+    wanted = [c for f, c in columns.items() if f not in ("role", "content", "system")]
+    missing = [c for c in wanted if c not in rows[0]]
     if missing:
-        raise ConfigError(f"data.columns names {', '.join(missing)}, not among: {', '.join(map(str, rows[0].keys()))}")
+        first = getattr(rows[0], "where", "") or f"data.source={cfg.source} row 0"
+        raise ConfigError(
+            f"{first}: data.columns names {', '.join(missing)}, not among: {', '.join(map(str, rows[0].keys()))}"
+        )
     roles = SHAREGPT_ROLES | dict(cfg.roles)
     role_key, content_key = columns.get("role"), columns.get("content")
 
     records = []
     for i, row in enumerate(rows):
-        where = f"data.source={cfg.source} row {i}"
-        if kind == "text":
-            records.append({"text": row[columns["text"]]})
-        elif kind == "turns":
-            records.append({"turns": [t for t in (row[columns["turns"]] or []) if t is not None]})
-        elif kind == "prompt":
-            messages = [{"role": "system", "content": row[columns["system"]]}] if row.get(columns.get("system")) else []
-            messages += [{"role": "user", "content": row[columns["prompt"]] or ""},
-                         {"role": "assistant", "content": row[columns["response"]] or ""}]
-            records.append({"messages": messages})
-        else:
-            records.append({"messages": normalise_messages(row[columns["messages"]], role_key, content_key, roles, where)})
+        where = getattr(row, "where", "") or f"data.source={cfg.source} row {i}"
+        absent = [c for c in wanted if c not in row]
+        if absent:
+            bad.bad(where, f"no column {', '.join(map(repr, absent))} (columns: {', '.join(map(str, row))})")
+            continue
+        try:
+            if kind == "text":
+                record = {"text": row[columns["text"]]}
+            elif kind == "turns":
+                record = {"turns": [t for t in (row[columns["turns"]] or []) if t is not None]}
+            elif kind == "prompt":
+                messages = [{"role": "system", "content": row[columns["system"]]}] if row.get(columns.get("system")) else []
+                messages += [{"role": "user", "content": row[columns["prompt"]] or ""},
+                             {"role": "assistant", "content": row[columns["response"]] or ""}]
+                record = {"messages": messages}
+            else:
+                record = {"messages": normalise_messages(row[columns["messages"]], role_key, content_key, roles, where)}
+        except (ValueError, TypeError) as e:
+            bad.bad(where, str(e).removeprefix(f"{where}: "))
+            continue
+        records.append(_row(record, where))  # the record keeps its place for the renderer's messages
     return records
 
 

@@ -30,6 +30,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
             dtype=dtype,
             attn_implementation=PADDED_ATTENTION,
             trust_remote_code=cfg.trust_remote_code,
+            weights_only=True,  # a .bin checkpoint is never unpickled beyond tensors (safetensors preferred)
             **cfg.config_overrides,
         )
     else:

@@ -1,0 +1,53 @@
+"""Fixtures for fault tests: a real Trainer in this process (a world of one gloo rank)."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from trainer.config import config_dir, register_configs, to_job_config
+
+register_configs()
+
+# The CPU recipe, shrunk so a step takes milliseconds: faults, not throughput, are under test.
+SMALL_RUN = [
+    "recipe=cpu_dailydialog", "data.num_dialogs=300", "data.max_length=256", "packing.token_budget=256",
+    "model.config_overrides.n_embd=32", "model.config_overrides.n_positions=256", "max_steps=50", "grad_accum=1",
+    "optim.warmup_steps=0",
+]
+
+
+def compose_job(overrides: list[str]):
+    with initialize_config_dir(str(config_dir()), version_base=None):
+        return to_job_config(compose("config", overrides=overrides))
+
+
+@pytest.fixture(scope="module")
+def trainer(tmp_path_factory):
+    """One Trainer shared by a module's tests (building one takes seconds); tests only read its state or
+    run steps and compare before/after, so sharing is safe."""
+    from trainer import dist
+    from trainer.train import Trainer
+
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # other tests and helpers share the CPU cores: no oversubscription
+    saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    saved_handlers = logging.getLogger().handlers[:]
+    run_dir = tmp_path_factory.mktemp("inproc")
+    t = Trainer(compose_job([*SMALL_RUN, f"run_dir={run_dir}"]))
+    t.model.train()
+    yield t
+    t.metrics.close()
+    dist.destroy_distributed()
+    for k, v in saved_env.items():  # later tests spawn torchrun with os.environ: leave no RANK behind
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    logging.getLogger().handlers[:] = saved_handlers
+    torch.set_num_threads(threads)

@@ -1,0 +1,132 @@
+"""Items 5 and 6 (config part): a bad config is rejected before any process-group work, with one line saying
+what to change; ``_target_`` paths outside the allowlist are refused before anything is instantiated."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.conftest import REPO
+from tests.faults.conftest import compose_job
+from trainer.cli import check_overrides
+from trainer.config import OptimConfig
+from trainer.safety import UnsafeTargetError, check_target
+
+BASE = ["recipe=cpu_dailydialog"]
+CALLS = []
+
+
+def record_call(*args, **kwargs):  # a _target_ that would leave a trace if it were ever called
+    CALLS.append(args)
+
+
+def one_error_line(capsys, overrides: list[str]) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        check_overrides(overrides)
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    assert err[0].startswith("packfsdp: config error: ")
+    return err[0].removeprefix("packfsdp: config error: ")
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        # wrong types (OmegaConf/Hydra errors, caught and reduced to one line)
+        ("packing.token_budget=abc", "packing.token_budget: Value 'abc' of type 'str' could not be converted to Integer"),
+        ("max_steps=1.5", "max_steps: Value '1.5' of type 'float' could not be converted to Integer"),
+        ("logger.wandb=maybe", "logger.wandb: Value 'maybe' is not a valid bool"),
+        ("no_such_key=3", "Key 'no_such_key' not in 'JobConfig'"),
+        ("+packing.token_buget=512", "unknown key 'packing.token_buget'; did you mean packing.token_budget?"),
+        # zero and negative sizes
+        ("packing.token_budget=0", "packing.token_budget must be a positive"),
+        ("grad_accum=-1", "grad_accum must be a positive number"),
+        ("data.max_length=0", "data.max_length must be a positive number"),
+        ("guard.collective_timeout_s=0", "guard.collective_timeout_s must be a positive number"),
+        # unknown backends
+        ("parallel.backend=mpi", "parallel.backend='mpi' is not valid; choose one of: auto, nccl, gloo"),
+        ("model.attention=flash9", "model.attention='flash9' is not valid; choose one of: auto, "),
+        ("guard.nonfinite=ignore", "guard.nonfinite='ignore' is not valid; choose one of: skip, stop"),
+        # a budget that cannot hold one example of the longest allowed length (bfd never splits examples)
+        ("packing.token_budget=512", "packing.token_budget=512 cannot hold one example of 1024 tokens"),
+        # _target_ outside the allowlist, at the top or nested (Hydra instantiates nested targets too)
+        ("optim.optimizer._target_=os.system", "optim.optimizer._target_='os.system' is not allowed"),
+        ("optim.optimizer._target_=torch.load", "optim.optimizer._target_='torch.load' is not allowed"),
+        ("+optim.optimizer.hook._target_=builtins.eval", "optim.optimizer.hook._target_='builtins.eval' is not allowed"),
+    ],
+)
+def test_bad_config_is_one_line(capsys, override, expected):
+    assert one_error_line(capsys, [*BASE, override]).startswith(expected)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["packing.token_budget=512", "data.max_length=512"],  # examples fit the budget
+        ["packing.token_budget=512", "model.config_overrides.n_positions=512"],  # the context clamps them
+        ["packing=none", "packing.token_budget=512"],  # the padded baseline does not pack by budget
+        ["packing.strategy=bfd_split", "packing.token_budget=512"],  # splitting strategies cut long examples
+    ],
+)
+def test_budget_that_fits_is_accepted(overrides):
+    compose_job([*BASE, *overrides])
+
+
+def test_world_size_must_fit_the_mesh(capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "3")  # as torchrun sets it, before any process group exists
+    line = one_error_line(capsys, [*BASE, "parallel.dp_replicate=2"])
+    assert line.startswith("parallel.dp_replicate=2 does not divide the world size 3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    check_overrides([*BASE, "parallel.dp_replicate=2"])
+
+
+def test_target_allowlist_is_user_extendable_but_never_reaches_dangerous_callables(monkeypatch):
+    from trainer.optim import build_optimizer
+
+    name = f"{__name__}.record_call"
+    with pytest.raises(UnsafeTargetError):
+        build_optimizer(None, OptimConfig(optimizer={"_target_": name}))
+    assert CALLS == []  # refused before instantiation: the target was never imported or called
+    monkeypatch.setenv("PACKFSDP_ALLOWED_TARGETS", "tests.faults.,torch.")
+    check_target("optim.optimizer._target_", name)
+    for dangerous in ("torch.load", "torch.hub.load", "os.system", "subprocess.run", "builtins.exec"):
+        with pytest.raises(UnsafeTargetError, match="is not allowed"):
+            check_target("x._target_", dangerous)
+
+
+def test_type_error_from_the_command_line_is_one_line():
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "recipe=cpu_dailydialog", "packing.token_budget=abc"],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip() == (
+        "packfsdp: config error: packing.token_budget: Value 'abc' of type 'str' could not be converted to Integer"
+    )
+
+
+@pytest.mark.parametrize(
+    "strategy, oversize, outcome",
+    [("bfd", "error", "error"), ("bfd", "drop", "dropped"), ("bfd_split", "error", "split"), ("wrapped", "error", "split")],
+)
+def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strategy, oversize, outcome):
+    """Item 4's last case, at the packing stage (the data stage's truncate/drop is in test_bad_data.py)."""
+    import numpy as np
+
+    from trainer.config import PackingConfig
+    from trainer.packing import build_sampler
+
+    lengths = np.array([40, 300, 60, 50])
+    cfg = PackingConfig(strategy=strategy, token_budget=128, oversize=oversize)
+    if outcome == "error":
+        with pytest.raises(ValueError, match="longer than|over"):
+            build_sampler(lengths, cfg, 0, 1, seed=0).plan(0)
+        return
+    stats = build_sampler(lengths, cfg, 0, 1, seed=0).plan(0).stats
+    if outcome == "dropped":
+        assert (stats.dropped_oversize, stats.dropped_oversize_tokens) == (1, 300)
+    else:
+        assert stats.split_examples == 1 and stats.pieces >= 3 and stats.tokens >= lengths.sum()

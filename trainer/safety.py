@@ -1,0 +1,174 @@
+"""Unsafe inputs: config ``_target_`` paths, secrets in logs and saved files, pickled files.
+
+Three rules, each enforced in one place:
+
+1. **``_target_`` allowlist.** Hydra's ``instantiate`` imports and calls whatever dotted path a config names,
+   so ``optim.optimizer._target_=os.system`` on a command line (or in a shared sweep file) would run it.
+   Every ``_target_`` anywhere in the composed config must start with an allowed prefix and must not name
+   a known-dangerous callable; ``to_job_config`` checks this before anything is instantiated. Users extend
+   the allowlist with ``PACKFSDP_ALLOWED_TARGETS`` (comma-separated prefixes, e.g. ``mylib.optim.``) or
+   ``allow_targets("mylib.optim.")`` from a plugin. The allowlist is deliberately not a config key: an
+   override that could extend it could also use it.
+2. **Secrets never leave the process.** Values of secret-looking environment variables (``WANDB_API_KEY``,
+   ``HF_TOKEN``, anything named ``*_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``) and token-shaped
+   strings are replaced by ``***`` in every log line (a filter on the root handler), in the saved
+   ``config.yaml``, in error lines, in the config handed to wandb and in the command line wandb records.
+3. **No pickle from disk.** ``load_tensors`` reads safetensors, or ``torch.load`` with
+   ``weights_only=True`` (a pickle that names anything but tensors and plain containers is refused with
+   one line naming the file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+ALLOWED_TARGET_PREFIXES: list[str] = ["torch.optim."]
+"""``_target_`` prefixes allowed out of the box (optimizers and their schedulers)."""
+
+# Refused even under an allowed prefix (a user who allows "torch." still cannot reach torch.load).
+DENIED_TARGETS = re.compile(
+    r"^(builtins|os|posix|sys|subprocess|shutil|pickle|marshal|importlib|runpy|socket|ctypes|pty|code"
+    r"|torch\.(load|hub|package|jit\.load|utils\.cpp_extension)|numpy\.load|pandas\.read_pickle)(\.|$)"
+    r"|(^|\.)(eval|exec|compile|__import__|getattr|setattr|system|popen|load)$"
+)
+
+
+class UnsafeTargetError(ValueError):
+    """A config names a ``_target_`` outside the allowlist."""
+
+
+class UnsafeFileError(ValueError):
+    """A file would need unpickling arbitrary objects to load."""
+
+
+def allow_targets(*prefixes: str) -> None:
+    """Extend the ``_target_`` allowlist (for plugins that register their own optimizers or sources)."""
+    ALLOWED_TARGET_PREFIXES.extend(p for p in prefixes if p and p not in ALLOWED_TARGET_PREFIXES)
+
+
+def allowed_target_prefixes() -> list[str]:
+    extra = [p.strip() for p in os.environ.get("PACKFSDP_ALLOWED_TARGETS", "").split(",") if p.strip()]
+    return [*ALLOWED_TARGET_PREFIXES, *extra]
+
+
+def check_target(key: str, target: Any) -> None:
+    """Raise ``UnsafeTargetError`` unless ``target`` may be instantiated."""
+    prefixes = allowed_target_prefixes()
+    name = str(target)
+    if DENIED_TARGETS.search(name) or not name.startswith(tuple(prefixes)):
+        raise UnsafeTargetError(
+            f"{key}={name!r} is not allowed (allowed prefixes: {', '.join(prefixes)}); to allow your own, "
+            f"set PACKFSDP_ALLOWED_TARGETS=your.module."
+        )
+
+
+def check_targets(tree: Any, path: str = "") -> None:
+    """Check every ``_target_`` in a nested dict/list (the whole config), before instantiation."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            where = f"{path}.{key}" if path else str(key)
+            if key == "_target_":
+                check_target(where, value)
+            else:
+                check_targets(value, where)
+    elif isinstance(tree, (list, tuple)):
+        for i, value in enumerate(tree):
+            check_targets(value, f"{path}[{i}]")
+
+
+# --------------------------------------------------------------------------------------------------- secrets
+SECRET_ENV_NAMES = re.compile(r"(TOKEN|API_KEY|_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
+SECRET_CONFIG_KEYS = re.compile(r"(token|api_key|apikey|secret|password|passwd|credential)", re.IGNORECASE)
+# Token shapes worth catching even when they do not come from the environment.
+SECRET_PATTERNS = re.compile(
+    r"\bhf_[A-Za-z0-9]{20,}\b"  # Hugging Face user access tokens
+    r"|\b(?:sk|pk|rk)-[A-Za-z0-9_-]{20,}\b"  # common `sk-...` API keys
+    r"|\b(?:ghp|gho|ghs|github_pat)_[A-Za-z0-9_]{20,}\b"  # GitHub tokens
+    r"|(?<=://)[^/\s:@]+:[^/\s@]+(?=@)"  # user:password@ in URLs
+)
+REDACTED = "***"
+_MIN_SECRET_LEN = 6  # shorter values ("1", "true") would redact ordinary words
+
+
+def secret_values() -> list[str]:
+    """Values of secret-looking environment variables, longest first (read each time: keys may be set late)."""
+    values = {v for k, v in os.environ.items() if SECRET_ENV_NAMES.search(k) and len(v) >= _MIN_SECRET_LEN}
+    return sorted(values, key=len, reverse=True)
+
+
+def redact(text: str) -> str:
+    """``text`` with every known secret value and token-shaped string replaced by ``***``."""
+    for value in secret_values():
+        text = text.replace(value, REDACTED)
+    return SECRET_PATTERNS.sub(REDACTED, text)
+
+
+def redact_tree(tree: Any) -> Any:
+    """A copy of a nested dict/list with secret-named keys' values and secret strings redacted."""
+    if isinstance(tree, dict):
+        return {
+            k: (REDACTED if SECRET_CONFIG_KEYS.search(str(k)) and v not in (None, "", False) else redact_tree(v))
+            for k, v in tree.items()
+        }
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(redact_tree(v) for v in tree)
+    if isinstance(tree, str):
+        return redact(tree)
+    return tree
+
+
+def redact_argv(argv: list[str]) -> list[str]:
+    """Command-line arguments with secrets redacted, ``key=value`` overrides of secret-named keys included
+    (wandb and others record ``sys.argv`` in their run files)."""
+    out = []
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        out.append(f"{key}={REDACTED}" if sep and value and SECRET_CONFIG_KEYS.search(key) else redact(arg))
+    return out
+
+
+class RedactingFilter(logging.Filter):
+    """Redacts each record's final message (arguments included) before any handler prints it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            text = redact(str(exc))
+            if text != str(exc):
+                record.exc_info, record.exc_text = None, None
+                record.msg = f"{record.msg}: {type(exc).__name__}: {text}"
+        return True
+
+
+# ------------------------------------------------------------------------------------------------ files
+def load_tensors(path: str | Path, map_location: Any = "cpu") -> Any:
+    """Load tensors from ``path`` without ever unpickling arbitrary objects.
+
+    ``.safetensors`` files go through safetensors; anything else through ``torch.load(weights_only=True)``,
+    which refuses a pickle that references anything beyond tensors and plain containers. The refusal is
+    re-raised as ``UnsafeFileError`` naming the file.
+    """
+    import torch
+
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device=str(map_location))
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError (or RuntimeError) on a refused global
+        if "weights_only" in str(e) or "Unsupported global" in str(e) or type(e).__name__ == "UnpicklingError":
+            raise UnsafeFileError(
+                f"{path}: refused to load: it is a pickle that is not plain tensors (it could run code on load). "
+                "Only safetensors or torch.save'd tensors are loaded"
+            ) from None
+        raise
