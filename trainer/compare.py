@@ -30,6 +30,8 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+from trainer.cli import check_overrides
+from trainer.config import register_configs
 from trainer.plots import plot_loss, plot_throughput
 
 RUNS = {"padded": "none", "packed": None}  # run name -> packing override (None: the recipe's own)
@@ -64,12 +66,27 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
 def run_both(overrides: list[str], nproc: int, out: Path) -> None:
     """The padded baseline, then the packed run, each under torchrun; stop at the first failure."""
     env = os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    runs = {}
     for name, packing in RUNS.items():
         # `packing=X` on the command line picks the packed run's strategy; the baseline is always padded.
         own = [o for o in overrides if not (packing and o.startswith("packing="))]
-        extra = [f"packing={packing}"] if packing else []
+        runs[name] = [*own, *([f"packing={packing}"] if packing else []), f"run_dir={out / name}"]
+    # Validate both configs before either starts, so a packed-run config error does not surface only
+    # after the whole baseline has run.
+    register_configs()
+    saved_world = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(nproc)  # the mesh checks see the world the runs will have
+    try:
+        for run_overrides in runs.values():
+            check_overrides(run_overrides)
+    finally:
+        if saved_world is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved_world
+    for name, run_overrides in runs.items():
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "trainer.train", *own, *extra, f"run_dir={out / name}"]
+               "-m", "trainer.train", *run_overrides]
         print(f"== compare: {name} run: {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, env=env).returncode
         if rc != 0:

@@ -172,14 +172,7 @@ class Trainer:
         """Summed token loss of one micro-batch; backward of its share of the global mean."""
         if self.faults.due("oom", self.step + 1):
             raise torch.OutOfMemoryError(f"injected out-of-memory ({FaultInjector.__module__})")
-        logits = self.model(**batch.model_inputs())
-        # labels are aligned with input_ids: position t predicts labels[t + 1].
-        loss_sum = F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(),
-            batch.labels[:, 1:].flatten(),
-            ignore_index=IGNORE_INDEX,
-            reduction="sum",
-        )
+        loss_sum = summed_token_loss(self.model, batch)
         if self.faults.due("nan_loss", self.step + 1):
             loss_sum = loss_sum * float("nan")
         # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
@@ -308,6 +301,18 @@ def json_safe(record: dict) -> dict:
 
 def dist_device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def summed_token_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Sum of the token cross-entropies of one micro-batch, in fp32. Labels are aligned with input_ids:
+    position t predicts ``labels[t + 1]``; -100 (pads, masked tokens, each example's first token) is skipped."""
+    logits = model(**batch.model_inputs())
+    return F.cross_entropy(
+        logits[:, :-1].flatten(0, 1).float(),
+        batch.labels[:, 1:].flatten(),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

@@ -3,8 +3,8 @@
 For every ``parallelize`` option (FSDP, HSDP 2x1 and 1x2, activation checkpointing full / every k-th, CPU
 offload, no resharding, compile, mixed precision) it runs one global batch of 4 packed micro-batches: on an
 unsharded single-process model (what one rank computes with ``grad_accum=4``), and sharded over 2 ranks
-(2 micro-batches each, gradient sync on the last), both through ``Trainer.forward_backward`` with the loss
-divided by the global label count. Rank 0 writes one JSON record per case to ``argv[1]``.
+(2 micro-batches each, gradient sync on the last), both through ``summed_token_loss`` (the trainer's loss) divided
+by the global label count. Rank 0 writes one JSON record per case to ``argv[1]``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import sys
 import time
 from dataclasses import replace
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as tdist
@@ -26,7 +25,7 @@ from trainer.config import DataConfig, ModelConfig, ParallelConfig
 from trainer.data import load_dataset, load_tokenizer
 from trainer.model import build_model, resolve_backend
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
-from trainer.train import Trainer
+from trainer.train import summed_token_loss
 
 FP32 = ParallelConfig(device="cpu", backend="gloo", param_dtype="float32", reduce_dtype="float32")
 CASES = {
@@ -63,7 +62,11 @@ def main(out_path: str) -> None:
 
     base = build_model(model_cfg, tokenizer, backend, seed=7)
     reference = copy.deepcopy(base)
-    ref_loss = sum(float(Trainer.forward_backward(SimpleNamespace(model=reference), b, global_labels)) for b in microbatches)
+    ref_loss = 0.0
+    for b in microbatches:
+        loss = summed_token_loss(reference, b)
+        (loss / global_labels).backward()
+        ref_loss += float(loss)
     ref_grads = {n: p.grad for n, p in reference.named_parameters()}
 
     results = {}
@@ -78,11 +81,12 @@ def main(out_path: str) -> None:
             layer.attn.register_forward_hook(lambda *_: attn_calls.__setitem__(0, attn_calls[0] + 1))
         mesh = build_mesh(device, dist.world_size(), cfg)
         model = parallelize(model, mesh, cfg)
-        holder = SimpleNamespace(model=model)
         loss = 0.0
         for i, batch in enumerate(mine):
             set_gradient_sync(model, i == len(mine) - 1)
-            loss += float(Trainer.forward_backward(holder, batch, global_labels))
+            batch_loss = summed_token_loss(model, batch)
+            (batch_loss / global_labels).backward()
+            loss += float(batch_loss)
         calls = attn_calls[0]
         (loss,) = dist.all_reduce_sum([loss], device)
         worst, worst_name = 0.0, ""

@@ -110,3 +110,14 @@ print(json.dumps(sorted(keys)))
 def test_compare_takes_the_packed_strategy_from_the_command_line():
     _, overrides = compare.parse_args(["recipe=cpu_dailydialog", "packing=bfd_split"])
     assert overrides == ["recipe=cpu_dailydialog", "packing=bfd_split"]
+
+
+def test_compare_rejects_a_bad_packed_config_before_running_anything(tmp_path, capsys, monkeypatch):
+    """A config error of the packed run is reported before the padded baseline spends its time."""
+    from trainer import compare
+
+    monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail("a run was started"))
+    with pytest.raises(SystemExit) as exc:
+        compare.main(["recipe=cpu_dailydialog", "packing.token_budget=512", "--out", str(tmp_path)])
+    assert exc.value.code == 2
+    assert "packing.token_budget=512 cannot hold one example" in capsys.readouterr().err
