@@ -19,11 +19,11 @@ import time
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from trainer import dist
-from trainer.collate import IGNORE_INDEX, Batch, collate_packed
+from trainer.collate import Batch, collate_packed
 from trainer.data.dataset import TokenizedDataset
+from trainer.loss import summed_token_loss
 from trainer.packing import deal_bins, even_out_bins, pack_best_fit_decreasing
 
 _HASH_SCALE = float(2**64)
@@ -101,11 +101,7 @@ def evaluate(
     labels = 0
     for indices in eval_microbatches(dataset.lengths, token_budget, dist.rank(), dist.world_size()):
         batch: Batch = collate_packed(dataset, indices, pad_id).to(device)
-        logits = model(**batch.model_inputs())
-        loss_sum += F.cross_entropy(
-            logits[:, :-1].flatten(0, 1).float(), batch.labels[:, 1:].flatten(),
-            ignore_index=IGNORE_INDEX, reduction="sum",
-        ).double()
+        loss_sum += summed_token_loss(model, batch).double()
         labels += batch.num_label_tokens
     model.train(was_training)
     total_loss, total_labels = dist.all_reduce_sum([loss_sum.item(), labels], device)

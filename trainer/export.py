@@ -18,7 +18,6 @@ import logging
 import sys
 from pathlib import Path
 
-import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.checkpoint import HF_DIR, TRAINER_STATE, CheckpointError, find_checkpoint, read_full_tensors, verify_checkpoint

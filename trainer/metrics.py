@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 import os
 import resource
 import sys
@@ -214,7 +213,3 @@ def format_step(m: dict[str, Any]) -> str:
         f"step {1000 * m['step_time_s']:.0f} ms | mem {m['peak_mem_gib']:.2f} GiB"
         + (f" | SKIPPED ({m['skipped']})" if m.get("skipped") else "")
     )
-
-
-def finite_or_nan(x: float) -> float:
-    return x if math.isfinite(x) else float("nan")

@@ -24,7 +24,6 @@ from pathlib import Path
 
 import hydra
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 
 from trainer import dist
@@ -35,6 +34,7 @@ from trainer.data import load_dataset, load_tokenizer
 from trainer.evaluate import evaluate, split_holdout
 from trainer.guard import FaultInjector, JobFailed, StepGuard, describe_failure
 from trainer.metrics import MetricsLogger, ProgressBar, RunSummary, peak_memory_gib, setup_logging
+from trainer.loss import summed_token_loss
 from trainer.model import DTYPES, build_model, max_positions, resolve_backend
 from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
@@ -301,18 +301,6 @@ def json_safe(record: dict) -> dict:
 
 def dist_device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def summed_token_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
-    """Sum of the token cross-entropies of one micro-batch, in fp32. Labels are aligned with input_ids:
-    position t predicts ``labels[t + 1]``; -100 (pads, masked tokens, each example's first token) is skipped."""
-    logits = model(**batch.model_inputs())
-    return F.cross_entropy(
-        logits[:, :-1].flatten(0, 1).float(),
-        batch.labels[:, 1:].flatten(),
-        ignore_index=IGNORE_INDEX,
-        reduction="sum",
-    )
 
 
 def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:

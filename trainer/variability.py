@@ -23,11 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
+from trainer.collate import collate_packed, collate_padded
 from trainer.config import ModelConfig, PackingConfig
 from trainer.data.dataset import TokenizedDataset
+from trainer.loss import summed_token_loss
 from trainer.model import build_model, resolve_backend
 from trainer.packing import batch_padded, matched_padded_batch_size, pack_best_fit_decreasing
 from trainer.plots import plot_variability
@@ -77,9 +77,7 @@ def time_step(model, optimizer, batch, repeats: int = 1) -> float:
 def _one_step(model, optimizer, batch) -> float:
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = model(**batch.model_inputs())
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), batch.labels[:, 1:].flatten(),
-                           ignore_index=IGNORE_INDEX, reduction="sum") / max(batch.num_label_tokens, 1)
+        loss = summed_token_loss(model, batch) / max(batch.num_label_tokens, 1)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

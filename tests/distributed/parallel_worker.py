@@ -25,7 +25,7 @@ from trainer.config import DataConfig, ModelConfig, ParallelConfig
 from trainer.data import load_dataset, load_tokenizer
 from trainer.model import build_model, resolve_backend
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
-from trainer.train import summed_token_loss
+from trainer.loss import summed_token_loss
 
 FP32 = ParallelConfig(device="cpu", backend="gloo", param_dtype="float32", reduce_dtype="float32")
 CASES = {

@@ -6,7 +6,6 @@ One torchrun launch runs all cases (tests/distributed/parallel_worker.py); each 
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
 

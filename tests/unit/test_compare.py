@@ -10,8 +10,7 @@ import sys
 import pytest
 
 from trainer import compare
-from trainer.config import LoggerConfig
-from trainer.metrics import MetricsLogger, RunSummary
+from trainer.metrics import RunSummary
 
 STEP_KEYS = ("loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
              "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction",
