@@ -65,6 +65,17 @@ def test_report_from_stored_runs(tmp_path):
         assert (publish / name).is_file()
 
 
+def test_summarize_prints_the_compare_table_for_any_two_run_dirs(tmp_path, capsys):
+    from trainer import summarize
+
+    _fake_run(tmp_path / "a", "padded", 1000.0, 2200, 4.50)
+    _fake_run(tmp_path / "b", "packed", 1600.0, 1100, 4.52)
+    summarize.main([str(tmp_path / "b"), str(tmp_path / "a")])
+    out = capsys.readouterr().out
+    assert "| useful tokens/s | 1,000 | 1,600 | 1.60x |" in out
+    assert "packing speedup (useful tokens/s, packed / padded): 1.60x on 2 rank(s)" in out
+
+
 @pytest.mark.parametrize("bad", ["packing=none", "packing=sorted", "run_dir=/tmp/x", "--bogus"])
 def test_compare_refuses_overrides_it_sets_itself(bad):
     with pytest.raises(SystemExit):
