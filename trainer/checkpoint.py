@@ -381,15 +381,13 @@ class Checkpointer:
             save_hf_assets(state, tmp / HF_DIR)
         dist.barrier()  # every rank's files are on disk
 
-        error = None
-        if dist.is_rank0():
+        def finalize() -> None:
             try:
                 self._finalize(tmp, final, step)
-            except Exception as e:  # noqa: BLE001 -- reported on every rank below, never a hang
-                error = f"{type(e).__name__}: {e}"
-        error = dist.broadcast_object(error)
-        if error:
-            raise CheckpointError(f"saving checkpoint {final} failed: {error}")
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by on_rank0_then_all, never a hang
+                raise CheckpointError(f"saving checkpoint {final} failed: {type(e).__name__}: {e}") from e
+
+        dist.on_rank0_then_all(finalize)
         log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - start)
         return final
 
@@ -413,18 +411,13 @@ class Checkpointer:
     def load(self, path: Path, state: TrainingState, total_steps: int) -> Restored:
         """Restore ``state`` from ``path``; returns the step and tokens seen to continue from."""
         start = time.perf_counter()
-        error = None
-        if dist.is_rank0():
-            try:
-                if self.cfg.verify:
-                    verify_checkpoint(path)
-                elif not (path / MANIFEST).is_file():
-                    raise CheckpointError(f"{path} is incomplete (no {MANIFEST})")
-            except CheckpointError as e:
-                error = str(e)
-        error = dist.broadcast_object(error)
-        if error:
-            raise CheckpointError(error)
+        def verify() -> None:  # rank 0 reads every file once; a bad checkpoint fails on every rank
+            if self.cfg.verify:
+                verify_checkpoint(path)
+            elif not (path / MANIFEST).is_file():
+                raise CheckpointError(f"{path} is incomplete (no {MANIFEST})")
+
+        dist.on_rank0_then_all(verify)
 
         saved = json.loads((path / TRAINER_STATE).read_text())
         if saved.get("format") != FORMAT_VERSION:
