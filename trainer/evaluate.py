@@ -20,7 +20,7 @@ import time
 import numpy as np
 import torch
 
-from trainer import dist
+from trainer import distributed
 from trainer.collate import Batch, collate_packed
 from trainer.data.dataset import TokenizedDataset
 from trainer.loss import summed_token_loss
@@ -99,12 +99,12 @@ def evaluate(
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     labels = 0
-    for indices in eval_microbatches(dataset.lengths, token_budget, dist.rank(), dist.world_size()):
+    for indices in eval_microbatches(dataset.lengths, token_budget, distributed.rank(), distributed.world_size()):
         batch: Batch = collate_packed(dataset, indices, pad_id).to(device)
         loss_sum += summed_token_loss(model, batch).double()
         labels += batch.num_label_tokens
     model.train(was_training)
-    total_loss, total_labels = dist.all_reduce_sum([loss_sum.item(), labels], device)
+    total_loss, total_labels = distributed.all_reduce_sum([loss_sum.item(), labels], device)
     return {
         "eval_loss": total_loss / max(total_labels, 1.0),
         "eval_tokens": int(total_labels),

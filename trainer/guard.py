@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer import dist
+from trainer import distributed
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
 from trainer.safety import UnsafeFileError, redact
@@ -76,10 +76,10 @@ class StepGuard:
 
     def check(self, step: int, local_loss_sum: float, grad_norm: float, global_labels: float) -> StepVerdict:
         """One all-reduce: the global loss sum and which ranks saw a non-finite loss or gradient norm."""
-        world, rank = dist.world_size(), dist.rank()
+        world, rank = distributed.world_size(), distributed.rank()
         flags = [0.0] * world
         flags[rank] = (0.0 if math.isfinite(local_loss_sum) else 1.0) + (0.0 if math.isfinite(grad_norm) else 2.0)
-        loss_sum, *flags = dist.all_reduce_sum([local_loss_sum, *flags], self.device)
+        loss_sum, *flags = distributed.all_reduce_sum([local_loss_sum, *flags], self.device)
         bad = {r: int(f) for r, f in enumerate(flags) if f}
         if bad:
             return self._nonfinite(step, bad)
@@ -120,7 +120,7 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
     shared store when it is this rank's own fault (so the others can name it)."""
     from trainer.model import AttentionBackendError  # late: trainer.model is heavy and not needed above
 
-    rank = dist.rank()
+    rank = distributed.rank()
     text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
     if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):
         # Fix the config or the data, then run again: a restart alone would fail the same way (exit code 2).
@@ -145,11 +145,11 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
             f"rank {rank}: out of memory at {where}: {text}. Lower packing.token_budget or grad_accum (or use "
             "activation checkpointing); a restart with resume=auto continues from the last checkpoint",
         )
-    peers = dist.peer_failures()
+    peers = distributed.peer_failures()
     if peers:
         first = min(peers)
         return JobFailed(f"rank {rank}: stopping at {where} because rank {first} failed: {peers[first]}", own=False)
-    if any(sign in text.lower() for sign in _COLLECTIVE_SIGNS) and dist.world_size() > 1:
+    if any(sign in text.lower() for sign in _COLLECTIVE_SIGNS) and distributed.world_size() > 1:
         return JobFailed(
             f"rank {rank}: a collective failed at {where} (guard.collective_timeout_s={timeout_s:g}): another "
             f"rank stopped answering or died; exiting so the launcher can restart the job ({text})",
@@ -159,7 +159,7 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
 
 
 def _own(rank: int, message: str, exit_code: int = 1) -> JobFailed:
-    dist.record_failure(message.removeprefix(f"rank {rank}: "))
+    distributed.record_failure(message.removeprefix(f"rank {rank}: "))
     return JobFailed(message, exit_code)
 
 

@@ -24,6 +24,10 @@ from trainer.safety import RedactingFilter, redact_argv
 
 log = logging.getLogger("trainer")
 
+METRICS_FILE = "metrics.jsonl"
+"""One JSON record per logged training step, in the run directory; this module is its only writer."""
+EVAL_FILE = "eval.jsonl"
+
 
 def setup_logging(rank: int) -> None:
     """One logger; rank 0 logs at INFO, other ranks only warnings and errors."""
@@ -112,8 +116,8 @@ class MetricsLogger:
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, enabled: bool, run_config: dict | None = None) -> None:
         self.cfg, self.enabled = cfg, enabled
-        self.path = run_dir / "metrics.jsonl"
-        self.eval_path = run_dir / "eval.jsonl"
+        self.path = run_dir / METRICS_FILE
+        self.eval_path = run_dir / EVAL_FILE
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
         self._eval_file = None  # opened on the first eval, so runs without eval leave no empty file
         self._wandb = None
@@ -151,6 +155,24 @@ class MetricsLogger:
                 f.close()
         if self._wandb is not None:
             self._wandb.finish()
+
+
+def trim_metrics(run_dir: Path, step: int) -> None:
+    """Drop ``metrics.jsonl`` records after ``step`` (logged by an attempt that died before its next
+    checkpoint): the resumed run logs those steps again, once."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line).get("step", 0) <= step:
+                kept.append(line)
+        except ValueError:  # a line cut short when the attempt died
+            continue
+    tmp = path.with_suffix(".jsonl.tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
 
 
 def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):

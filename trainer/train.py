@@ -1,12 +1,8 @@
-"""Stage 6: the training loop. ``torchrun --nproc_per_node N -m trainer.train recipe=NAME key=value ...``
+"""Train a recipe: ``torchrun --nproc_per_node N -m trainer.train recipe=NAME key=value ...``
 
-One ``Trainer`` with one method per phase: ``setup`` (build everything), ``next_step_batches``
-(this rank's micro-batches of one optimizer step), ``forward_backward`` (one micro-batch), ``train_step``
-(accumulate, clip, step, log) and ``train`` (the loop and the summary).
-
-The loss of a step is the sum of token losses over every micro-batch and every rank divided by the
-global count of label tokens (one all-reduce before the backward passes), so packed, padded and any world
-size optimise the same objective.
+The command-line entry. It checks the command line before anything heavy is imported (a wrong group option
+or config value fails in a fraction of a second with one line), then hands the validated ``JobConfig`` to
+``trainer.loop.Trainer`` and turns any failure into one line per rank (``trainer.guard``).
 """
 
 from __future__ import annotations
@@ -14,358 +10,18 @@ from __future__ import annotations
 import atexit
 import json
 import logging
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
-from datetime import datetime
 from pathlib import Path
 
 import hydra
-import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from trainer import dist
-from trainer.checkpoint import Checkpointer, TrainingState, trim_metrics
-from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
 from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
-from trainer.data import load_dataset, load_tokenizer
-from trainer.evaluate import evaluate, split_holdout
-from trainer.guard import FaultInjector, JobFailed, StepGuard, describe_failure
-from trainer.metrics import MetricsLogger, ProgressBar, RunSummary, peak_memory_gib, setup_logging
-from trainer.loss import summed_token_loss
-from trainer.model import DTYPES, build_model, max_positions, resolve_backend
-from trainer.model.selfcheck import first_microbatch, run_startup_self_check
-from trainer.optim import build_optimizer, build_scheduler
-from trainer.packing import build_sampler
-from trainer.parallel import build_mesh, parallelize, set_gradient_sync
-from trainer.throughput import flop_params, model_flops, peak_tflops, step_counts
-from trainer.safety import redact, redact_tree
+from trainer.safety import redact
 
 log = logging.getLogger("trainer")
-
-
-@dataclass
-class StepResult:
-    loss_sum: float
-    label_tokens: int
-    tokens: int
-    positions: int
-
-
-class Trainer:
-    def __init__(self, cfg: JobConfig) -> None:
-        self.cfg = cfg
-        self.step = 0
-        self.tokens_seen = 0
-        """Label tokens trained on so far, over all ranks (restored on resume)."""
-        self.setup()
-
-    # ------------------------------------------------------------------------------------------------ setup
-    def setup(self) -> None:
-        cfg = self.cfg
-        self.device = dist.resolve_device(cfg.parallel.device)
-        dist.init_distributed(self.device, cfg.parallel.backend, cfg.guard.collective_timeout_s)
-        self.rank, self.world_size = dist.rank(), dist.world_size()
-        setup_logging(self.rank)
-        self.guard = StepGuard(cfg.guard, self.device)
-        self.faults = FaultInjector.from_env(self.rank)
-        self.run_dir = agree_run_dir(cfg)
-        log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
-
-        packed = cfg.packing.packed
-        # Resolve the backend first: a backend that cannot run here fails before any heavy work.
-        self.backend = resolve_backend(cfg.model.attention, self.device, DTYPES[cfg.parallel.param_dtype])
-        self.tokenizer = load_tokenizer(cfg.model, cfg.data)
-        model = build_model(cfg.model, self.tokenizer, self.backend, cfg.seed)
-        self.backend = model.backend  # `auto` may move on to a backend that supports the model's dropout
-        if packed:
-            log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
-        else:
-            log.info("attention backend: transformers sdpa with a padding mask (padded baseline)")
-
-        # Every example fits the model's context and one micro-batch, in packed and padded runs alike,
-        # so both runs train on exactly the same tokens; splitting strategies cut longer ones into pieces.
-        context = max_positions(model) or cfg.data.max_length
-        cfg.validate_budget(context)  # same verdict on every rank: no rank is left waiting
-        max_length = min(cfg.data.max_length, context)
-        if not cfg.packing.splits_examples:
-            max_length = min(max_length, cfg.packing.token_budget)
-        self.dataset, self.eval_dataset = split_holdout(
-            load_dataset(cfg.data, self.tokenizer, max_length),
-            cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
-        )
-        log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
-                 f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
-        self.sampler = build_sampler(
-            self.dataset.lengths, cfg.packing, self.rank, self.world_size, cfg.seed, grad_accum=cfg.grad_accum
-        )
-        self.collate = collate_packed if packed else collate_padded
-        if not packed:
-            log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
-
-        self.flop_params = flop_params(model)
-        self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
-        model = model.to(self.device)
-        if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
-            first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
-            run_startup_self_check(model, self.collate(self.dataset, first, self.tokenizer.pad_token_id),
-                                   cfg.model.self_check_tolerance, DTYPES[cfg.parallel.param_dtype], first)
-        self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
-        self.total_steps = self.count_total_steps()
-        dist.check_same_on_all_ranks(
-            {"the number of examples": len(self.dataset), "the number of optimizer steps": self.total_steps},
-            self.device,
-        )
-        self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, cfg.seed)
-        self.resume()
-        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=redact_tree(asdict(cfg)))
-        self.summary = RunSummary(skip=cfg.summary_skip_steps)
-        log.info(
-            "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
-            len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
-        )
-
-    def training_state(self) -> TrainingState:
-        return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
-
-    def resume(self) -> None:
-        """Restore everything from the checkpoint ``cfg.resume`` names (``auto``: the latest complete one)."""
-        path = self.checkpointer.resolve(self.cfg.resume)
-        if path is None:
-            return
-        restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
-        self.step, self.tokens_seen = restored.step, restored.tokens_seen
-        if self.rank == 0:
-            trim_metrics(self.run_dir, self.step)
-
-    def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.step, self.training_state(), self.tokens_seen, self.total_steps)
-
-    def count_total_steps(self) -> int:
-        if self.cfg.max_steps is not None:
-            return self.cfg.max_steps
-        per_epoch = (
-            math.ceil(self.sampler.microbatches_per_rank(e) / self.cfg.grad_accum) for e in range(self.cfg.epochs)
-        )
-        return sum(per_epoch)
-
-    # ------------------------------------------------------------------------------------------------- loop
-    def next_step_batches(self) -> list[Batch]:
-        """Up to ``grad_accum`` micro-batches; a step never crosses an epoch boundary. Every rank gets the
-        same count because every rank's epoch plan has the same length."""
-        batches = []
-        for _ in range(self.cfg.grad_accum):
-            _, indices, last_of_epoch = self.sampler.next_microbatch()
-            batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id).to(self.device))
-            if self.faults.due("no_labels", self.step + 1):
-                batches[-1].labels.fill_(IGNORE_INDEX)
-                batches[-1].num_label_tokens = 0
-            if last_of_epoch:
-                break
-        return batches
-
-    def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
-        """Summed token loss of one micro-batch; backward of its share of the global mean."""
-        if self.faults.due("oom", self.step + 1):
-            raise torch.OutOfMemoryError(f"injected out-of-memory ({FaultInjector.__module__})")
-        loss_sum = summed_token_loss(self.model, batch)
-        if self.faults.due("nan_loss", self.step + 1):
-            loss_sum = loss_sum * float("nan")
-        # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
-        (loss_sum / max(global_label_tokens, 1.0)).backward()
-        return loss_sum.detach()
-
-    def train_step(self) -> dict:
-        start = time.perf_counter()
-        if self.faults.due("hang", self.step + 1):
-            time.sleep(1e6)  # a rank that stops answering: the others must give up after the timeout
-        batches = self.next_step_batches()
-        local = [sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
-                 sum(b.num_positions for b in batches), *step_counts(batches)]
-        global_labels, global_tokens, global_positions, padded_equivalent, sum_sq = dist.all_reduce_sum(
-            local, self.device
-        )
-
-        loss_sum = torch.zeros((), device=self.device)
-        for i, batch in enumerate(batches):
-            set_gradient_sync(self.model, i == len(batches) - 1)
-            loss_sum += self.forward_backward(batch, global_labels)
-
-        if self.faults.due("nan_grad", self.step + 1):
-            poison_one_gradient(self.model)
-        grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
-        # Every rank reaches the same verdict (one all-reduce): apply, or skip on all ranks together.
-        verdict = self.guard.check(self.step + 1, loss_sum.item(), grad_norm, global_labels)
-        if verdict.skip is None:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        lr = self.scheduler.get_last_lr()[0]
-        self.scheduler.step()
-        global_loss_sum = verdict.loss_sum
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step_time = time.perf_counter() - start
-        self.step += 1
-        trained = 0 if verdict.skip else global_labels  # a skipped step trains on nothing: count nothing
-        return {
-            "step": self.step,
-            "epoch": self.sampler.epoch,
-            "loss": global_loss_sum / max(global_labels, 1.0),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "useful_tokens": int(trained),
-            "tokens": int(global_tokens),
-            "positions": int(global_positions),
-            "useful_tokens_per_s": trained / step_time,
-            "tokens_per_s": global_tokens / step_time,
-            "padding_fraction": 1 - global_tokens / global_positions if global_positions else 0.0,
-            "padded_equivalent_positions": int(padded_equivalent),
-            "padding_saved_fraction": 1 - global_positions / padded_equivalent if padded_equivalent else 0.0,
-            "model_flops": model_flops(global_tokens, sum_sq, *self.flop_params),
-            "step_time_s": step_time,
-            "peak_mem_gib": peak_memory_gib(self.device),
-            "skipped": verdict.skip,
-        }
-
-    def train(self) -> dict:
-        self.model.train()
-        every = self.cfg.eval.every
-        end = min(self.total_steps, self.cfg.stop_after_steps or self.total_steps)
-        if self.step >= end:  # e.g. a restart after the final checkpoint: the run is already complete
-            log.info("resumed at step %d of %d: nothing left to train", self.step, end)
-            self.metrics.close()
-            return {"steps": 0, "resumed_step": self.step, "run_dir": str(self.run_dir)}
-        with ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar:
-            while self.step < end:
-                metrics = self.train_step()
-                self.tokens_seen += metrics["useful_tokens"]
-                metrics["tokens_seen"] = self.tokens_seen
-                self.summary.add(metrics)
-                bar.update(metrics)
-                if self.step % self.cfg.logger.log_every == 0 or self.step == end:
-                    self.metrics.log(metrics)
-                if self.step == self.total_steps or (every and self.step % every == 0):
-                    self.evaluate()
-                if self.checkpointer.due(self.step, last_step=self.step == end):
-                    self.save_checkpoint()
-        return self.finish()
-
-    def evaluate(self) -> dict | None:
-        """Eval loss on the held-out split (packed batches; every rank takes part)."""
-        if self.eval_dataset is None:
-            return None
-        result = {"step": self.step} | evaluate(
-            self.model, self.eval_dataset, self.cfg.packing.token_budget, self.device, self.tokenizer.pad_token_id
-        )
-        self.summary.add_eval(result)
-        self.metrics.log_eval(result)
-        return result
-
-    def finish(self) -> dict:
-        result = self.summary.result(self.peak_tflops * self.world_size) | {
-            "mode": "packed" if self.cfg.packing.packed else "padded",
-            "strategy": self.cfg.packing.strategy,
-            "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
-            "world_size": self.world_size,
-            "device": dist_device_name(self.device),
-            "model_params": self.flop_params[0],
-            "peak_tflops_per_device": self.peak_tflops,
-            "peak_tflops_source": self.peak_source,
-            "train_examples": len(self.dataset),
-            "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
-            "dataset": asdict(self.dataset.stats),
-            "skipped_steps": dict(self.guard.skipped),
-            "run_dir": str(self.run_dir),
-        }
-        self.metrics.close()
-        if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(json_safe(result), indent=2))
-            log.info(
-                "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | eval loss %.4f | "
-                "MFU %.2f%% | %d steps on %d rank(s)",
-                result["mode"], result["strategy"], result["useful_tokens_per_s"],
-                100 * result["padding_fraction"], result["final_loss"], result["final_eval_loss"],
-                100 * result["mfu"], result["steps"], self.world_size,
-            )
-        return result
-
-
-def json_safe(record: dict) -> dict:
-    """NaN (an unknown MFU, no eval) becomes null so the file stays strict JSON."""
-    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
-
-
-def dist_device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """Global gradient norm (across shards and ranks), clipped to ``max_norm`` when it is > 0."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-    if hasattr(norm, "full_tensor"):
-        norm = norm.full_tensor()
-    return float(norm)
-
-
-def poison_one_gradient(model: torch.nn.Module) -> None:
-    """Fault injection (``nan_grad``): this rank's shard of the first gradient becomes NaN."""
-    for p in model.parameters():
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grad.fill_(float("nan"))
-            return
-
-
-def agree_run_dir(cfg: JobConfig) -> Path:
-    """Rank 0 picks the run directory (``run_dir`` or ``<output_root>/<name>/<timestamp>``) and every rank
-    takes it from there, so ranks started in different seconds never disagree.
-
-    A torchrun restart (``--max-restarts``) starts fresh processes in a later second; they must find the
-    checkpoints of the attempt they replace. Torchrun gives every attempt of one job the same rendezvous id
-    (``TORCHELASTIC_RUN_ID``: ``--rdzv-id``, or a random id per ``--standalone`` launch), so rank 0 records
-    the directory it chose under that id and a restarted attempt takes it from there."""
-    chosen = None
-    if dist.is_rank0():
-        job = multirun_job_tag()
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        marker = Path(cfg.output_root) / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
-        if cfg.run_dir:
-            chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
-        elif marker is not None and marker.is_file():
-            chosen = Path(marker.read_text().strip())
-            log.info("torchrun attempt %s of run %s: reusing %s",
-                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), run_id, chosen)
-        else:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
-            chosen = Path(cfg.output_root) / cfg.name / stamp
-            suffix = 1
-            while chosen.exists():
-                chosen = Path(cfg.output_root) / cfg.name / f"{stamp}-{suffix}"
-                suffix += 1
-            if marker is not None:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text(str(chosen))
-        chosen.mkdir(parents=True, exist_ok=True)
-        (chosen / "config.yaml").write_text(OmegaConf.to_yaml(redact_tree(asdict(cfg))))
-    return Path(dist.broadcast_object(str(chosen) if chosen else None))
-
-
-def multirun_job_tag() -> str:
-    """In a Hydra multirun (``-m``): ``<job number>-<its overrides>``, so every job of a sweep gets its own
-    run directory that says what it ran; ``""`` otherwise."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
-    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
-        return ""
-    job = HydraConfig.get().job
-    overrides = "".join(c if c.isalnum() or c in "=.,-_+" else "_" for c in job.override_dirname)
-    return f"{job.num}-{overrides}"[:120]
 
 
 def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
@@ -377,6 +33,10 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     No teardown barrier after an error: the other ranks may be blocked in a collective this rank will never
     join, so a barrier would hang both until the timeout. Exiting lets torchrun stop the job (or restart
     it, with --max-restarts) at once."""
+    from trainer import distributed
+    from trainer.guard import describe_failure
+    from trainer.loop import Trainer
+
     trainer = None
     try:
         trainer = Trainer(cfg)
@@ -385,23 +45,27 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
         where = f"step {trainer.step + 1}" if trainer is not None else "setup"
         raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
     if keep_process_group:
-        dist.barrier()  # every rank finishes this job before any starts the next
+        distributed.barrier()  # every rank finishes this job before any starts the next
     else:
-        dist.destroy_distributed()
+        distributed.destroy_distributed()
     return result
 
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
 def hydra_main(raw: DictConfig) -> dict | None:
+    from trainer import distributed
+    from trainer.guard import JobFailed
+    from trainer.run_dir import multirun_job_tag
+
     try:
         cfg = to_job_config(raw)
-        cfg.validate_world(dist.world_size())  # from WORLD_SIZE: before any process group exists
+        cfg.validate_world(distributed.world_size())  # from WORLD_SIZE: before any process group exists
     except ConfigError as e:
         print(f"packfsdp: config error: {redact(str(e))}", file=sys.stderr)
         sys.exit(2)
     multirun = bool(multirun_job_tag())
     if multirun:
-        atexit.register(dist.destroy_distributed)  # idempotent; after the sweep's last job
+        atexit.register(distributed.destroy_distributed)  # idempotent; after the sweep's last job
     try:
         return run(cfg, keep_process_group=multirun)
     except JobFailed as e:
@@ -414,7 +78,7 @@ def hydra_main(raw: DictConfig) -> dict | None:
         sys.stdout.flush()
         sys.stderr.flush()
         if e.together:  # let every rank print its line before the first exit makes torchrun stop the rest
-            dist.store_barrier("failed", timeout_s=10)
+            distributed.store_barrier("failed", timeout_s=10)
         # No collective and no process-group destructor: either could wait forever on a dead or stuck peer.
         os._exit(e.exit_code)
 

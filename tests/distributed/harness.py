@@ -24,11 +24,11 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
-from trainer import dist
+from trainer import distributed
 from trainer.checkpoint import TRAINER_STATE, CheckpointError
 from trainer.collate import collate_packed
 from trainer.config import config_dir, register_configs, to_job_config
-from trainer.train import Trainer
+from trainer.loop import Trainer
 
 
 def full_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
@@ -105,7 +105,7 @@ def main(overrides: list[str]) -> None:
     with initialize_config_dir(str(config_dir()), version_base=None):
         cfg = to_job_config(compose("config", overrides))
     out = Path(os.environ["PFTEST_OUT"]) if os.environ.get("PFTEST_OUT") else None
-    if out and dist.rank() == 0:
+    if out and distributed.rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
     try:
         trainer = HarnessTrainer(cfg, out)
@@ -122,7 +122,7 @@ def main(overrides: list[str]) -> None:
             (out / "result.json").write_text(json.dumps(result, indent=1, default=str))
     except BaseException:
         raise  # no barrier: the other ranks may be inside a collective; torchrun stops them
-    dist.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as tdist
 from torch.distributed.tensor import DTensor
 
-from trainer import dist
+from trainer import distributed
 from trainer.collate import collate_packed
 from trainer.config import DataConfig, ModelConfig, ParallelConfig
 from trainer.data import load_dataset, load_tokenizer
@@ -43,8 +43,8 @@ CASES = {
 
 def main(out_path: str) -> None:
     device = torch.device("cpu")
-    dist.init_distributed(device, "gloo")
-    rank = dist.rank()
+    distributed.init_distributed(device, "gloo")
+    rank = distributed.rank()
     cache = sys.argv[2]
     data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
     model_cfg = ModelConfig(
@@ -79,7 +79,7 @@ def main(out_path: str) -> None:
         attn_calls = [0]
         for layer in model.decoder_layers():
             layer.attn.register_forward_hook(lambda *_: attn_calls.__setitem__(0, attn_calls[0] + 1))
-        mesh = build_mesh(device, dist.world_size(), cfg)
+        mesh = build_mesh(device, distributed.world_size(), cfg)
         model = parallelize(model, mesh, cfg)
         loss = 0.0
         for i, batch in enumerate(mine):
@@ -88,7 +88,7 @@ def main(out_path: str) -> None:
             (batch_loss / global_labels).backward()
             loss += float(batch_loss)
         calls = attn_calls[0]
-        (loss,) = dist.all_reduce_sum([loss], device)
+        (loss,) = distributed.all_reduce_sum([loss], device)
         worst, worst_name = 0.0, ""
         placements = None
         for n, p in model.named_parameters():
@@ -121,7 +121,7 @@ def main(out_path: str) -> None:
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_distributed()
+    distributed.destroy_distributed()
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from trainer.export import main as export_main
+from trainer.tools.export import main as export_main
 
 pytestmark = pytest.mark.slow
 

@@ -29,8 +29,8 @@ def compose_job(overrides: list[str]):
 def trainer(tmp_path_factory):
     """One Trainer shared by a module's tests (building one takes seconds); tests only read its state or
     run steps and compare before/after, so sharing is safe."""
-    from trainer import dist
-    from trainer.train import Trainer
+    from trainer import distributed
+    from trainer.loop import Trainer
 
     import torch
 
@@ -43,7 +43,7 @@ def trainer(tmp_path_factory):
     t.model.train()
     yield t
     t.metrics.close()
-    dist.destroy_distributed()
+    distributed.destroy_distributed()
     for k, v in saved_env.items():  # later tests spawn torchrun with os.environ: leave no RANK behind
         if v is None:
             os.environ.pop(k, None)

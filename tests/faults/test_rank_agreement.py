@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 def _worker(rank: int, port: int, results) -> None:
     import torch
 
-    from trainer import dist
+    from trainer import distributed
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     # A long timeout: a failing assertion below must come from on_rank0_then_all, not from the timeout.
@@ -31,20 +31,20 @@ def _worker(rank: int, port: int, results) -> None:
         raise OSError("disk full while writing the cache")
 
     try:
-        dist.on_rank0_then_all(build)
+        distributed.on_rank0_then_all(build)
     except Exception as e:  # noqa: BLE001
         out["rank0_work"] = (type(e).__name__, str(e), time.monotonic() - start)
     try:
-        dist.check_same_on_all_ranks({"the number of examples": 5, "the number of optimizer steps": 10 + rank}, cpu)
+        distributed.check_same_on_all_ranks({"the number of examples": 5, "the number of optimizer steps": 10 + rank}, cpu)
     except RuntimeError as e:
         out["disagree"] = str(e)
-    dist.check_same_on_all_ranks({"the number of optimizer steps": 7}, cpu)  # agreement: no error
+    distributed.check_same_on_all_ranks({"the number of optimizer steps": 7}, cpu)  # agreement: no error
     results[rank] = out
     tdist.destroy_process_group()
 
 
 def test_rank0_failure_and_step_disagreement_fail_every_rank():
-    from trainer.dist import _free_port
+    from trainer.distributed import _free_port
 
     results = mp.Manager().dict()
     # fork: the children reuse this process's imports (spawn would re-import torch in each, ~10 s here).

@@ -12,6 +12,10 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from trainer import checkpoint as ckpt
+from trainer.checkpoint import checkpointer as checkpointer_module
+from trainer.checkpoint.manifest import write_manifest
+from trainer.checkpoint.safe_load import SafeFileSystemReader
+from trainer.metrics import trim_metrics
 from trainer.checkpoint import CheckpointError, Checkpointer, TrainingState
 from trainer.config import CheckpointConfig
 
@@ -96,7 +100,7 @@ def test_a_crash_during_save_leaves_the_previous_checkpoint_latest(tmp_path, mon
     def crash(*args, **kwargs):
         raise OSError("disk full")
 
-    monkeypatch.setattr(ckpt, "write_manifest", crash)
+    monkeypatch.setattr(checkpointer_module, "write_manifest", crash)
     with pytest.raises(CheckpointError, match="disk full"):
         checkpointer.save(6, state, tokens_seen=600, total_steps=10)
     assert (checkpointer.dir / "step_00000006.tmp").is_dir()  # the half-written save is left as .tmp...
@@ -124,7 +128,7 @@ def test_a_flipped_byte_is_caught_by_the_manifest(tmp_path):
 
     # DCP alone loads the damaged tensor without a word:
     state = {"model": make_state().model.state_dict()}
-    dcp.load(state, storage_reader=ckpt.SafeFileSystemReader(str(path)))
+    dcp.load(state, storage_reader=SafeFileSystemReader(str(path)))
     with pytest.raises(CheckpointError, match=r"does not match its SHA-256"):
         checkpointer.load(path, make_state(), total_steps=10)
 
@@ -150,7 +154,7 @@ def test_pickled_code_in_dcp_metadata_is_refused(tmp_path, capsys):
     checkpointer, _ = saved(tmp_path)
     path = checkpointer.resolve("auto")
     (path / ".metadata").write_bytes(pickle.dumps(Exploit()))
-    ckpt.write_manifest(path, 3)  # even with a matching manifest
+    write_manifest(path, 3)  # even with a matching manifest
     with pytest.raises(CheckpointError, match="builtins.print, which is not allowed"):
         checkpointer.load(path, make_state(), total_steps=10)
     assert "must never run" not in capsys.readouterr().out
@@ -170,6 +174,6 @@ def test_resolve_none_auto_and_paths(tmp_path):
 def test_trim_metrics_drops_steps_after_the_checkpoint(tmp_path):
     lines = [json.dumps({"step": s, "loss": 1.0}) for s in range(1, 9)] + ['{"step": 9, "lo']
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines))
-    ckpt.trim_metrics(tmp_path, 6)
+    trim_metrics(tmp_path, 6)
     steps = [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4, 5, 6]

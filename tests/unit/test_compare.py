@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from trainer import compare
+from trainer.tools import compare
 from trainer.metrics import RunSummary
 
 STEP_KEYS = ("loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
@@ -66,7 +66,7 @@ def test_report_from_stored_runs(tmp_path):
 
 
 def test_summarize_prints_the_compare_table_for_any_two_run_dirs(tmp_path, capsys):
-    from trainer import summarize
+    from trainer.tools import summarize
 
     _fake_run(tmp_path / "a", "padded", 1000.0, 2200, 4.50)
     _fake_run(tmp_path / "b", "packed", 1600.0, 1100, 4.52)
@@ -124,7 +124,7 @@ def test_compare_takes_the_packed_strategy_from_the_command_line():
 
 def test_compare_rejects_a_bad_packed_config_before_running_anything(tmp_path, capsys, monkeypatch):
     """A config error of the packed run is reported before the padded baseline spends its time."""
-    from trainer import compare
+    from trainer.tools import compare
 
     monkeypatch.setattr(compare.subprocess, "run", lambda *a, **k: pytest.fail("a run was started"))
     with pytest.raises(SystemExit) as exc:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainer import inspect as batch_inspect
+from trainer.tools import inspect_batches as batch_inspect
 
 
 def test_inspector_shows_boundaries_positions_and_loss(capsys, cache_dir):

@@ -66,7 +66,7 @@ def test_pieces_through_the_model(small_dataset, tokenizer):
 
 
 def test_packing_report_runs(tmp_path, cache_dir, capsys):
-    from trainer.analyze import run
+    from trainer.tools.analyze import run
 
     png = tmp_path / "hist.png"
     figures = run([

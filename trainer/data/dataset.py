@@ -24,7 +24,7 @@ from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
 from trainer.data.chat import ChatTemplateError, Segment, chat_segments, check_messages, effective_template
 from trainer.data.sources import Record
-from trainer.dist import on_rank0_then_all
+from trainer.distributed import on_rank0_then_all
 
 log = logging.getLogger(__name__)
 

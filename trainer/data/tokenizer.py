@@ -17,7 +17,7 @@ from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
-from trainer.dist import on_rank0_then_all
+from trainer.distributed import on_rank0_then_all
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import dist
+from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.model.wrapper import VarlenCausalLM
 
@@ -152,7 +152,7 @@ def run_startup_self_check(
         compute_dtype = None
     device = param.device
     result = self_check(model, batch.to(device), tolerance, compute_dtype, starts)
-    excess, = dist.all_reduce_max([result.max_logit_diff / max(result.tolerance, 1e-30)], device)
+    excess, = distributed.all_reduce_max([result.max_logit_diff / max(result.tolerance, 1e-30)], device)
     if excess > 1.0:
         raise SelfCheckError(
             f"startup self-check failed: {result.line()}; worst rank is {excess:.3g}x over tolerance. "

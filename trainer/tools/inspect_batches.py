@@ -1,4 +1,4 @@
-"""Look at packed micro-batches before a long run: ``python -m trainer.inspect recipe=NAME num_batches=2``.
+"""Look at packed micro-batches before a long run: ``packfsdp inspect recipe=NAME num_batches=2``.
 
 Builds the tokenizer, dataset and sampler exactly as ``trainer.train`` would for the same overrides, then
 decodes the first micro-batches of one rank and prints, for each example: its slot in the row

@@ -1,0 +1,237 @@
+"""The ``Checkpointer``: saves and restores a run's complete state (collective on every rank)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file, save_file
+from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+
+from trainer import distributed
+from trainer.checkpoint.discovery import (
+    FORMAT_VERSION,
+    HF_DIR,
+    MANIFEST,
+    TRAINER_STATE,
+    CheckpointError,
+    checkpoint_name,
+    complete_checkpoints,
+    find_checkpoint,
+    latest_checkpoint,
+)
+from trainer.checkpoint.manifest import fsync_dir, verify_checkpoint, write_manifest
+from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
+from trainer.checkpoint.safe_load import load_tensors
+from trainer.config import CheckpointConfig
+from trainer.safety import redact_tree
+
+log = logging.getLogger("trainer.checkpoint")
+
+
+@dataclass
+class TrainingState:
+    """What a checkpoint saves and restores, besides the step counters."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    sampler: Any
+    """Anything with ``state_dict()`` / ``load_state_dict()`` returning/taking plain JSON-able data."""
+    tokenizer: Any = None
+    """Saved with the model's transformers config under ``hf/`` so that export needs only the checkpoint."""
+
+
+@dataclass
+class Restored:
+    step: int
+    tokens_seen: int
+    path: Path
+
+
+def save_hf_assets(state: TrainingState, directory: Path) -> None:
+    """The transformers config of the model (no weights) and the tokenizer."""
+    config = getattr(state.model, "config", None)
+    if config is None:
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    # Secrets passed through model.config_overrides (hub tokens, keys) never reach the saved config.
+    (directory / "config.json").write_text(json.dumps(redact_tree(config.to_dict()), indent=2, sort_keys=True) + "\n")
+    if state.tokenizer is not None:
+        state.tokenizer.save_pretrained(str(directory))
+
+
+class Checkpointer:
+    """Saves and restores a run's complete state with DCP; every method is collective (all ranks call it).
+
+    Args:
+        cfg: the checkpoint config.
+        run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints`` unless ``cfg.dir`` is set).
+        seed: the run's seed (re-seeds RNGs when a checkpoint was taken on a different world size).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: Path, seed: int = 0) -> None:
+        self.cfg = cfg
+        self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+        self.seed = seed
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+
+    def due(self, step: int, last_step: bool) -> bool:
+        """Whether to save after ``step`` (``last_step``: the loop ends after this step)."""
+        periodic = self.cfg.every_steps > 0 and step % self.cfg.every_steps == 0
+        return periodic or (last_step and self.cfg.at_end)
+
+    def resolve(self, resume: str) -> Path | None:
+        """The checkpoint to resume from for ``resume`` = none | auto | a path (same answer on all ranks)."""
+        if resume in ("none", "", None):
+            return None
+        if resume == "auto":
+            path = latest_checkpoint(self.dir) if distributed.is_rank0() else None
+        else:
+            path = find_checkpoint(resume) if distributed.is_rank0() else None
+        path = distributed.broadcast_object(str(path) if path else None)
+        if resume == "auto" and path is None:
+            log.info("resume=auto: no complete checkpoint in %s; starting from scratch", self.dir)
+        return Path(path) if path else None
+
+    # ------------------------------------------------------------------------------------------------ save
+    def save(self, step: int, state: TrainingState, tokens_seen: int, total_steps: int) -> Path:
+        start = time.perf_counter()
+        final = self.dir / checkpoint_name(step)
+        tmp = final.with_name(final.name + ".tmp")
+        if distributed.is_rank0():
+            for stale in self.dir.glob("step_*.tmp"):  # left by a save that crashed
+                shutil.rmtree(stale, ignore_errors=True)
+            (tmp / "rng").mkdir(parents=True)
+        distributed.barrier()
+
+        # A forward under no_grad (eval) leaves blocks with reshard_after_forward=False gathered; save the
+        # sharded parameters the optimizer holds, in the same layout every time.
+        for module in state.model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+        model_sd = get_model_state_dict(state.model)
+        optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
+        dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
+        save_file(rng_tensors(), str(tmp / "rng" / f"rank_{self.rank:05d}.safetensors"))
+        if distributed.is_rank0():
+            scheduler = {k: v for k, v in state.scheduler.state_dict().items() if k != "lr_lambdas"}
+            trainer_state = {
+                "format": FORMAT_VERSION,
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "total_steps": total_steps,
+                "world_size": self.world_size,
+                "sampler": state.sampler.state_dict(),
+                "scheduler": scheduler,
+                "optimizer_param_groups": optim_sd["param_groups"],
+            }
+            (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, default=_jsonable))
+            save_hf_assets(state, tmp / HF_DIR)
+        distributed.barrier()  # every rank's files are on disk
+
+        def finalize() -> None:
+            try:
+                self._finalize(tmp, final, step)
+            except Exception as e:  # noqa: BLE001 -- raised on every rank by on_rank0_then_all, never a hang
+                raise CheckpointError(f"saving checkpoint {final} failed: {type(e).__name__}: {e}") from e
+
+        distributed.on_rank0_then_all(finalize)
+        log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - start)
+        return final
+
+    def _finalize(self, tmp: Path, final: Path, step: int) -> None:
+        """Rank 0: manifest, then the atomic rename that makes the checkpoint count, then pruning."""
+        write_manifest(tmp, step)
+        replaced = None
+        if final.exists():  # the same step saved again: keep the old copy until the new one is in place
+            replaced = final.with_name(final.name + ".replaced")
+            shutil.rmtree(replaced, ignore_errors=True)
+            os.replace(final, replaced)
+        os.replace(tmp, final)
+        fsync_dir(self.dir)
+        if replaced is not None:
+            shutil.rmtree(replaced, ignore_errors=True)
+        if self.cfg.keep_last > 0:
+            for old in complete_checkpoints(self.dir)[: -self.cfg.keep_last]:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # ------------------------------------------------------------------------------------------------ load
+    def load(self, path: Path, state: TrainingState, total_steps: int) -> Restored:
+        """Restore ``state`` from ``path``; returns the step and tokens seen to continue from."""
+        start = time.perf_counter()
+        def verify() -> None:  # rank 0 reads every file once; a bad checkpoint fails on every rank
+            if self.cfg.verify:
+                verify_checkpoint(path)
+            elif not (path / MANIFEST).is_file():
+                raise CheckpointError(f"{path} is incomplete (no {MANIFEST})")
+
+        distributed.on_rank0_then_all(verify)
+
+        saved = json.loads((path / TRAINER_STATE).read_text())
+        if saved.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}: checkpoint format {saved.get('format')} is not {FORMAT_VERSION}")
+        model_sd = get_model_state_dict(state.model)
+        optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
+        tensors = {"model": model_sd, "optim": optim_sd["state"]}
+        load_tensors(tensors, path)
+        set_model_state_dict(state.model, tensors["model"])
+        set_optimizer_state_dict(
+            state.model, state.optimizer, {"state": tensors["optim"], "param_groups": saved["optimizer_param_groups"]}
+        )
+        state.scheduler.load_state_dict(saved["scheduler"] | {"lr_lambdas": [None] * len(state.optimizer.param_groups)})
+        try:
+            state.sampler.load_state_dict(saved["sampler"])
+        except ValueError as e:
+            raise CheckpointError(f"{path}: the data sampler cannot resume here: {e}") from e
+        self._restore_rng(path, saved["world_size"], saved["step"])
+        if saved["total_steps"] != total_steps and distributed.is_rank0():
+            log.warning(
+                "the checkpoint's schedule spans %d steps, this run's %d: the learning-rate schedule changes "
+                "from here on (set max_steps to keep it)", saved["total_steps"], total_steps,
+            )
+        log.info(
+            "resumed from %s: step %d, %d tokens seen, saved on %d rank(s), now %d (%.2f s)",
+            path, saved["step"], saved["tokens_seen"], saved["world_size"], self.world_size,
+            time.perf_counter() - start,
+        )
+        return Restored(step=saved["step"], tokens_seen=saved["tokens_seen"], path=path)
+
+    def _restore_rng(self, path: Path, saved_world_size: int, step: int) -> None:
+        if saved_world_size == self.world_size:
+            set_rng_tensors(load_file(str(path / "rng" / f"rank_{self.rank:05d}.safetensors")))
+            return
+        # Ranks do not map one to one: give each rank a fresh stream that is still a function of the run.
+        seed = (self.seed * 1_000_003 + step * 1_009 + self.rank) % 2**31
+        torch.manual_seed(seed)
+        np.random.seed(seed)
+        random.seed(seed)
+        log.warning("RNG states re-seeded: the checkpoint was saved on %d rank(s), this run has %d",
+                    saved_world_size, self.world_size)
+
+
+def _jsonable(value: Any) -> Any:
+    """numpy scalars and arrays (e.g. in a sampler's state) as plain JSON numbers and lists."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable (checkpoint trainer state)")

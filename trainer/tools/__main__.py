@@ -1,0 +1,3 @@
+from trainer.tools import main
+
+main()

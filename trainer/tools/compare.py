@@ -1,0 +1,268 @@
+"""The comparison: ``packfsdp compare recipe=NAME [key=value ...] [--nproc N] [--out DIR]``.
+
+Runs the padded baseline (``packing=none``) and the packed run (the recipe's packing, or ``packing=X``
+given on the command line: ``bfd``, ``ffd``, ``bfd_split``, ``wrapped``) under torchrun on the
+same data, model, seed and useful tokens per optimizer step (the padded run takes as many examples per
+micro-batch as a packed micro-batch holds on average), then writes into the compare directory:
+
+- ``padded/`` and ``packed/``: each run's ``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``, ``summary.json``;
+- ``report.json`` and ``report.md``: useful tokens/s of each and the ratio, padding, step time, peak
+  memory, final train and eval loss and their difference, model TFLOP/s and MFU, attention backend, world
+  size, versions;
+- ``loss.png`` (both runs' train and eval loss on one axis) and ``throughput.png`` (useful tokens/s).
+
+``--variability`` also runs ``packfsdp variability`` (speedup against the spread of example
+lengths) into the same directory; ``--report-only DIR`` rebuilds the report and plots of an existing
+compare directory; ``--publish DIR`` copies the reports and plots there (the README's figures:
+``bash launch/run_default.sh --variability --publish docs/img``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from datetime import datetime
+from pathlib import Path
+
+from trainer.cli import check_overrides
+from trainer.config import register_configs
+from trainer.tools.plots import plot_loss, plot_throughput
+
+RUNS = {"padded": "none", "packed": None}  # run name -> packing override (None: the recipe's own)
+LOSS_PARITY_TOLERANCE = 0.05  # "loss within 0.05 of the padded baseline"
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(
+        prog="packfsdp compare",
+        description="Run the padded baseline and the packed run on the same data and write a report.",
+        epilog="Everything else is a Hydra override for both runs, e.g. recipe=cpu_dailydialog max_steps=40.",
+    )
+    parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC", 2)), help="ranks per run")
+    parser.add_argument("--out", type=Path, default=None, help="compare directory (default outputs/<recipe>/compare-<time>)")
+    parser.add_argument("--report-only", type=Path, default=None, metavar="DIR", help="rebuild the report of DIR")
+    parser.add_argument("--variability", action="store_true",
+                        help="also measure the speedup vs length variability (packfsdp variability) into the same directory")
+    parser.add_argument("--publish", type=Path, default=None, metavar="DIR", help="copy report.md and plots to DIR")
+    args, overrides = parser.parse_known_args(argv)
+    for o in overrides:
+        if o.startswith("-"):
+            parser.error(f"unknown option {o}")
+        key, _, value = o.partition("=")
+        if key.lstrip("+~") == "run_dir":
+            parser.error(f"{o}: compare sets each run's run_dir itself (use --out DIR)")
+        if key == "packing" and value in ("none", "sorted"):
+            parser.error(f"{o}: the padded baseline is packing=none; name the packed run's strategy (bfd, ...)")
+    return args, overrides
+
+
+def run_both(overrides: list[str], nproc: int, out: Path) -> None:
+    """The padded baseline, then the packed run, each under torchrun; stop at the first failure."""
+    env = os.environ | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "PYTHONUNBUFFERED": "1"}
+    runs = {}
+    for name, packing in RUNS.items():
+        # `packing=X` on the command line picks the packed run's strategy; the baseline is always padded.
+        own = [o for o in overrides if not (packing and o.startswith("packing="))]
+        runs[name] = [*own, *([f"packing={packing}"] if packing else []), f"run_dir={out / name}"]
+    # Validate both configs before either starts, so a packed-run config error does not surface only
+    # after the whole baseline has run.
+    register_configs()
+    saved_world = os.environ.get("WORLD_SIZE")
+    os.environ["WORLD_SIZE"] = str(nproc)  # the mesh checks see the world the runs will have
+    try:
+        for run_overrides in runs.values():
+            check_overrides(run_overrides)
+    finally:
+        if saved_world is None:
+            del os.environ["WORLD_SIZE"]
+        else:
+            os.environ["WORLD_SIZE"] = saved_world
+    for name, run_overrides in runs.items():
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "trainer.train", *run_overrides]
+        print(f"== compare: {name} run: {' '.join(cmd[1:])}", flush=True)
+        rc = subprocess.run(cmd, env=env).returncode
+        if rc != 0:
+            sys.exit(f"packfsdp compare: the {name} run failed (exit {rc}); its log is above")
+
+
+def load_run(run_dir: Path) -> tuple[dict, list[dict]]:
+    summary_path = run_dir / "summary.json"
+    if not summary_path.is_file():
+        raise FileNotFoundError(f"{summary_path} not found: did the run finish?")
+    records = []
+    for name in ("metrics.jsonl", "eval.jsonl"):  # training steps, then eval records (merged for the plots)
+        path = run_dir / name
+        if path.is_file():
+            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return json.loads(summary_path.read_text()), records
+
+
+def versions() -> dict[str, str]:
+    import torch
+    import transformers
+
+    try:
+        from importlib.metadata import version
+
+        packfsdp = version("packfsdp")
+    except Exception:
+        packfsdp = "source tree"
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
+                                text=True, timeout=10).stdout.strip() or "unknown"
+    except Exception:
+        commit = "unknown"
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "packfsdp": packfsdp, "git_commit": commit, "platform": platform.platform()}
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _diff(a: float | None, b: float | None) -> float | None:
+    return a - b if a is not None and b is not None else None
+
+
+def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -> dict:
+    packed, padded = summaries["packed"], summaries["padded"]
+    eval_diff = _diff(packed.get("final_eval_loss"), padded.get("final_eval_loss"))
+    return {
+        "command": "packfsdp compare " + " ".join(overrides),
+        "overrides": overrides,
+        "world_size": packed.get("world_size", nproc),
+        "device": packed.get("device"),
+        "attention": {"packed": packed.get("attention"), "padded": padded.get("attention")},
+        "runs": summaries,
+        "comparison": {
+            # Splitting strategies keep examples longer than the budget that the padded run truncates.
+            "same_data": packed.get("dataset") == padded.get("dataset")
+            and packed.get("train_examples") == padded.get("train_examples"),
+            "useful_tokens_per_s_ratio": _ratio(packed.get("useful_tokens_per_s"), padded.get("useful_tokens_per_s")),
+            "step_time_ratio": _ratio(packed.get("mean_step_time_s"), padded.get("mean_step_time_s")),
+            "final_train_loss_diff": _diff(packed.get("final_loss"), padded.get("final_loss")),
+            "final_eval_loss_diff": eval_diff,
+            "loss_parity_tolerance": LOSS_PARITY_TOLERANCE,
+            "eval_loss_within_tolerance": None if eval_diff is None else abs(eval_diff) <= LOSS_PARITY_TOLERANCE,
+        },
+        "versions": versions(),
+        "created": datetime.now().isoformat(timespec="seconds"),
+    }
+
+
+def _fmt(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "n/a"
+    return f"{value * scale:{spec}}{suffix}"
+
+
+def comparison_table(report: dict) -> str:
+    """The Markdown table of the two runs (the README shows this one)."""
+    p, q = report["runs"]["padded"], report["runs"]["packed"]
+    c = report["comparison"]
+    rows = [
+        ("useful tokens/s", _fmt(p["useful_tokens_per_s"], ",.0f"), _fmt(q["useful_tokens_per_s"], ",.0f"),
+         _fmt(c["useful_tokens_per_s_ratio"], ".2f", suffix="x")),
+        ("padding fraction", _fmt(p["padding_fraction"], ".1f", 100, "%"), _fmt(q["padding_fraction"], ".1f", 100, "%"), ""),
+        ("positions saved vs padding the same examples", _fmt(p.get("padding_saved_fraction"), ".1f", 100, "%"),
+         _fmt(q.get("padding_saved_fraction"), ".1f", 100, "%"), ""),
+        ("mean step time", _fmt(p["mean_step_time_s"], ".0f", 1000, " ms"), _fmt(q["mean_step_time_s"], ".0f", 1000, " ms"),
+         _fmt(c["step_time_ratio"], ".2f", suffix="x")),
+        ("peak memory (GiB)", _fmt(p["peak_mem_gib"], ".2f"), _fmt(q["peak_mem_gib"], ".2f"), ""),
+        ("final train loss", _fmt(p["final_loss"], ".4f"), _fmt(q["final_loss"], ".4f"), _fmt(c["final_train_loss_diff"], "+.4f")),
+        ("final eval loss (held out)", _fmt(p.get("final_eval_loss"), ".4f"), _fmt(q.get("final_eval_loss"), ".4f"),
+         _fmt(c["final_eval_loss_diff"], "+.4f")),
+        ("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), ""),
+        ("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), ""),
+        ("attention", f"`{p['attention']}`", f"`{q['attention']}`", ""),
+    ]
+    lines = ["| | padded | packed | packed vs padded |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {a} | {b} | {r} |" for name, a, b, r in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(report: dict) -> str:
+    q = report["runs"]["packed"]
+    c = report["comparison"]
+    v = report["versions"]
+    parity = c["eval_loss_within_tolerance"]
+    verdict = "n/a (no eval)" if parity is None else ("yes" if parity else "**no**")
+    return "\n".join([
+        "# packfsdp: packed vs padded",
+        "",
+        f"`{report['command']}` on {report['world_size']} rank(s), device {report['device']}; "
+        f"{q.get('steps')} steps each, throughput averaged over the last {q.get('steps_averaged')}.",
+        "",
+        comparison_table(report),
+        "",
+        f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
+        *([] if c.get("same_data", True) else [
+            "**Warning: the two runs did not train on the same examples** (dataset statistics differ: a "
+            "splitting strategy keeps examples the padded run truncated to the token budget)."]),
+        f"MFU: model FLOPs on real tokens (6N per token + causal attention) over {q.get('peak_tflops_source')} "
+        f"({_fmt(q.get('peak_tflops_per_device'), '.3f')} TFLOP/s per device).",
+        "",
+        "![loss](loss.png)",
+        "![useful tokens/s](throughput.png)",
+        "",
+        f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+        f"packfsdp {v['packfsdp']} ({v['git_commit']}), {v['platform']}.",
+        "",
+    ])
+
+
+def write_report(out: Path, overrides: list[str], nproc: int) -> dict:
+    summaries, metrics = {}, {}
+    for name in RUNS:
+        summaries[name], metrics[name] = load_run(out / name)
+    report = build_report(summaries, overrides, nproc)
+    (out / "report.json").write_text(json.dumps(report, indent=2))
+    (out / "report.md").write_text(render_markdown(report))
+    plot_loss({k: metrics[k] for k in ("packed", "padded")}, out / "loss.png")
+    plot_throughput({k: metrics[k] for k in ("packed", "padded")}, out / "throughput.png", summaries)
+    return report
+
+
+def default_out(overrides: list[str]) -> Path:
+    recipe = next((o.split("=", 1)[1] for o in overrides if o.startswith("recipe=")), "compare")
+    return Path("outputs") / recipe / f"compare-{datetime.now().strftime('%Y%m%d-%H%M%S')}"
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.report_only:
+        out = args.report_only
+        saved = out / "report.json"
+        if saved.is_file() and not overrides:
+            overrides = json.loads(saved.read_text()).get("overrides", [])
+    else:
+        out = args.out or default_out(overrides)
+        out.mkdir(parents=True, exist_ok=True)
+        run_both(overrides, args.nproc, out)
+    report = write_report(out, overrides, args.nproc)
+    if args.variability:
+        from trainer.tools import variability
+
+        variability.main(["--out", str(out)])
+    if args.publish:
+        args.publish.mkdir(parents=True, exist_ok=True)
+        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json"):
+            if (out / name).is_file():
+                shutil.copy2(out / name, args.publish / name)
+    print(f"\n{comparison_table(report)}\n")
+    c = report["comparison"]
+    print(f"packing speedup (useful tokens/s): {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x | "
+          f"eval loss diff {_fmt(c['final_eval_loss_diff'], '+.4f')} | report: {out / 'report.md'}")
+    return report
+
+
+if __name__ == "__main__":
+    main()

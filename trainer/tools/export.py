@@ -1,0 +1,101 @@
+"""Export a sharded checkpoint as a Hugging Face model: ``packfsdp export checkpoint=PATH out=DIR``.
+
+``checkpoint`` is a checkpoint (``.../checkpoints/step_00000100``), a checkpoints directory or a run
+directory (its latest complete checkpoint is used). The checkpoint is verified against its manifest, its
+model tensors are consolidated from however many shards were saved (no process group, no GPU needed) and
+written with ``save_pretrained`` as safetensors, next to the transformers config and the tokenizer saved
+in the checkpoint. ``AutoModelForCausalLM.from_pretrained(out)`` loads the result.
+
+Options: ``dtype=float32|bfloat16|float16`` (default: the dtype the model was trained in, ``model.dtype``),
+``attn_implementation=sdpa`` (what the exported config asks transformers for; the packed attention
+backends are training-time only).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from pathlib import Path
+
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from trainer.checkpoint import HF_DIR, TRAINER_STATE, CheckpointError, find_checkpoint, read_full_tensors, verify_checkpoint
+from trainer.model import DTYPES
+
+log = logging.getLogger("trainer.tools.export")
+
+USAGE = "usage: packfsdp export checkpoint=PATH out=DIR [dtype=float32|bfloat16|float16] [attn_implementation=sdpa]"
+MODEL_PREFIX = "model.model."
+"""Flat DCP keys of the model: the ``model`` group, then the wrapper's ``model`` attribute (the HF model)."""
+
+
+def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None, attn_implementation: str = "sdpa") -> Path:
+    """Write ``out`` (safetensors weights, config, tokenizer) from ``checkpoint``; returns ``out``."""
+    path = find_checkpoint(checkpoint)
+    manifest = verify_checkpoint(path)
+    hf_dir = path / HF_DIR
+    if not (hf_dir / "config.json").is_file():
+        raise CheckpointError(f"{path} holds no {HF_DIR}/config.json (saved by an older packfsdp?)")
+
+    config = AutoConfig.from_pretrained(hf_dir)
+    config.use_cache = True  # training turned the KV cache off; generation wants it
+    tensors = {k[len(MODEL_PREFIX):]: v for k, v in read_full_tensors(path, prefix=MODEL_PREFIX).items()}
+    torch_dtype = DTYPES[dtype] if dtype else next(iter(tensors.values())).dtype
+    # Built on the CPU (not on the meta device) so that buffers computed at init, such as rotary
+    # frequencies, are right; the parameters are then replaced by the checkpoint's.
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
+    model.tie_weights()
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
+    # Buffers that are rebuilt at init (e.g. rotary inv_freq) are not in a checkpoint either.
+    buffers = {name for name, _ in model.named_buffers()}
+    missing = [k for k in missing if k not in tied and k not in buffers]
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{path}: the checkpoint does not fit the saved config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    model = model.to(torch_dtype).eval()
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
+    state = json.loads((path / TRAINER_STATE).read_text())
+    (out / "packfsdp_export.json").write_text(json.dumps({
+        "checkpoint": str(path.resolve()),
+        "step": state["step"],
+        "tokens_seen": state["tokens_seen"],
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
+    }, indent=1))
+    log.info("exported %s (step %d) to %s as %s safetensors", path, state["step"], out, torch_dtype)
+    return out
+
+
+def parse_args(argv: list[str]) -> dict[str, str]:
+    args = {}
+    for arg in argv:
+        key, sep, value = arg.partition("=")
+        if not sep or key not in ("checkpoint", "out", "dtype", "attn_implementation"):
+            raise SystemExit(f"packfsdp export: unexpected argument {arg!r}\n{USAGE}")
+        args[key] = value
+    if "checkpoint" not in args or "out" not in args:
+        raise SystemExit(USAGE)
+    if args.get("dtype") not in (None, *DTYPES):
+        raise SystemExit(f"packfsdp export: dtype must be one of {', '.join(DTYPES)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(levelname)s] %(message)s", datefmt="%H:%M:%S")
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"))
+    except CheckpointError as e:
+        print(f"packfsdp export: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
