@@ -27,7 +27,7 @@ from trainer.data import load_dataset, load_tokenizer
 from trainer.evaluate import evaluate, split_holdout
 from trainer.guard import FaultInjector, StepGuard
 from trainer.loss import summed_token_loss
-from trainer.metrics import EvalMetrics, MetricsLogger, ProgressBar, RunSummary, StepMetrics, SUMMARY_FILE, peak_memory_gib, setup_logging, trim_metrics
+from trainer.metrics import SUMMARY_FILE, EvalMetrics, MetricsLogger, ProgressBar, RunSummary, StepMetrics, peak_memory_gib, setup_logging, trim_metrics
 from trainer.model import DTYPES, build_model, max_positions, resolve_backend
 from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler

@@ -19,7 +19,7 @@ import resource
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Self
 
 from trainer.config import LoggerConfig
 from trainer.safety import RedactingFilter, redact_argv
@@ -63,7 +63,7 @@ class JsonRecord:
         return asdict(self)
 
     @classmethod
-    def from_json(cls, record: dict[str, Any]):
+    def from_json(cls, record: dict[str, Any]) -> Self:
         """The record a JSON line holds; derived fields are computed again, unknown keys ignored."""
         return cls(**{f.name: record[f.name] for f in fields(cls) if f.init and f.name in record})
 
@@ -91,7 +91,7 @@ class StepMetrics(JsonRecord):
     lr: float
     """Learning rate the step used (the scheduler advances after it)."""
     grad_norm: float
-    """Global gradient norm over all shards and ranks, before clipping (NaN when not finite)."""
+    """Global gradient norm over all shards and ranks, before clipping (NaN or Inf when a gradient is)."""
     useful_tokens: int
     """Label tokens trained on, over all micro-batches and ranks; 0 when the step was skipped (a skipped
     step trains on nothing). Pads, filler, the first token of each example and masked prompts never count."""
@@ -113,9 +113,11 @@ class StepMetrics(JsonRecord):
     model_flops: float
     """Forward + backward model FLOPs on real tokens over all ranks (see ``trainer.throughput``)."""
     step_time_s: float
-    """Wall-clock seconds of the step on this rank: batches, collectives, forward, backward, optimizer."""
+    """Wall-clock seconds of the step on this rank (rank 0 logs): batches, collectives, forward, backward,
+    optimizer step."""
     peak_mem_gib: float
-    """This rank's peak memory so far, GiB: the CUDA allocator's peak on GPU, the peak resident set on CPU."""
+    """This rank's peak memory so far (rank 0 logs), GiB: the CUDA allocator's peak on GPU, the peak resident
+    set on CPU."""
     skipped: str | None = None
     """Why the update was not applied on any rank: ``"no_labels"`` or ``"nonfinite"``; ``None``: applied."""
     tokens_seen: int | None = None
