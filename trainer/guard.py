@@ -20,7 +20,8 @@ on purpose at optimizer step ``step`` (1-based) on ``rank`` (all ranks when omit
 (the micro-batch loss becomes NaN, gradients too), ``nan_grad`` (one gradient shard becomes NaN after
 backward), ``no_labels`` (every label of the step masked), ``oom`` (``torch.OutOfMemoryError`` before the
 forward), ``hang`` (the rank sleeps inside the step, holding up every collective). It is an environment
-variable, not a config key, so it never lands in a saved config or a recipe.
+variable, not a config key, so it never lands in a saved config or a recipe. The train loop calls
+``FaultInjector``'s hooks at fixed points of each step; what each fault does lives there.
 """
 
 from __future__ import annotations
@@ -28,11 +29,13 @@ from __future__ import annotations
 import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 
 import torch
 
 from trainer import distributed
+from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
 from trainer.safety import UnsafeFileError, redact
@@ -189,17 +192,57 @@ def parse_faults(spec: str) -> list[Fault]:
 
 
 class FaultInjector:
-    """Answers "inject ``kind`` now?" for this rank. Empty (always no) unless ``PACKFSDP_INJECT_FAULT`` is set."""
+    """The faults injected into this rank, behind the hooks the train loop calls at fixed points of a step.
+
+    ``before_step(step)`` opens a step (and hangs there for ``hang``); ``on_batch``, ``before_forward``,
+    ``on_loss`` and ``after_backward`` then inject that step's other faults. Without faults
+    (``PACKFSDP_INJECT_FAULT`` unset) each hook is one empty-set test.
+    """
 
     def __init__(self, spec: str | None, rank: int) -> None:
-        self.faults = parse_faults(spec or "")
-        self.rank = rank
-        if self.faults:
+        faults = parse_faults(spec or "")
+        if faults:
             log.warning("fault injection active: %s", spec)
+        self.rank = rank
+        self.faults = [f for f in faults if f.rank in (None, rank)]
+        """This rank's faults."""
+        self.now: frozenset[str] = frozenset()
+        """The kinds due at the current step."""
 
     @classmethod
     def from_env(cls, rank: int) -> FaultInjector:
         return cls(os.environ.get(FAULT_ENV), rank)
 
-    def due(self, kind: str, step: int) -> bool:
-        return any(f.kind == kind and f.step == step and f.rank in (None, self.rank) for f in self.faults)
+    def before_step(self, step: int) -> None:
+        """Start optimizer step ``step`` (1-based). ``hang``: this rank stops answering, so the others must
+        give up after the collective timeout."""
+        if not self.faults:
+            return
+        self.now = frozenset(f.kind for f in self.faults if f.step == step)
+        if "hang" in self.now:
+            time.sleep(1e6)
+
+    def on_batch(self, batch: Batch) -> None:
+        """``no_labels``: every label of the micro-batch is masked (before the label count is all-reduced)."""
+        if "no_labels" in self.now:
+            batch.labels.fill_(IGNORE_INDEX)
+            batch.num_label_tokens = 0
+
+    def before_forward(self) -> None:
+        """``oom``: the forward pass runs out of memory before it starts."""
+        if "oom" in self.now:
+            raise torch.OutOfMemoryError(f"injected out-of-memory ({__name__})")
+
+    def on_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """``nan_loss``: the micro-batch's loss (so its gradients too) becomes NaN."""
+        return loss_sum * float("nan") if "nan_loss" in self.now else loss_sum
+
+    def after_backward(self, model: torch.nn.Module) -> None:
+        """``nan_grad``: this rank's shard of the first gradient becomes NaN."""
+        if "nan_grad" not in self.now:
+            return
+        for p in model.parameters():
+            if p.grad is not None:
+                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                grad.fill_(float("nan"))
+                return

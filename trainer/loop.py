@@ -21,13 +21,13 @@ import torch
 
 from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
-from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
+from trainer.collate import Batch, collate_packed, collate_padded
 from trainer.config import JobConfig
 from trainer.data import load_dataset, load_tokenizer
 from trainer.evaluate import evaluate, split_holdout
 from trainer.guard import FaultInjector, StepGuard
 from trainer.loss import summed_token_loss
-from trainer.metrics import MetricsLogger, ProgressBar, RunSummary, peak_memory_gib, setup_logging, trim_metrics
+from trainer.metrics import SUMMARY_FILE, EvalMetrics, MetricsLogger, ProgressBar, RunSummary, StepMetrics, peak_memory_gib, setup_logging, trim_metrics
 from trainer.model import DTYPES, build_model, max_positions, resolve_backend
 from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
@@ -35,7 +35,7 @@ from trainer.packing import build_sampler
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.run_dir import agree_run_dir
 from trainer.safety import redact_tree
-from trainer.throughput import flop_params, model_flops, peak_tflops, step_counts
+from trainer.throughput import StepCounts, flop_params, model_flops, peak_tflops
 
 log = logging.getLogger("trainer")
 
@@ -147,75 +147,54 @@ class Trainer:
         for _ in range(self.cfg.grad_accum):
             _, indices, last_of_epoch = self.sampler.next_microbatch()
             batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id).to(self.device))
-            if self.faults.due("no_labels", self.step + 1):
-                batches[-1].labels.fill_(IGNORE_INDEX)
-                batches[-1].num_label_tokens = 0
+            self.faults.on_batch(batches[-1])
             if last_of_epoch:
                 break
         return batches
 
     def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
         """Summed token loss of one micro-batch; backward of its share of the global mean."""
-        if self.faults.due("oom", self.step + 1):
-            raise torch.OutOfMemoryError(f"injected out-of-memory ({FaultInjector.__module__})")
-        loss_sum = summed_token_loss(self.model, batch)
-        if self.faults.due("nan_loss", self.step + 1):
-            loss_sum = loss_sum * float("nan")
+        self.faults.before_forward()
+        loss_sum = self.faults.on_loss(summed_token_loss(self.model, batch))
         # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
         (loss_sum / max(global_label_tokens, 1.0)).backward()
         return loss_sum.detach()
 
-    def train_step(self) -> dict:
+    def train_step(self) -> StepMetrics:
+        """One optimizer step over this rank's micro-batches, applied or skipped on every rank together."""
         start = time.perf_counter()
-        if self.faults.due("hang", self.step + 1):
-            time.sleep(1e6)  # a rank that stops answering: the others must give up after the timeout
+        self.faults.before_step(self.step + 1)
         batches = self.next_step_batches()
-        local = [sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
-                 sum(b.num_positions for b in batches), *step_counts(batches)]
-        global_labels, global_tokens, global_positions, padded_equivalent, sum_sq = distributed.all_reduce_sum(
-            local, self.device
-        )
-
+        counts = StepCounts.of(batches).all_reduced(self.device)
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             set_gradient_sync(self.model, i == len(batches) - 1)
-            loss_sum += self.forward_backward(batch, global_labels)
-
-        if self.faults.due("nan_grad", self.step + 1):
-            poison_one_gradient(self.model)
+            loss_sum += self.forward_backward(batch, counts.label_tokens)
+        self.faults.after_backward(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         # Every rank reaches the same verdict (one all-reduce): apply, or skip on all ranks together.
-        verdict = self.guard.check(self.step + 1, loss_sum.item(), grad_norm, global_labels)
-        if verdict.skip is None:
+        verdict = self.guard.check(self.step + 1, loss_sum.item(), grad_norm, counts.label_tokens)
+        lr = self.optimizer_step(apply=verdict.skip is None)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.step += 1
+        metrics = StepMetrics.measure(
+            counts, step=self.step, epoch=self.sampler.epoch, loss_sum=verdict.loss_sum, lr=lr, grad_norm=grad_norm,
+            skipped=verdict.skip, step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
+            model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, *self.flop_params),
+            tokens_seen_before=self.tokens_seen,
+        )
+        self.tokens_seen = metrics.tokens_seen
+        return metrics
+
+    def optimizer_step(self, apply: bool) -> float:
+        """Apply the accumulated gradients (or drop them) and advance the schedule; the lr the step used."""
+        if apply:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         lr = self.scheduler.get_last_lr()[0]
         self.scheduler.step()
-        global_loss_sum = verdict.loss_sum
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        step_time = time.perf_counter() - start
-        self.step += 1
-        trained = 0 if verdict.skip else global_labels  # a skipped step trains on nothing: count nothing
-        return {
-            "step": self.step,
-            "epoch": self.sampler.epoch,
-            "loss": global_loss_sum / max(global_labels, 1.0),
-            "lr": lr,
-            "grad_norm": grad_norm,
-            "useful_tokens": int(trained),
-            "tokens": int(global_tokens),
-            "positions": int(global_positions),
-            "useful_tokens_per_s": trained / step_time,
-            "tokens_per_s": global_tokens / step_time,
-            "padding_fraction": 1 - global_tokens / global_positions if global_positions else 0.0,
-            "padded_equivalent_positions": int(padded_equivalent),
-            "padding_saved_fraction": 1 - global_positions / padded_equivalent if padded_equivalent else 0.0,
-            "model_flops": model_flops(global_tokens, sum_sq, *self.flop_params),
-            "step_time_s": step_time,
-            "peak_mem_gib": peak_memory_gib(self.device),
-            "skipped": verdict.skip,
-        }
+        return lr
 
     def train(self) -> dict:
         self.model.train()
@@ -228,8 +207,6 @@ class Trainer:
         with ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar:
             while self.step < end:
                 metrics = self.train_step()
-                self.tokens_seen += metrics["useful_tokens"]
-                metrics["tokens_seen"] = self.tokens_seen
                 self.summary.add(metrics)
                 bar.update(metrics)
                 if self.step % self.cfg.logger.log_every == 0 or self.step == end:
@@ -240,13 +217,13 @@ class Trainer:
                     self.save_checkpoint()
         return self.finish()
 
-    def evaluate(self) -> dict | None:
+    def evaluate(self) -> EvalMetrics | None:
         """Eval loss on the held-out split (packed batches; every rank takes part)."""
         if self.eval_dataset is None:
             return None
-        result = {"step": self.step} | evaluate(
+        result = EvalMetrics(step=self.step, **evaluate(
             self.model, self.eval_dataset, self.cfg.packing.token_budget, self.device, self.tokenizer.pad_token_id
-        )
+        ))
         self.summary.add_eval(result)
         self.metrics.log_eval(result)
         return result
@@ -269,7 +246,7 @@ class Trainer:
         }
         self.metrics.close()
         if self.rank == 0:
-            (self.run_dir / "summary.json").write_text(json.dumps(json_safe(result), indent=2))
+            (self.run_dir / SUMMARY_FILE).write_text(json.dumps(json_safe(result), indent=2))
             log.info(
                 "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | eval loss %.4f | "
                 "MFU %.2f%% | %d steps on %d rank(s)",
@@ -296,12 +273,3 @@ def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
     if hasattr(norm, "full_tensor"):
         norm = norm.full_tensor()
     return float(norm)
-
-
-def poison_one_gradient(model: torch.nn.Module) -> None:
-    """Fault injection (``nan_grad``): this rank's shard of the first gradient becomes NaN."""
-    for p in model.parameters():
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            grad.fill_(float("nan"))
-            return

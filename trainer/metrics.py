@@ -1,9 +1,13 @@
-"""Stage 7: metrics. Console, a JSONL file in the run directory, and wandb when asked.
+"""Stage 7: metrics. The typed record of a training step, the console, ``metrics.jsonl`` and wandb.
 
 Honest counting: ``useful_tokens`` are tokens that carry a label (the loss is computed on them); pads,
 filler micro-batches, the first token of each example and prompt tokens masked out of the loss never count.
-``padding_fraction`` is the share of computed positions that hold no real token. Both are summed over all
-ranks by the trainer before they reach this module.
+``padding_fraction`` is the share of computed positions that hold no real token. Every count is summed over
+all ranks by the trainer before it reaches this module.
+
+``metrics.jsonl`` (one ``StepMetrics`` per logged step) and ``eval.jsonl`` (one ``EvalMetrics`` per eval)
+are the serialisations of these records: this module writes them and reads them back (``read_metrics``,
+``read_evals``) for the tools; their JSON keys are the field names.
 """
 
 from __future__ import annotations
@@ -13,20 +17,146 @@ import logging
 import os
 import resource
 import sys
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any, Self
 
 from trainer.config import LoggerConfig
 from trainer.safety import RedactingFilter, redact_argv
+
+if TYPE_CHECKING:  # torch stays out of the tools that only read records (compare, summarize)
+    import torch
+
+    from trainer.throughput import StepCounts
 
 log = logging.getLogger("trainer")
 
 METRICS_FILE = "metrics.jsonl"
 """One JSON record per logged training step, in the run directory; this module is its only writer."""
 EVAL_FILE = "eval.jsonl"
+"""One JSON record per eval on the held-out split, in the run directory."""
+SUMMARY_FILE = "summary.json"
+"""The run's averages and settings (``RunSummary.result`` and more), written by rank 0 when the run ends."""
+
+
+# ------------------------------------------------------------------------------------------ padding ratios
+def padding_fraction(tokens: float, positions: float) -> float:
+    """Share of the computed positions that hold no real token (pads, filler micro-batches)."""
+    return 1 - tokens / positions if positions else 0.0
+
+
+def padding_saved_fraction(positions: float, padded_equivalent_positions: float) -> float:
+    """Share of the positions a padded run of the same examples would compute that this run did not."""
+    return 1 - positions / padded_equivalent_positions if padded_equivalent_positions else 0.0
+
+
+def useful_fraction(useful_tokens: float, positions: float) -> float:
+    """Share of the computed positions whose token carries a label (the loss is computed on it)."""
+    return useful_tokens / positions if positions else 0.0
+
+
+# ------------------------------------------------------------------------------------------------- records
+class JsonRecord:
+    """A dataclass that is one line of a JSONL file: its JSON keys are its field names."""
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, record: dict[str, Any]) -> Self:
+        """The record a JSON line holds; derived fields are computed again, unknown keys ignored."""
+        return cls(**{f.name: record[f.name] for f in fields(cls) if f.init and f.name in record})
+
+    def __getitem__(self, key: str) -> Any:
+        """``record["loss"]`` is ``record.loss``: code that reads the JSON line's keys reads the record."""
+        if key not in {f.name for f in fields(self)}:
+            raise KeyError(key)
+        return getattr(self, key)
+
+
+@dataclass
+class StepMetrics(JsonRecord):
+    """One optimizer step, over all ranks: what it trained on, what it computed, how long it took.
+
+    Built once per step by ``StepMetrics.measure`` in the train loop; one line of ``metrics.jsonl``.
+    """
+
+    step: int
+    """Optimizer steps done, this one included (1-based)."""
+    epoch: int
+    """The sampler epoch the step's micro-batches came from (0-based)."""
+    loss: float
+    """Mean token cross-entropy: summed token loss over every micro-batch and rank / global label tokens.
+    0 on a step with no label token, NaN on a step skipped as non-finite."""
+    lr: float
+    """Learning rate the step used (the scheduler advances after it)."""
+    grad_norm: float
+    """Global gradient norm over all shards and ranks, before clipping (NaN or Inf when a gradient is)."""
+    useful_tokens: int
+    """Label tokens trained on, over all micro-batches and ranks; 0 when the step was skipped (a skipped
+    step trains on nothing). Pads, filler, the first token of each example and masked prompts never count."""
+    tokens: int
+    """Real tokens (label or not) in the step's micro-batches over all ranks: positions minus pads and filler."""
+    positions: int
+    """Positions the model computed over all ranks, pads and filler included."""
+    useful_tokens_per_s: float = field(init=False)
+    """``useful_tokens / step_time_s``: the headline throughput."""
+    tokens_per_s: float = field(init=False)
+    """``tokens / step_time_s``."""
+    padding_fraction: float = field(init=False)
+    """Share of ``positions`` that hold no real token (see ``padding_fraction()``)."""
+    padded_equivalent_positions: int
+    """Positions padded micro-batches of the same examples would compute (examples x longest, summed over
+    micro-batches and ranks); equals ``positions`` in a padded run."""
+    padding_saved_fraction: float = field(init=False)
+    """Share of ``padded_equivalent_positions`` that packing did not compute (see ``padding_saved_fraction()``)."""
+    model_flops: float
+    """Forward + backward model FLOPs on real tokens over all ranks (see ``trainer.throughput``)."""
+    step_time_s: float
+    """Wall-clock seconds of the step on this rank (rank 0 logs): batches, collectives, forward, backward,
+    optimizer step."""
+    peak_mem_gib: float
+    """This rank's peak memory so far (rank 0 logs), GiB: the CUDA allocator's peak on GPU, the peak resident
+    set on CPU."""
+    skipped: str | None = None
+    """Why the update was not applied on any rank: ``"no_labels"`` or ``"nonfinite"``; ``None``: applied."""
+    tokens_seen: int | None = None
+    """``useful_tokens`` summed over the run so far, this step included (restored on resume). ``None`` only
+    in records written before it was logged."""
+
+    def __post_init__(self) -> None:
+        self.useful_tokens_per_s = self.useful_tokens / self.step_time_s
+        self.tokens_per_s = self.tokens / self.step_time_s
+        self.padding_fraction = padding_fraction(self.tokens, self.positions)
+        self.padding_saved_fraction = padding_saved_fraction(self.positions, self.padded_equivalent_positions)
+
+    @classmethod
+    def measure(
+        cls, counts: StepCounts, *, step: int, epoch: int, loss_sum: float, lr: float, grad_norm: float,
+        skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
+    ) -> StepMetrics:
+        """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks."""
+        useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
+        return cls(
+            step=step, epoch=epoch, loss=loss_sum / max(counts.label_tokens, 1.0), lr=lr, grad_norm=grad_norm,
+            useful_tokens=useful, tokens=int(counts.tokens), positions=int(counts.positions),
+            padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
+            step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
+        )
+
+
+@dataclass
+class EvalMetrics(JsonRecord):
+    """One eval on the held-out split (packed batches, every rank); one line of ``eval.jsonl``."""
+
+    step: int
+    """Optimizer steps done when the eval ran."""
+    eval_loss: float
+    """Mean token cross-entropy over every held-out label token of every rank."""
+    eval_tokens: int
+    """Held-out label tokens over all ranks."""
+    eval_time_s: float
+    """Wall-clock seconds of the eval on this rank."""
 
 
 def setup_logging(rank: int) -> None:
@@ -50,18 +180,11 @@ def setup_logging(rank: int) -> None:
         pass
 
 
-_warned: set[str] = set()
-
-
-def warn_once(message: str) -> None:
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
-
-
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
     if device.type == "cuda":
+        import torch
+
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
 
@@ -71,13 +194,13 @@ class RunSummary:
     """Averages over the logged steps after the first ``skip`` (warm-up)."""
 
     skip: int
-    steps: list[dict] = field(default_factory=list)
-    evals: list[dict] = field(default_factory=list)
+    steps: list[StepMetrics] = field(default_factory=list)
+    evals: list[EvalMetrics] = field(default_factory=list)
 
-    def add(self, metrics: dict) -> None:
+    def add(self, metrics: StepMetrics) -> None:
         self.steps.append(metrics)
 
-    def add_eval(self, metrics: dict) -> None:
+    def add_eval(self, metrics: EvalMetrics) -> None:
         self.evals.append(metrics)
 
     def result(self, peak_tflops_total: float = float("nan")) -> dict[str, Any]:
@@ -85,28 +208,28 @@ class RunSummary:
         kept = self.steps[self.skip :] or self.steps
         if not kept:
             return {}
-        trained = [m for m in self.steps if not m.get("skipped")] or self.steps  # skipped steps' loss is NaN
-        time_s = sum(m["step_time_s"] for m in kept)
-        useful = sum(m["useful_tokens"] for m in kept)
-        tokens = sum(m["tokens"] for m in kept)
-        positions = sum(m["positions"] for m in kept)
-        padded_equivalent = sum(m.get("padded_equivalent_positions", m["positions"]) for m in kept)
-        model_tflops_per_s = sum(m.get("model_flops", 0.0) for m in kept) / time_s / 1e12
+        trained = [m for m in self.steps if not m.skipped] or self.steps  # skipped steps' loss is NaN
+        time_s = sum(m.step_time_s for m in kept)
+        useful = sum(m.useful_tokens for m in kept)
+        tokens = sum(m.tokens for m in kept)
+        positions = sum(m.positions for m in kept)
+        padded_equivalent = sum(m.padded_equivalent_positions for m in kept)
+        model_tflops_per_s = sum(m.model_flops for m in kept) / time_s / 1e12
         return {
             "steps": len(self.steps),
             "steps_averaged": len(kept),
             "useful_tokens_per_s": useful / time_s,
             "tokens_per_s": tokens / time_s,
-            "padding_fraction": 1 - tokens / positions if positions else 0.0,
-            "useful_fraction": useful / positions if positions else 0.0,
+            "padding_fraction": padding_fraction(tokens, positions),
+            "useful_fraction": useful_fraction(useful, positions),
             "mean_step_time_s": time_s / len(kept),
             "padded_equivalent_positions": padded_equivalent,
-            "padding_saved_fraction": 1 - positions / padded_equivalent if padded_equivalent else 0.0,
+            "padding_saved_fraction": padding_saved_fraction(positions, padded_equivalent),
             "model_tflops_per_s": model_tflops_per_s,
             "mfu": model_tflops_per_s / peak_tflops_total if peak_tflops_total > 0 else float("nan"),
-            "final_loss": trained[-1]["loss"],
-            "final_eval_loss": self.evals[-1]["eval_loss"] if self.evals else float("nan"),
-            "peak_mem_gib": max(m["peak_mem_gib"] for m in self.steps),
+            "final_loss": trained[-1].loss,
+            "final_eval_loss": self.evals[-1].eval_loss if self.evals else float("nan"),
+            "peak_mem_gib": max(m.peak_mem_gib for m in self.steps),
         }
 
 
@@ -124,29 +247,31 @@ class MetricsLogger:
         if enabled and cfg.wandb and cfg.wandb_mode != "disabled":
             self._wandb = init_wandb(cfg, run_dir, run_config or {})
 
-    def log(self, metrics: dict[str, Any]) -> None:
+    def log(self, metrics: StepMetrics) -> None:
         if not self.enabled:
             return
-        self._file.write(json.dumps(metrics) + "\n")
+        record = metrics.to_json()
+        self._file.write(json.dumps(record) + "\n")
         self._file.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics["step"])
+            self._wandb.log({k: v for k, v in record.items() if isinstance(v, (int, float))}, step=metrics.step)
         log.info(format_step(metrics))
 
-    def log_eval(self, metrics: dict[str, Any]) -> None:
+    def log_eval(self, metrics: EvalMetrics) -> None:
         """An eval record in ``eval.jsonl`` (``metrics.jsonl`` stays one record per training step), and in
         wandb under the same names (``eval_loss``, ...) at the training step it follows."""
         if not self.enabled:
             return
         if self._eval_file is None:
             self._eval_file = open(self.eval_path, "a", encoding="utf-8")
-        self._eval_file.write(json.dumps(metrics) + "\n")
+        record = metrics.to_json()
+        self._eval_file.write(json.dumps(record) + "\n")
         self._eval_file.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=metrics["step"])
+            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=metrics.step)
         log.info(
             "eval  %5d | loss %.4f on %d held-out tokens (%.1f s)",
-            metrics["step"], metrics["eval_loss"], metrics["eval_tokens"], metrics["eval_time_s"],
+            metrics.step, metrics.eval_loss, metrics.eval_tokens, metrics.eval_time_s,
         )
 
     def close(self) -> None:
@@ -173,6 +298,22 @@ def trim_metrics(run_dir: Path, step: int) -> None:
     tmp = path.with_suffix(".jsonl.tmp")
     tmp.write_text("".join(line + "\n" for line in kept))
     os.replace(tmp, path)
+
+
+def read_metrics(run_dir: Path) -> list[StepMetrics]:
+    """The training steps ``metrics.jsonl`` of ``run_dir`` holds (none if it has no such file)."""
+    return [StepMetrics.from_json(r) for r in _read_jsonl(Path(run_dir) / METRICS_FILE)]
+
+
+def read_evals(run_dir: Path) -> list[EvalMetrics]:
+    """The evals ``eval.jsonl`` of ``run_dir`` holds (none if the run had no eval)."""
+    return [EvalMetrics.from_json(r) for r in _read_jsonl(Path(run_dir) / EVAL_FILE)]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
@@ -213,10 +354,10 @@ class ProgressBar:
                 self._redirect.__enter__()
         return self
 
-    def update(self, metrics: dict[str, Any]) -> None:
+    def update(self, metrics: StepMetrics) -> None:
         if self._bar is None:
             return
-        self._bar.set_postfix_str(f"useful tok/s {metrics['useful_tokens_per_s']:,.0f} | loss {metrics['loss']:.3f}",
+        self._bar.set_postfix_str(f"useful tok/s {metrics.useful_tokens_per_s:,.0f} | loss {metrics.loss:.3f}",
                                   refresh=False)
         self._bar.update(1)
 
@@ -227,11 +368,11 @@ class ProgressBar:
             self._bar.close()
 
 
-def format_step(m: dict[str, Any]) -> str:
+def format_step(m: StepMetrics) -> str:
     return (
-        f"step {m['step']:>5} | loss {m['loss']:.4f} | lr {m['lr']:.2e} | gnorm {m['grad_norm']:.3f} | "
-        f"useful tok/s {m['useful_tokens_per_s']:,.0f} | pad {100 * m['padding_fraction']:.1f}% | "
-        f"saved {100 * m.get('padding_saved_fraction', 0.0):.1f}% | "
-        f"step {1000 * m['step_time_s']:.0f} ms | mem {m['peak_mem_gib']:.2f} GiB"
-        + (f" | SKIPPED ({m['skipped']})" if m.get("skipped") else "")
+        f"step {m.step:>5} | loss {m.loss:.4f} | lr {m.lr:.2e} | gnorm {m.grad_norm:.3f} | "
+        f"useful tok/s {m.useful_tokens_per_s:,.0f} | pad {100 * m.padding_fraction:.1f}% | "
+        f"saved {100 * m.padding_saved_fraction:.1f}% | "
+        f"step {1000 * m.step_time_s:.0f} ms | mem {m.peak_mem_gib:.2f} GiB"
+        + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
     )

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import astuple, dataclass
 
 import torch
 
+from trainer import distributed
 from trainer.collate import Batch
 
 log = logging.getLogger("trainer")
@@ -48,9 +50,33 @@ def sum_squared_lengths(batch: Batch) -> int:
     return int((lengths.long() ** 2).sum())
 
 
-def step_counts(batches: list[Batch]) -> list[int]:
-    """[padded-equivalent positions, sum of squared example lengths] of this rank's micro-batches."""
-    return [sum(padded_equivalent_positions(b) for b in batches), sum(sum_squared_lengths(b) for b in batches)]
+@dataclass
+class StepCounts:
+    """What one optimizer step's micro-batches hold, summed over them (and over ranks by ``all_reduced``)."""
+
+    label_tokens: float
+    """Tokens that carry a label (the loss is computed on them)."""
+    tokens: float
+    """Real tokens, label or not (positions minus pads and filler)."""
+    positions: float
+    """Positions the model computes, pads and filler included."""
+    padded_equivalent_positions: float
+    """Positions padded micro-batches of the same examples would compute."""
+    sum_squared_lengths: float
+    """Sum of squared example lengths (the attention part of the model FLOPs)."""
+
+    @classmethod
+    def of(cls, batches: list[Batch]) -> StepCounts:
+        """This rank's counts."""
+        return cls(
+            sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
+            sum(b.num_positions for b in batches), sum(padded_equivalent_positions(b) for b in batches),
+            sum(sum_squared_lengths(b) for b in batches),
+        )
+
+    def all_reduced(self, device: torch.device) -> StepCounts:
+        """The counts summed over all ranks (one collective)."""
+        return StepCounts(*distributed.all_reduce_sum(list(astuple(self)), device))
 
 
 def flop_params(model: torch.nn.Module) -> tuple[int, int, int]:

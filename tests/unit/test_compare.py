@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from trainer.tools import compare
-from trainer.metrics import RunSummary
+from trainer.metrics import EvalMetrics, RunSummary, StepMetrics
 
 STEP_KEYS = ("loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
              "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction",
@@ -21,7 +21,7 @@ def _step(step: int, useful_per_s: float, positions: int, padded_equivalent: int
     m = dict.fromkeys(STEP_KEYS, 1.0) | {"step": step, "epoch": 0, "loss": 5.0 - 0.1 * step}
     return m | {"useful_tokens": 1000, "tokens": 1100, "positions": positions, "step_time_s": 1000 / useful_per_s,
                 "useful_tokens_per_s": useful_per_s, "padded_equivalent_positions": padded_equivalent,
-                "model_flops": 1e9, "peak_mem_gib": 0.5}
+                "model_flops": 1e9, "peak_mem_gib": 0.5, "skipped": None, "tokens_seen": 1000 * step}
 
 
 def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: float) -> None:
@@ -30,9 +30,9 @@ def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: f
     records = []
     for s in range(1, 6):
         m = _step(s, useful_per_s, positions, max(positions, 1500))
-        summary.add(m)
+        summary.add(StepMetrics.from_json(m))
         records.append(m)
-    summary.add_eval({"step": 5, "eval_loss": eval_loss, "eval_tokens": 10, "eval_time_s": 0.1})
+    summary.add_eval(EvalMetrics(step=5, eval_loss=eval_loss, eval_tokens=10, eval_time_s=0.1))
     records.append({"step": 5, "eval_loss": eval_loss, "eval_tokens": 10, "eval_time_s": 0.1})
     result = summary.result(peak_tflops_total=1.0) | {
         "mode": mode, "strategy": "bfd" if mode == "packed" else "none", "world_size": 2, "device": "cpu",
@@ -88,7 +88,7 @@ def test_wandb_offline_without_key_logs_the_jsonl_names(tmp_path):
 import json, os
 from pathlib import Path
 from trainer.config import LoggerConfig
-from trainer.metrics import MetricsLogger
+from trainer.metrics import EvalMetrics, MetricsLogger, StepMetrics
 run_dir = Path({str(tmp_path)!r})
 logger = MetricsLogger(LoggerConfig(wandb=True, wandb_mode="offline"), run_dir, enabled=True)
 seen = set()
@@ -97,9 +97,8 @@ def spy(data, **kwargs):
     seen.update(data)
     return wandb_log(data, **kwargs)
 logger._wandb.log = spy
-m = {json.dumps(_step(1, 100.0, 10, 20))}
-logger.log(m)
-logger.log_eval({{"step": 1, "eval_loss": 3.0, "eval_tokens": 5, "eval_time_s": 0.1}})
+logger.log(StepMetrics.from_json(json.loads({json.dumps(_step(1, 100.0, 10, 20))!r})))
+logger.log_eval(EvalMetrics(step=1, eval_loss=3.0, eval_tokens=5, eval_time_s=0.1))
 keys = seen
 logger.close()
 print(json.dumps(sorted(keys)))
@@ -112,7 +111,8 @@ print(json.dumps(sorted(keys)))
     keys = set(json.loads(out.stdout.strip().splitlines()[-1]))
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch"} <= keys
+    # Every number reaches wandb; ``skipped`` is a reason (text or null), like the step and epoch not logged.
+    assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch", "skipped"} <= keys
     assert "eval_loss" in keys and set(evals[0]) - {"step"} <= keys
     assert list(tmp_path.glob("wandb/offline-run-*"))
 

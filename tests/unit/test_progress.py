@@ -9,18 +9,20 @@ import struct
 import subprocess
 import sys
 import termios
+from types import SimpleNamespace
 
 from tests.conftest import REPO
 
 CODE = r"""
 import logging, time
+from types import SimpleNamespace
 from trainer.metrics import ProgressBar, setup_logging
 setup_logging(0)
 with ProgressBar(3, True) as bar:
     for i in range(3):
         time.sleep(0.05)
         logging.getLogger("trainer").info("step line %d", i)
-        bar.update({"useful_tokens_per_s": 12345.0, "loss": 2.5})
+        bar.update(SimpleNamespace(useful_tokens_per_s=12345.0, loss=2.5))
 """
 
 
@@ -56,8 +58,8 @@ def test_progress_bar_stays_quiet_off_a_terminal():
 
     assert not sys.stderr.isatty()  # pytest captures it
     with ProgressBar(2, True) as bar:
-        bar.update({"useful_tokens_per_s": 1.0, "loss": 1.0})
+        bar.update(SimpleNamespace(useful_tokens_per_s=1.0, loss=1.0))
         assert bar._bar.disable and bar._redirect is None
     with ProgressBar(2, False) as bar:  # other ranks, or logger.progress_bar=false
-        bar.update({"useful_tokens_per_s": 1.0, "loss": 1.0})
+        bar.update(SimpleNamespace(useful_tokens_per_s=1.0, loss=1.0))
         assert bar._bar is None

@@ -32,6 +32,7 @@ from pathlib import Path
 
 from trainer.cli import check_overrides
 from trainer.config import register_configs
+from trainer.metrics import SUMMARY_FILE, read_evals, read_metrics
 from trainer.tools.plots import plot_loss, plot_throughput
 
 RUNS = {"padded": "none", "packed": None}  # run name -> packing override (None: the recipe's own)
@@ -93,16 +94,12 @@ def run_both(overrides: list[str], nproc: int, out: Path) -> None:
             sys.exit(f"packfsdp compare: the {name} run failed (exit {rc}); its log is above")
 
 
-def load_run(run_dir: Path) -> tuple[dict, list[dict]]:
-    summary_path = run_dir / "summary.json"
+def load_summary(run_dir: Path) -> dict:
+    """The ``summary.json`` a finished run wrote."""
+    summary_path = run_dir / SUMMARY_FILE
     if not summary_path.is_file():
         raise FileNotFoundError(f"{summary_path} not found: did the run finish?")
-    records = []
-    for name in ("metrics.jsonl", "eval.jsonl"):  # training steps, then eval records (merged for the plots)
-        path = run_dir / name
-        if path.is_file():
-            records += [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    return json.loads(summary_path.read_text()), records
+    return json.loads(summary_path.read_text())
 
 
 def versions() -> dict[str, str]:
@@ -220,14 +217,14 @@ def render_markdown(report: dict) -> str:
 
 
 def write_report(out: Path, overrides: list[str], nproc: int) -> dict:
-    summaries, metrics = {}, {}
-    for name in RUNS:
-        summaries[name], metrics[name] = load_run(out / name)
+    summaries = {name: load_summary(out / name) for name in RUNS}
     report = build_report(summaries, overrides, nproc)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(render_markdown(report))
-    plot_loss({k: metrics[k] for k in ("packed", "padded")}, out / "loss.png")
-    plot_throughput({k: metrics[k] for k in ("packed", "padded")}, out / "throughput.png", summaries)
+    plotted = ("packed", "padded")
+    steps = {name: read_metrics(out / name) for name in plotted}
+    plot_loss(steps, {name: read_evals(out / name) for name in plotted}, out / "loss.png")
+    plot_throughput(steps, out / "throughput.png", summaries)
     return report
 
 

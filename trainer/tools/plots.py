@@ -3,42 +3,43 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on training machines
 import matplotlib.pyplot as plt  # noqa: E402
 
+if TYPE_CHECKING:
+    from trainer.metrics import EvalMetrics, StepMetrics
+
 COLORS = {"packed": "tab:blue", "padded": "tab:orange"}
 _FIGSIZE, _DPI = (6.4, 3.6), 100  # small PNGs (~30-50 kB) that still read well in a README
 
 
-def _records(metrics: list[dict], key: str) -> tuple[list[int], list[float]]:
-    rows = [m for m in metrics if key in m]
-    return [m["step"] for m in rows], [m[key] for m in rows]
-
-
-def plot_loss(runs: dict[str, list[dict]], path: Path, title: str = "") -> Path:
+def plot_loss(steps: dict[str, list[StepMetrics]], evals: dict[str, list[EvalMetrics]], path: Path,
+              title: str = "") -> Path:
     """Train loss per step (lines) and held-out eval loss (markers) of every run on one axis."""
     fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
-    for name, metrics in runs.items():
+    for name, records in steps.items():
         color = COLORS.get(name)
-        ax.plot(*_records(metrics, "loss"), label=f"{name} train", color=color, lw=1.4)
-        steps, losses = _records(metrics, "eval_loss")
-        if steps:
-            ax.plot(steps, losses, "o--", label=f"{name} eval", color=color, ms=4, lw=0.8)
+        ax.plot([m.step for m in records], [m.loss for m in records], label=f"{name} train", color=color, lw=1.4)
+        if run_evals := evals.get(name):
+            ax.plot([e.step for e in run_evals], [e.eval_loss for e in run_evals], "o--", label=f"{name} eval",
+                    color=color, ms=4, lw=0.8)
     ax.set(xlabel="optimizer step", ylabel="loss (mean token cross-entropy)", title=title or "Loss: packed vs padded")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     return _save(fig, path)
 
 
-def plot_throughput(runs: dict[str, list[dict]], path: Path, summaries: dict[str, dict], title: str = "") -> Path:
+def plot_throughput(steps: dict[str, list[StepMetrics]], path: Path, summaries: dict[str, dict], title: str = "") -> Path:
     """Useful tokens/s per step of every run, with the run's mean (after warm-up) as a dashed line."""
     fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
-    for name, metrics in runs.items():
+    for name, records in steps.items():
         color = COLORS.get(name)
-        ax.plot(*_records(metrics, "useful_tokens_per_s"), label=name, color=color, lw=1.2, alpha=0.8)
+        ax.plot([m.step for m in records], [m.useful_tokens_per_s for m in records], label=name, color=color,
+                lw=1.2, alpha=0.8)
         mean = summaries.get(name, {}).get("useful_tokens_per_s")
         if mean:
             ax.axhline(mean, color=color, ls="--", lw=1, label=f"{name} mean {mean:,.0f}")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from trainer.tools.compare import build_report, comparison_table, load_run
+from trainer.tools.compare import build_report, comparison_table, load_summary
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> None:
     if len(argv) != 2:
         print("usage: packfsdp summarize PACKED_RUN_DIR PADDED_RUN_DIR", file=sys.stderr)
         sys.exit(2)
-    summaries = {"packed": load_run(Path(argv[0]))[0], "padded": load_run(Path(argv[1]))[0]}
+    summaries = {"packed": load_summary(Path(argv[0])), "padded": load_summary(Path(argv[1]))}
     report = build_report(summaries, overrides=[], nproc=summaries["packed"].get("world_size", 1))
     print(comparison_table(report))
     print(f"packing speedup (useful tokens/s, packed / padded): "

@@ -28,6 +28,7 @@ from trainer.collate import collate_packed, collate_padded
 from trainer.config import ModelConfig, PackingConfig
 from trainer.data.dataset import TokenizedDataset
 from trainer.loss import summed_token_loss
+from trainer.metrics import padding_fraction
 from trainer.model import build_model, resolve_backend
 from trainer.packing import batch_padded, matched_padded_batch_size, pack_best_fit_decreasing
 from trainer.tools.plots import plot_variability
@@ -106,7 +107,8 @@ def measure(lengths: np.ndarray, model, optimizer, budget: int, steps: int, seed
             t[1] += seconds
             t[2] += batch.num_positions
             t[3] += batch.num_tokens
-    out = {name: {"useful_tokens_per_s": t[0] / t[1], "padding_fraction": 1 - t[3] / t[2]} for name, t in totals.items()}
+    out = {name: {"useful_tokens_per_s": t[0] / t[1], "padding_fraction": padding_fraction(t[3], t[2])}
+           for name, t in totals.items()}
     return {
         "mean_length": float(lengths.mean()),
         "cv": float(lengths.std() / lengths.mean()),

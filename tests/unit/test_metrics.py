@@ -1,0 +1,92 @@
+"""The typed step record: derived ratios computed once, honest counts, metrics.jsonl keys unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from trainer.config import LoggerConfig
+from trainer.metrics import (
+    EvalMetrics, MetricsLogger, RunSummary, StepMetrics, format_step, read_evals, read_metrics,
+)
+from trainer.throughput import StepCounts
+
+# The keys of a metrics.jsonl line, in order: users, tests and the compare tool read them.
+JSONL_KEYS = [
+    "step", "epoch", "loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
+    "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction", "model_flops",
+    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen",
+]
+
+
+def _measure(counts: StepCounts, skipped: str | None = None, loss_sum: float = 700.0) -> StepMetrics:
+    return StepMetrics.measure(
+        counts, step=3, epoch=1, loss_sum=loss_sum, lr=1e-4, grad_norm=0.5, skipped=skipped, step_time_s=0.25,
+        model_flops=2e9, peak_mem_gib=1.5, tokens_seen_before=10_000,
+    )
+
+
+COUNTS = StepCounts(label_tokens=350.0, tokens=400.0, positions=500.0, padded_equivalent_positions=1000.0,
+                    sum_squared_lengths=9e4)
+
+
+def test_measure_computes_the_derived_ratios_from_the_all_reduced_counts():
+    m = _measure(COUNTS)
+    assert (m.useful_tokens, m.tokens, m.positions, m.padded_equivalent_positions) == (350, 400, 500, 1000)
+    assert m.loss == pytest.approx(2.0)  # summed token loss / label tokens
+    assert m.useful_tokens_per_s == pytest.approx(1400.0) and m.tokens_per_s == pytest.approx(1600.0)
+    assert m.padding_fraction == pytest.approx(0.2)  # 100 of 500 positions hold no token
+    assert m.padding_saved_fraction == pytest.approx(0.5)  # 500 computed instead of 1000 padded
+    assert m.tokens_seen == 10_350 and m.skipped is None
+    assert "pad 20.0%" in format_step(m) and "saved 50.0%" in format_step(m) and "SKIPPED" not in format_step(m)
+
+
+def test_a_skipped_step_counts_no_useful_token():
+    m = _measure(COUNTS, skipped="nonfinite", loss_sum=float("nan"))
+    assert m.useful_tokens == 0 and m.useful_tokens_per_s == 0.0 and m.tokens_seen == 10_000
+    assert math.isnan(m.loss) and m.tokens == 400  # the positions were computed all the same
+    assert "SKIPPED (nonfinite)" in format_step(m)
+    empty = _measure(StepCounts(0.0, 0.0, 0.0, 0.0, 0.0), skipped="no_labels", loss_sum=0.0)
+    assert empty.loss == 0.0 and empty.padding_fraction == 0.0 and empty.padding_saved_fraction == 0.0
+
+
+def test_json_round_trip_keeps_the_jsonl_keys():
+    m = _measure(COUNTS)
+    record = m.to_json()
+    assert list(record) == JSONL_KEYS
+    line = json.dumps(record)
+    back = StepMetrics.from_json(json.loads(line))
+    assert back == m and json.dumps(back.to_json()) == line
+    assert m["padding_fraction"] == m.padding_fraction  # read like its JSON line
+    with pytest.raises(KeyError):
+        m["to_json"]
+
+
+def test_logger_writes_what_read_metrics_reads(tmp_path):
+    steps = [_measure(COUNTS), _measure(COUNTS, skipped="no_labels")]
+    evals = [EvalMetrics(step=3, eval_loss=2.5, eval_tokens=80, eval_time_s=0.1)]
+    logger = MetricsLogger(LoggerConfig(), tmp_path, enabled=True)
+    for m in steps:
+        logger.log(m)
+    logger.log_eval(evals[0])
+    logger.close()
+    assert read_metrics(tmp_path) == steps and read_evals(tmp_path) == evals
+    assert list(json.loads((tmp_path / "eval.jsonl").read_text())) == ["step", "eval_loss", "eval_tokens", "eval_time_s"]
+    assert read_evals(tmp_path / "nowhere") == []
+
+
+def test_run_summary_ratios_agree_with_the_steps():
+    """One source per ratio: the summary of identical steps has the steps' padding ratios."""
+    summary = RunSummary(skip=0)
+    for _ in range(3):
+        summary.add(_measure(COUNTS))
+    summary.add_eval(EvalMetrics(step=3, eval_loss=2.5, eval_tokens=80, eval_time_s=0.1))
+    result = summary.result(peak_tflops_total=1.0)
+    step = summary.steps[0]
+    assert result["padding_fraction"] == pytest.approx(step.padding_fraction)
+    assert result["padding_saved_fraction"] == pytest.approx(step.padding_saved_fraction)
+    assert result["useful_fraction"] == pytest.approx(350 / 500)
+    assert result["useful_tokens_per_s"] == pytest.approx(step.useful_tokens_per_s)
+    assert result["final_eval_loss"] == 2.5 and result["mfu"] == pytest.approx(2e9 / 0.25 / 1e12)
