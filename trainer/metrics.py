@@ -19,12 +19,14 @@ import resource
 import sys
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any
 
 from trainer.config import LoggerConfig
 from trainer.safety import RedactingFilter, redact_argv
 
 if TYPE_CHECKING:  # torch stays out of the tools that only read records (compare, summarize)
+    from typing import Self  # Python 3.11+; annotations only, so 3.10 imports this module too
+
     import torch
 
     from trainer.throughput import StepCounts
