@@ -18,7 +18,7 @@ def group_choices(group: str) -> list[str]:
     """Options of a config group: YAML files under configs/<group>/ and ConfigStore entries (recipes)."""
     names = {p.stem for p in (config_dir() / group).glob("*.yaml")}
     stored = ConfigStore.instance().repo.get(group, {})
-    names |= {key.removesuffix(".yaml") for key in stored if not key.endswith("_schema.yaml")}
+    names |= {key.removesuffix(".yaml") for key in stored}
     return sorted(names)
 
 

@@ -21,17 +21,27 @@ import torch
 
 from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
-from trainer.collate import Batch, collate_packed, collate_padded
-from trainer.config import JobConfig
-from trainer.data import load_dataset, load_tokenizer
-from trainer.evaluate import evaluate, split_holdout
+from trainer.collate import Batch
+from trainer.config import JobConfig, stated_context
+from trainer.data import load_tokenizer
+from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
 from trainer.loss import summed_token_loss
-from trainer.metrics import SUMMARY_FILE, EvalMetrics, MetricsLogger, ProgressBar, RunSummary, StepMetrics, peak_memory_gib, setup_logging, trim_metrics
-from trainer.model import DTYPES, build_model, max_positions, resolve_backend
+from trainer.metrics import (
+    SUMMARY_FILE,
+    EvalMetrics,
+    MetricsLogger,
+    ProgressBar,
+    RunSummary,
+    StepMetrics,
+    peak_memory_gib,
+    setup_logging,
+    trim_metrics,
+)
+from trainer.model import DTYPES, build_model
 from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.packing import build_sampler
+from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.run_dir import agree_run_dir
 from trainer.safety import redact_tree
@@ -51,53 +61,22 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------ setup
     def setup(self) -> None:
         cfg = self.cfg
-        self.device = distributed.resolve_device(cfg.parallel.device)
-        distributed.init_distributed(self.device, cfg.parallel.backend, cfg.guard.collective_timeout_s)
-        self.rank, self.world_size = distributed.rank(), distributed.world_size()
-        setup_logging(self.rank)
-        self.guard = StepGuard(cfg.guard, self.device)
-        self.faults = FaultInjector.from_env(self.rank)
-        self.run_dir = agree_run_dir(cfg)
-        log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
-
-        packed = cfg.packing.packed
+        self.start_distributed()
         # Resolve the backend first: a backend that cannot run here fails before any heavy work.
-        self.backend = resolve_backend(cfg.model.attention, self.device, DTYPES[cfg.parallel.param_dtype])
+        self.backend = resolve_attention(cfg, self.device)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data)
         model = build_model(cfg.model, self.tokenizer, self.backend, cfg.seed)
-        self.backend = model.backend  # `auto` may move on to a backend that supports the model's dropout
-        if packed:
+        if cfg.packing.packed:
             log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
         else:
             log.info("attention backend: transformers sdpa with a padding mask (padded baseline)")
-
-        # Every example fits the model's context and one micro-batch, in packed and padded runs alike,
-        # so both runs train on exactly the same tokens; splitting strategies cut longer ones into pieces.
-        context = max_positions(model) or cfg.data.max_length
-        cfg.validate_budget(context)  # same verdict on every rank: no rank is left waiting
-        max_length = min(cfg.data.max_length, context)
-        if not cfg.packing.splits_examples:
-            max_length = min(max_length, cfg.packing.token_budget)
-        self.dataset, self.eval_dataset = split_holdout(
-            load_dataset(cfg.data, self.tokenizer, max_length),
-            cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
-        )
-        log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
-                 f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
-        self.sampler = build_sampler(
-            self.dataset.lengths, cfg.packing, self.rank, self.world_size, cfg.seed, grad_accum=cfg.grad_accum
-        )
-        self.collate = collate_packed if packed else collate_padded
-        if not packed:
-            log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
+        self.build_data(stated_context(model.config))
 
         self.flop_params = flop_params(model)
         self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
         model = model.to(self.device)
         if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
-            first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
-            run_startup_self_check(model, self.collate(self.dataset, first, self.tokenizer.pad_token_id),
-                                   cfg.model.self_check_tolerance, DTYPES[cfg.parallel.param_dtype], first)
+            self.startup_self_check(model)
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
@@ -113,6 +92,38 @@ class Trainer:
         log.info(
             "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
             len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
+        )
+
+    def start_distributed(self) -> None:
+        """Device, process group, logging, the step guard and the run directory every rank agrees on."""
+        cfg = self.cfg
+        self.device = distributed.resolve_device(cfg.parallel.device)
+        distributed.init_distributed(self.device, cfg.parallel.backend, cfg.guard.collective_timeout_s)
+        self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        setup_logging(self.rank)
+        self.guard = StepGuard(cfg.guard, self.device)
+        self.faults = FaultInjector.from_env(self.rank)
+        self.run_dir = agree_run_dir(cfg)
+        log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
+
+    def build_data(self, context: int | None) -> None:
+        """The examples, held-out set and sampler (``trainer.pipeline``: the tools see the same ones)."""
+        cfg = self.cfg
+        data = build_training_data(cfg, self.rank, self.world_size, tokenizer=self.tokenizer, context=context)
+        self.dataset, self.eval_dataset, self.sampler, self.collate = (
+            data.dataset, data.eval_dataset, data.sampler, data.collate
+        )
+        log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
+                 f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
+        if not cfg.packing.packed:
+            log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
+
+    def startup_self_check(self, model: torch.nn.Module) -> None:
+        """This rank's first micro-batch, as built and example by example (``trainer.model.selfcheck``)."""
+        first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
+        batch = self.collate(self.dataset, first, self.tokenizer.pad_token_id)
+        run_startup_self_check(
+            model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first
         )
 
     def training_state(self) -> TrainingState:

@@ -9,13 +9,15 @@ from hydra.utils import instantiate
 from torch import nn
 
 from trainer.config import OptimConfig
-from trainer.safety import check_target
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
-    """Weight decay on matrices (dim >= 2), none on biases and norm weights."""
-    # Checked with the whole config in to_job_config already; again here for callers that build one directly.
-    check_target("optim.optimizer._target_", cfg.optimizer.get("_target_", ""))
+    """Weight decay on every parameter of 2 or more dimensions (matrices and embedding tables, position
+    embeddings included, as nanoGPT and torchtitan do), none on biases and norm weights.
+
+    ``cfg.optimizer`` is instantiated as given: its ``_target_`` was checked against the allowlist by
+    ``trainer.config.to_job_config`` (``trainer.safety``), before anything was built.
+    """
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
     groups = [

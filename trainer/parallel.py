@@ -29,7 +29,7 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from trainer.config import ConfigError, ParallelConfig
+from trainer.config import ParallelConfig
 from trainer.model import DTYPES, VarlenCausalLM
 
 log = logging.getLogger(__name__)
@@ -39,15 +39,11 @@ def build_mesh(device: torch.device, world_size: int, cfg: ParallelConfig | None
     """The data-parallel mesh: 1-D ``(dp,)`` for FSDP, or 2-D ``(dp_replicate, dp_shard)`` for HSDP when
     ``cfg.dp_replicate`` is set. Ranks are laid out shard-fastest, so with one process per GPU and
     ``dp_replicate = nodes`` every shard group lives inside one node (fast intra-node links carry the
-    all-gathers and reduce-scatters; only the gradient all-reduce crosses nodes)."""
+    all-gathers and reduce-scatters; only the gradient all-reduce crosses nodes). That ``dp_replicate``
+    divides the world size is checked before the process group starts (``JobConfig.validate_world``)."""
     if cfg is None or cfg.dp_replicate is None:
         return init_device_mesh(device.type, (world_size,), mesh_dim_names=("dp",))
     replicate = cfg.dp_replicate
-    if world_size % replicate:
-        raise ConfigError(
-            f"parallel.dp_replicate={replicate} does not divide the world size {world_size}; "
-            "use the number of nodes (one replica per node)"
-        )
     return init_device_mesh(
         device.type, (replicate, world_size // replicate), mesh_dim_names=("dp_replicate", "dp_shard")
     )

@@ -26,6 +26,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from trainer.config import ConfigError
+
 ALLOWED_TARGET_PREFIXES: list[str] = ["torch.optim."]
 """``_target_`` prefixes allowed out of the box (optimizers and their schedulers)."""
 
@@ -37,7 +39,7 @@ DENIED_TARGETS = re.compile(
 )
 
 
-class UnsafeTargetError(ValueError):
+class UnsafeTargetError(ConfigError):
     """A config names a ``_target_`` outside the allowlist."""
 
 

@@ -11,7 +11,6 @@ import pytest
 from tests.conftest import REPO
 from tests.faults.conftest import compose_job
 from trainer.cli import check_overrides
-from trainer.config import OptimConfig
 from trainer.safety import UnsafeTargetError, check_target
 
 BASE = ["recipe=cpu_dailydialog"]
@@ -84,11 +83,9 @@ def test_world_size_must_fit_the_mesh(capsys, monkeypatch):
 
 
 def test_target_allowlist_is_user_extendable_but_never_reaches_dangerous_callables(monkeypatch):
-    from trainer.optim import build_optimizer
-
     name = f"{__name__}.record_call"
-    with pytest.raises(UnsafeTargetError):
-        build_optimizer(None, OptimConfig(optimizer={"_target_": name}))
+    with pytest.raises(UnsafeTargetError):  # the one check, in to_job_config, before anything is built
+        compose_job([*BASE, f"optim.optimizer._target_={name}"])
     assert CALLS == []  # refused before instantiation: the target was never imported or called
     monkeypatch.setenv("PACKFSDP_ALLOWED_TARGETS", "tests.faults.,torch.")
     check_target("optim.optimizer._target_", name)

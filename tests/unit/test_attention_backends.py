@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import REPO
 from trainer.model import backends_sdpa
-from trainer.model.attention import BACKENDS, AttentionBackendError, fit_backend_to_model, resolve_backend
+from trainer.model.attention import BACKENDS, AttentionBackendError, attention_dropout, resolve_backend
 from trainer.model.packed_layout import PackedLayout
 
 CAUSAL = SimpleNamespace(is_causal=True)
@@ -142,10 +142,18 @@ def test_dropout_needs_a_backend_that_has_it(monkeypatch):
     fake = dict(BACKENDS, torch_varlen=dataclasses.replace(BACKENDS["torch_varlen"], unavailable=lambda d, t=None: None))
     monkeypatch.setattr(attention, "BACKENDS", fake)
     assert resolve_backend("auto", torch.device("cpu")).name == "torch_varlen"
-    with_dropout = SimpleNamespace(attn_pdrop=0.1)
-    assert fit_backend_to_model(resolve_backend("auto", torch.device("cpu")), with_dropout).name == "sdpa_varlen"
+    dropout = attention_dropout(SimpleNamespace(attn_pdrop=0.1))
+    assert resolve_backend("auto", torch.device("cpu"), dropout=dropout).name == "sdpa_varlen"
     with pytest.raises(AttentionBackendError, match="dropout"):
-        fit_backend_to_model(resolve_backend("torch_varlen", torch.device("cpu")), with_dropout)
+        resolve_backend("torch_varlen", torch.device("cpu"), dropout=dropout)
+
+
+def test_config_names_exactly_the_registered_backends():
+    """``model.attention`` is validated against ``trainer.config.ATTENTION_BACKENDS`` (no torch import)."""
+    from trainer.config import ATTENTION_BACKENDS
+    from trainer.model.attention import AUTO_ORDER
+
+    assert tuple(BACKENDS) == ATTENTION_BACKENDS == AUTO_ORDER
 
 
 def test_cli_flash_attn_on_cpu_fails_with_one_line(tmp_path, cache_dir):

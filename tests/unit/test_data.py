@@ -12,7 +12,7 @@ import pytest
 
 from trainer.config import DataConfig
 from trainer.data import load_dataset, load_records
-from trainer.data.dataset import render_dialogs
+from trainer.data.dataset import render_records
 from trainer.data.synthetic import generate_dialogs
 
 
@@ -35,7 +35,7 @@ def test_synthetic_corpus_is_deterministic_by_seed():
 
 def test_loss_on_responses_masks_alternate_turns(tokenizer):
     records = [{"turns": ["hello there.", "hi how are you?", "fine thanks."]}]
-    ds = render_dialogs(records, tokenizer, DataConfig(loss_on="responses"), max_length=1024)
+    ds = render_records(records, tokenizer, DataConfig(loss_on="responses"), max_length=1024)
     tokens, mask = ds.example(0)
     eos = tokenizer.eos_token_id
     turn_ends = np.flatnonzero(tokens == eos)[1:]  # tokens[0] is BOS
@@ -43,18 +43,18 @@ def test_loss_on_responses_masks_alternate_turns(tokenizer):
     assert not mask[: first + 1].any()  # turn 1 (and its EOS): no loss
     assert mask[first + 1 : second + 1].all()  # the reply and its EOS: loss
     assert not mask[second + 1 :].any()
-    ds_all = render_dialogs(records, tokenizer, DataConfig(loss_on="all"), max_length=1024)
+    ds_all = render_records(records, tokenizer, DataConfig(loss_on="all"), max_length=1024)
     assert ds_all.label_counts()[0] == len(tokens) - 1
 
 
 def test_bad_input_is_counted(tokenizer, caplog):
     long_dialog = {"turns": ["word " * 200]}
     records = [{"turns": []}, {"turns": ["ok."]}, long_dialog, {"turns": ["just one turn."]}]
-    truncating = render_dialogs(records, tokenizer, DataConfig(overlong="truncate", loss_on="all"), max_length=64)
+    truncating = render_records(records, tokenizer, DataConfig(overlong="truncate", loss_on="all"), max_length=64)
     assert truncating.stats.dropped_empty == 1 and truncating.stats.truncated == 1
     assert len(truncating) == 3 and truncating.lengths.max() == 64
 
-    dropping = render_dialogs(records, tokenizer, DataConfig(overlong="drop", loss_on="responses"), max_length=64)
+    dropping = render_records(records, tokenizer, DataConfig(overlong="drop", loss_on="responses"), max_length=64)
     # responses only: single-turn dialogs have no label token and are dropped, counted
     assert dropping.stats.dropped_overlong == 1 and dropping.stats.dropped_no_labels == 2
     assert len(dropping) == 0

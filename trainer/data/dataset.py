@@ -124,6 +124,25 @@ def render_records(
     Every text piece of every record is tokenized in one batched call (fast tokenizers parallelise it).
     """
     stats = DatasetStats(records=len(records))
+    per_record, stats.dropped_bad = _record_segments_or_skip(records, tokenizer, cfg)
+    texts = [s.text for segs in per_record if segs for s in segs if isinstance(s.text, str)]
+    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    examples = []
+    for segments in per_record:
+        if segments is None:
+            stats.dropped_empty += 1
+            continue
+        example = _fit_example(segments, encoded, cfg.overlong, max_length, stats)
+        if example is not None:
+            examples.append(example)
+    return _flat_dataset(examples, stats)
+
+
+def _record_segments_or_skip(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
+) -> tuple[list[list[Segment] | None], int]:
+    """Every good record's segments (``None``: no content) and the number of bad records skipped (under
+    ``on_bad_record=skip``; ``error`` raises naming the record)."""
     template = effective_template(tokenizer)
     bad = BadRecords(cfg.on_bad_record, cfg.source)
     per_record = []
@@ -139,41 +158,39 @@ def render_records(
                 raise
             bad.bad(where, str(e).removeprefix(f"{where}: "))
     bad.finish([])
-    stats.dropped_bad = getattr(records, "skipped_bad", 0) + bad.skipped
-    texts = [s.text for segs in per_record if segs for s in segs if isinstance(s.text, str)]
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    return per_record, getattr(records, "skipped_bad", 0) + bad.skipped
 
-    token_chunks: list[np.ndarray] = []
-    mask_chunks: list[np.ndarray] = []
-    lengths: list[int] = []
-    for segments in per_record:
-        if segments is None:
-            stats.dropped_empty += 1
-            continue
-        ids: list[int] = []
-        mask: list[bool] = []
-        for s in segments:
-            piece = next(encoded) if isinstance(s.text, str) else s.text
-            ids += piece
-            mask += [s.loss] * len(piece)
-        if len(ids) > max_length:
-            if cfg.overlong == "drop":
-                stats.dropped_overlong += 1
-                continue
-            stats.truncated += 1
-            ids, mask = ids[:max_length], mask[:max_length]
-        if not any(mask[1:]):
-            stats.dropped_no_labels += 1
-            continue
-        token_chunks.append(np.asarray(ids, dtype=np.int32))
-        mask_chunks.append(np.asarray(mask, dtype=bool))
-        lengths.append(len(ids))
 
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
+def _fit_example(
+    segments: list[Segment], encoded, overlong: str, max_length: int, stats: DatasetStats
+) -> tuple[list[int], list[bool]] | None:
+    """One example's tokens and loss mask (text segments take their ids from ``encoded`` in order),
+    truncated to ``max_length`` or dropped per ``overlong``; ``None`` (counted) when dropped."""
+    ids: list[int] = []
+    mask: list[bool] = []
+    for s in segments:
+        piece = next(encoded) if isinstance(s.text, str) else s.text
+        ids += piece
+        mask += [s.loss] * len(piece)
+    if len(ids) > max_length:
+        if overlong == "drop":
+            stats.dropped_overlong += 1
+            return None
+        stats.truncated += 1
+        ids, mask = ids[:max_length], mask[:max_length]
+    if not any(mask[1:]):
+        stats.dropped_no_labels += 1
+        return None
+    return ids, mask
+
+
+def _flat_dataset(examples: list[tuple[list[int], list[bool]]], stats: DatasetStats) -> TokenizedDataset:
+    """The examples stored flat, with the kept counts filled into ``stats``."""
+    offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+    np.cumsum([len(ids) for ids, _ in examples], out=offsets[1:])
     ds = TokenizedDataset(
-        tokens=np.concatenate(token_chunks) if token_chunks else np.zeros(0, np.int32),
-        loss_mask=np.concatenate(mask_chunks) if mask_chunks else np.zeros(0, bool),
+        tokens=np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in examples] or [np.zeros(0, np.int32)]),
+        loss_mask=np.concatenate([np.asarray(mask, dtype=bool) for _, mask in examples] or [np.zeros(0, bool)]),
         offsets=offsets,
         stats=stats,
     )
@@ -181,9 +198,6 @@ def render_records(
     stats.tokens = int(offsets[-1])
     stats.label_tokens = int(ds.label_counts().sum()) if len(ds) else 0
     return ds
-
-
-render_dialogs = render_records  # the skeleton's name
 
 
 def log_dataset_stats(name: str, stats: DatasetStats) -> None:
@@ -203,7 +217,8 @@ def log_dataset_stats(name: str, stats: DatasetStats) -> None:
 def build_dataset(
     records_fn, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int, cache_key: str
 ) -> TokenizedDataset:
-    """Tokenize once (rank 0) into the cache, then every rank memory-maps the same arrays.
+    """Tokenize once (rank 0) into the cache (an ``.npz`` file), then every rank loads its own copy of the
+    arrays from it (``np.load`` of an ``.npz`` reads them into memory; it does not memory-map).
 
     ``records_fn`` is called only when the cache misses; ``cache_key`` must name everything the result
     depends on besides ``cfg`` and ``max_length`` (the source's identity, the tokenizer).

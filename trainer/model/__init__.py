@@ -5,11 +5,10 @@ from trainer.model.attention import (
     AttentionBackend,
     AttentionBackendError,
     attention_dropout,
-    document_causal_mask,
     resolve_backend,
 )
 from trainer.model.selfcheck import SelfCheckError, self_check
-from trainer.model.loading import DTYPES, build_model, max_positions
+from trainer.model.loading import DTYPES, build_model
 from trainer.model.wrapper import VarlenCausalLM
 
 __all__ = [
@@ -21,8 +20,6 @@ __all__ = [
     "VarlenCausalLM",
     "attention_dropout",
     "build_model",
-    "document_causal_mask",
-    "max_positions",
     "resolve_backend",
     "self_check",
 ]

@@ -40,7 +40,8 @@ from trainer.model.backends_cuda import (
     torch_varlen_unavailable,
 )
 from trainer.model.backends_sdpa import sdpa_block_mask_attention, sdpa_varlen_attention
-from trainer.model.packed_layout import AttentionBackendError, document_causal_mask
+from trainer.config import ATTENTION_BACKENDS
+from trainer.model.packed_layout import AttentionBackendError
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +90,9 @@ BACKENDS: dict[str, AttentionBackend] = {
     )
 }
 
-# `auto` takes the first backend in this order that can run (fastest first).
-AUTO_ORDER = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa_block_mask")
+# `auto` takes the first backend in this order that can run (fastest first); the config validates
+# model.attention against the same names (tests/unit/test_attention_backends.py checks they agree).
+AUTO_ORDER = ATTENTION_BACKENDS
 
 # Opaque to torch.compile (parallel.compile=true): these loop over the per-example boundaries in Python,
 # so a traced call would specialise on each batch's cu_seqlens and recompile for every packed batch.
@@ -142,22 +144,12 @@ def attention_dropout(config) -> float:
     return 0.0
 
 
-def fit_backend_to_model(backend: AttentionBackend, config) -> AttentionBackend:
-    """Re-resolve against the model's attention dropout (``auto`` moves on; a named backend fails)."""
-    dropout = attention_dropout(config)
-    if dropout == 0 or backend.supports_dropout:
-        return backend
-    return resolve_backend(backend.requested or backend.name, backend.device or torch.device("cpu"), backend.dtype, dropout)
-
-
 __all__ = [
     "AUTO_ORDER",
     "BACKENDS",
     "AttentionBackend",
     "AttentionBackendError",
     "attention_dropout",
-    "document_causal_mask",
-    "fit_backend_to_model",
     "resolve_backend",
     "sdpa_block_mask_attention",
     "sdpa_varlen_attention",

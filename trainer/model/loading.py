@@ -5,10 +5,10 @@ from __future__ import annotations
 import logging
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerBase
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from trainer.config import ModelConfig
-from trainer.model.attention import AttentionBackend, fit_backend_to_model
+from trainer.model.attention import AttentionBackend
 from trainer.model.wrapper import PADDED_ATTENTION, VarlenCausalLM
 
 log = logging.getLogger(__name__)
@@ -17,7 +17,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int) -> VarlenCausalLM:
-    """A pretrained model (``name_or_path``) or a random one from ``family`` + ``config_overrides``.
+    """A pretrained model (``name_or_path``) or a random one from ``family`` + ``config_overrides``, run
+    through ``backend`` for packed batches. The trainer resolves ``backend`` once, against the model's
+    attention dropout (``trainer.pipeline.resolve_attention``).
 
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.
@@ -40,23 +42,20 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
             "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id,
         }
-        config = AutoConfig.for_model(cfg.family, **(special | dict(cfg.config_overrides)))
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=PADDED_ATTENTION)
+        model = AutoModelForCausalLM.from_config(
+            model_config(cfg, base=special), dtype=dtype, attn_implementation=PADDED_ATTENTION
+        )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.use_cache = False
     n_params = sum(p.numel() for p in model.parameters())
     log.info("model %s: %.2fM parameters, %s", cfg.name_or_path or cfg.family, n_params / 1e6, cfg.dtype)
-    # A backend without attention dropout cannot train a model that asks for it: `auto` moves on, a named
-    # backend fails here, before any data is read.
-    return VarlenCausalLM(model, fit_backend_to_model(backend, model.config))
+    return VarlenCausalLM(model, backend)
 
 
-def max_positions(model: VarlenCausalLM) -> int | None:
-    """The model's context length, where its config states one."""
-    config = model.config
-    for key in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, key, None)
-        if value:
-            return int(value)
-    return None
+def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:
+    """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
+    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``config_overrides``."""
+    if cfg.name_or_path:
+        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.config_overrides)
+    return AutoConfig.for_model(cfg.family, **((base or {}) | dict(cfg.config_overrides)))

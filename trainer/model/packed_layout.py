@@ -155,11 +155,3 @@ def causal_window_mask(length: int, window: int | None, device: torch.device) ->
     i = torch.arange(length, device=device)
     return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
 
-
-def document_causal_mask(cu_seqlens: torch.Tensor, device: torch.device, window: int | None = None) -> torch.Tensor:
-    """Boolean ``[T, T]`` mask: query t may attend key s iff same example, s <= t (and within the window)."""
-    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(device=device, dtype=torch.long)
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
-    starts = torch.repeat_interleave(cu_seqlens[:-1].to(device=device, dtype=torch.long), lengths)
-    pos = torch.arange(int(cu_seqlens[-1]), device=device) - starts
-    return allowed(doc[:, None], pos[:, None], doc[None, :], pos[None, :], window)

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.model.wrapper import VarlenCausalLM
+from trainer.packing import piece_starts
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +58,8 @@ class SelfCheckResult:
         )
 
 
-def _examples(batch: Batch) -> list[tuple[int, slice]]:
-    """(row, token slice) of every example of the batch."""
+def example_spans(batch: Batch) -> list[tuple[int, slice]]:
+    """(row, token slice) of every example (or piece) of the batch, in order."""
     if batch.packed:
         cu = batch.cu_seqlens.tolist()
         return [(0, slice(s, e)) for s, e in zip(cu[:-1], cu[1:])]
@@ -69,7 +70,7 @@ def _examples(batch: Batch) -> list[tuple[int, slice]]:
 def check_positions(batch: Batch, starts: list[int] | None = None) -> None:
     """position_ids restart in every segment, at 0 (or at ``starts[k]`` for a split piece of an example,
     ``packing=bfd_split|wrapped``) and count up by one; the first token of each segment carries no label."""
-    for k, (row, span) in enumerate(_examples(batch)):
+    for k, (row, span) in enumerate(example_spans(batch)):
         first = starts[k] if starts is not None else 0
         pos = batch.position_ids[row, span].cpu()
         if not torch.equal(pos, torch.arange(first, first + len(pos))):
@@ -106,7 +107,7 @@ def self_check(
         with autocast:
             full = model(**batch.model_inputs()).float()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
-            for i, (row, span) in enumerate(_examples(batch)):
+            for i, (row, span) in enumerate(example_spans(batch)):
                 ids = batch.input_ids[row : row + 1, span]
                 alone = model(
                     input_ids=ids,
@@ -145,7 +146,7 @@ def run_startup_self_check(
 ) -> None:
     """Run ``self_check`` on every rank, agree on the worst result, log it, raise ``SelfCheckError`` on a
     mismatch. ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split)."""
-    starts = [int(s) for s in indices[:, 1]] if indices is not None and np.ndim(indices) == 2 else None
+    starts = piece_starts(indices) if indices is not None else None
     param = next(model.parameters())
     # Check in the master dtype (exact); only kernels that refuse it run under autocast to the compute dtype.
     if model.backend.unavailable(param.device, param.dtype) is None:

@@ -6,10 +6,11 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
-from trainer.config import PackingConfig
-from trainer.packing.balance import bin_weight, deal_bins, even_out_bins, rank_balance
+from trainer.packing.balance import WORK_MEASURES, bin_weight, deal_bins, even_out_bins, rank_balance
 from trainer.packing.sampler import EpochPlan, MicroBatchSampler, matched_padded_batch_size, pack_params
 from trainer.packing.strategies import (
     STRATEGIES,
@@ -18,14 +19,16 @@ from trainer.packing.strategies import (
     pack_best_fit_decreasing,
     PackResult,
     PackStats,
-    bin_examples,
     bin_tokens,
     get_strategy,
-    is_pieces,
     item_lengths,
     pack,
+    piece_starts,
     split_into_pieces,
 )
+
+if TYPE_CHECKING:  # trainer.config imports the strategy registry from this package
+    from trainer.config import PackingConfig
 
 
 def build_sampler(
@@ -40,25 +43,25 @@ def build_sampler(
 
 __all__ = [
     "STRATEGIES",
+    "WORK_MEASURES",
     "EpochPlan",
     "MicroBatchSampler",
     "PackParams",
     "PackResult",
     "PackStats",
     "batch_padded",
-    "bin_examples",
     "bin_tokens",
     "bin_weight",
     "build_sampler",
     "deal_bins",
     "even_out_bins",
     "get_strategy",
-    "is_pieces",
     "item_lengths",
     "matched_padded_batch_size",
     "pack",
     "pack_best_fit_decreasing",
     "pack_params",
+    "piece_starts",
     "rank_balance",
     "split_into_pieces",
 ]

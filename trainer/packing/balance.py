@@ -12,17 +12,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 
 from trainer.packing.strategies import item_lengths
 
-BALANCE_BY = ("tokens", "attention")
+WORK_MEASURES: dict[str, Callable[[np.ndarray], int]] = {
+    "tokens": lambda sizes: int(sizes.sum()),
+    "attention": lambda sizes: int((sizes * sizes).sum()),
+}
+"""What ranks can be balanced on (``packing.balance``): work of a bin from its items' lengths."""
 
 
 def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str = "tokens") -> int:
     """Work in a bin: its tokens, or its attention cost (sum of squared item lengths)."""
-    sizes = item_lengths(bin_, lengths)
-    return int(sizes.sum()) if balance == "tokens" else int((sizes * sizes).sum())
+    return WORK_MEASURES[balance](item_lengths(bin_, lengths))
 
 
 def even_out_bins(

@@ -51,50 +51,69 @@ def best_fit_decreasing(
     order = decreasing_order(sizes, rng)
     sorted_sizes = sizes[order]
     bin_of = np.empty(n, dtype=np.int64)
-    stacks: list[list[int]] = [[] for _ in range(budget + 1)]  # open bin ids by remaining room
-    held = np.zeros(budget + 1, dtype=np.int64)  # len(stacks[room])
-    n_bins = 0
-
-    def put(ids: list[int], room: int) -> None:
-        if room > 0:
-            stacks[room].extend(ids)
-            held[room] += len(ids)
-
+    bins = _OpenBinsByRoom(budget)
     for lo, hi in _groups(sorted_sizes):
         s, need = int(sorted_sizes[lo]), hi - lo
-        ids_parts = []
-        if need and held[s:budget].any():
-            per_bin = np.arange(s, budget) // s
-            reach = np.cumsum(held[s:budget] * per_bin)
-            stop = int(np.searchsorted(reach, need))  # first room (offset from s) that completes the group
-            for room in (np.flatnonzero(held[s : s + stop]) + s).tolist():  # rooms used up entirely
-                ids, t = stacks[room], room // s
-                stacks[room], held[room] = [], 0
-                ids_parts.append(np.repeat(np.asarray(ids, dtype=np.int64), t))
-                need -= t * len(ids)
-                put(ids, room - t * s)
-            if stop < budget - s and need:  # the room where the group ends: some of its bins
-                room, t = stop + s, (stop + s) // s
-                used = -(-need // t)
-                ids = stacks[room][-used:]
-                del stacks[room][-used:]
-                held[room] -= used
-                last = need - t * (used - 1)
-                ids_parts.append(np.repeat(np.asarray(ids, dtype=np.int64), [t] * (used - 1) + [last]))
-                put(ids[:-1], room - t * s)
-                put(ids[-1:], room - last * s)
-                need = 0
-        if need:  # open new bins, budget // s items each
-            t = budget // s
-            new = -(-need // t)
-            ids = list(range(n_bins, n_bins + new))
-            ids_parts.append(np.repeat(np.asarray(ids, dtype=np.int64), t)[:need])
-            last = need - t * (new - 1)
-            put(ids[:-1], budget - t * s)
-            put(ids[-1:], budget - last * s)
-            n_bins += new
-        bin_of[order[lo:hi]] = np.concatenate(ids_parts)
+        parts, need = bins.fill_tightest(s, need)
+        if need:
+            parts.append(bins.open_new(s, need))
+        bin_of[order[lo:hi]] = np.concatenate(parts)
     return bin_of
+
+
+class _OpenBinsByRoom:
+    """``best_fit_decreasing``'s open bins: one stack of bin ids per remaining room value."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+        self.stacks: list[list[int]] = [[] for _ in range(budget + 1)]  # open bin ids by remaining room
+        self.held = np.zeros(budget + 1, dtype=np.int64)  # len(stacks[room])
+        self.n_bins = 0
+
+    def put(self, ids: list[int], room: int) -> None:
+        if room > 0:
+            self.stacks[room].extend(ids)
+            self.held[room] += len(ids)
+
+    def fill_tightest(self, s: int, need: int) -> tuple[list[np.ndarray], int]:
+        """Place up to ``need`` items of size ``s`` into open bins, tightest fitting room first. Returns the
+        bin id of each placed item (in parts, in placement order) and how many items are left."""
+        budget, stacks, held = self.budget, self.stacks, self.held
+        parts: list[np.ndarray] = []
+        if not (need and held[s:budget].any()):
+            return parts, need
+        per_bin = np.arange(s, budget) // s
+        reach = np.cumsum(held[s:budget] * per_bin)
+        stop = int(np.searchsorted(reach, need))  # first room (offset from s) that completes the group
+        for room in (np.flatnonzero(held[s : s + stop]) + s).tolist():  # rooms used up entirely
+            ids, t = stacks[room], room // s
+            stacks[room], held[room] = [], 0
+            parts.append(np.repeat(np.asarray(ids, dtype=np.int64), t))
+            need -= t * len(ids)
+            self.put(ids, room - t * s)
+        if stop < budget - s and need:  # the room where the group ends: some of its bins
+            room, t = stop + s, (stop + s) // s
+            used = -(-need // t)
+            ids = stacks[room][-used:]
+            del stacks[room][-used:]
+            held[room] -= used
+            last = need - t * (used - 1)
+            parts.append(np.repeat(np.asarray(ids, dtype=np.int64), [t] * (used - 1) + [last]))
+            self.put(ids[:-1], room - t * s)
+            self.put(ids[-1:], room - last * s)
+            need = 0
+        return parts, need
+
+    def open_new(self, s: int, need: int) -> np.ndarray:
+        """Open new bins for ``need`` items of size ``s``, ``budget // s`` each; their bin ids."""
+        t = self.budget // s
+        new = -(-need // t)
+        ids = list(range(self.n_bins, self.n_bins + new))
+        last = need - t * (new - 1)
+        self.put(ids[:-1], self.budget - t * s)
+        self.put(ids[-1:], self.budget - last * s)
+        self.n_bins += new
+        return np.repeat(np.asarray(ids, dtype=np.int64), t)[:need]
 
 
 def _best_fit_decreasing_capped(sizes: np.ndarray, budget: int, cap: int, rng: np.random.Generator | None) -> np.ndarray:

@@ -20,12 +20,15 @@ import hashlib
 import json
 import logging
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.config import PackingConfig
 from trainer.packing.balance import bin_weight, deal_bins, even_out_bins, rank_balance
 from trainer.packing.strategies import PackParams, PackStats, get_strategy, pack
+
+if TYPE_CHECKING:  # trainer.config imports the strategy registry from this package
+    from trainer.config import PackingConfig
 
 log = logging.getLogger(__name__)
 

@@ -45,11 +45,6 @@ from trainer.packing.fit import best_fit_decreasing, first_fit_decreasing, group
 
 
 # ------------------------------------------------------------------------------------------ bins and pieces
-def is_pieces(bin_: np.ndarray) -> bool:
-    """Does this bin hold pieces ``(example, start, end)`` rather than whole example indices?"""
-    return bin_.ndim == 2
-
-
 def item_lengths(bin_: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     """Tokens of every item (example or piece) of a bin."""
     return bin_[:, 2] - bin_[:, 1] if bin_.ndim == 2 else lengths[bin_]
@@ -59,9 +54,10 @@ def bin_tokens(bin_: np.ndarray, lengths: np.ndarray) -> int:
     return int(item_lengths(bin_, lengths).sum())
 
 
-def bin_examples(bin_: np.ndarray) -> np.ndarray:
-    """Example index of every item of a bin."""
-    return bin_[:, 0] if bin_.ndim == 2 else bin_
+def piece_starts(bin_: np.ndarray) -> list[int] | None:
+    """First position of every item of a bin of pieces (where its ``position_ids`` start); ``None`` for
+    whole examples (each starts at 0)."""
+    return [int(start) for start in bin_[:, 1]] if bin_.ndim == 2 else None
 
 
 def split_into_pieces(length: int, budget: int) -> list[tuple[int, int]]:
@@ -77,6 +73,10 @@ def split_into_pieces(length: int, budget: int) -> list[tuple[int, int]]:
 
 
 # ---------------------------------------------------------------------------------------------- interface
+OVERSIZE_RULES = ("error", "drop")
+"""What a whole-example strategy may do with an example longer than the budget (``packing.oversize``)."""
+
+
 @dataclass(frozen=True)
 class PackParams:
     budget: int
@@ -84,7 +84,8 @@ class PackParams:
     max_examples_per_bin: int | None = None
     """Items (examples or pieces) per bin at most; ``None``: no cap."""
     oversize: str = "error"
-    """Whole-example strategies: an example longer than ``budget`` is an ``error`` or is ``drop``-ped (counted)."""
+    """Whole-example strategies: an example longer than ``budget`` is an ``error`` or is ``drop``-ped (counted);
+    one of ``OVERSIZE_RULES``."""
     batch_size: int = 1
     """Padded strategies: examples per micro-batch."""
     megabatch_factor: int = 50
@@ -159,6 +160,11 @@ class Strategy:
     """May cut an example into pieces (needs ``budget >= 2``; never drops over-long examples)."""
     description: str
 
+    @property
+    def min_budget(self) -> int:
+        """The smallest token budget it can pack into: a piece needs a labelled token besides its overlap token."""
+        return 2 if self.splits else 1
+
 
 STRATEGIES: dict[str, Strategy] = {}
 
@@ -179,14 +185,14 @@ def get_strategy(name: str) -> Strategy:
 
 def check_params(strategy: Strategy, params: PackParams) -> None:
     """Raise ``ValueError`` on settings no strategy can honour (``PackingConfig.validate`` says it first)."""
-    if params.budget < 1 or (strategy.splits and params.budget < 2):
-        raise ValueError(f"token budget must be >= {2 if strategy.splits else 1} for {strategy.name}, got {params.budget}")
+    if params.budget < strategy.min_budget:
+        raise ValueError(f"token budget must be >= {strategy.min_budget} for {strategy.name}, got {params.budget}")
     if params.max_examples_per_bin is not None and params.max_examples_per_bin < 1:
         raise ValueError(f"max examples per bin must be >= 1, got {params.max_examples_per_bin}")
     if params.batch_size < 1 or params.megabatch_factor < 1:
         raise ValueError("batch size and megabatch factor must be >= 1")
-    if params.oversize not in ("error", "drop"):
-        raise ValueError(f"oversize must be 'error' or 'drop', got {params.oversize!r}")
+    if params.oversize not in OVERSIZE_RULES:
+        raise ValueError(f"oversize must be one of {', '.join(OVERSIZE_RULES)}, got {params.oversize!r}")
 
 
 def pack(
@@ -276,16 +282,16 @@ def build_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.G
     return bins
 
 
-@register_strategy("bfd")
-def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
-    """Best-fit decreasing over the whole dataset, whole examples only."""
-    return group_by_bin(best_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
-
-
 @register_strategy("ffd")
 def build_first_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
     """First-fit decreasing over the whole dataset, whole examples only."""
     return group_by_bin(first_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
+
+
+@register_strategy("bfd")
+def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+    """Best-fit decreasing over the whole dataset, whole examples only."""
+    return group_by_bin(best_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
 
 
 @register_strategy("bfd_split", splits=True)

@@ -1,6 +1,7 @@
 """The packing report, before training: ``packfsdp analyze recipe=NAME [key=value ...] [--png PATH]``.
 
-Tokenizes the recipe's data exactly as the trainer would (same cache), then prints:
+Reports on the examples training sees: built by ``trainer.pipeline.build_training_data`` exactly as the
+trainer builds them (same truncation, same cache, the eval hold-out removed), then prints:
 - the length histogram (also drawn as a PNG, default ``outputs/analyze/<name>_lengths.png``);
 - the padding overhead of padded batching at the recipe's batch size (the padded baseline's examples per
   micro-batch: ``packing.padded_batch_size``, or matched to the packed run as the trainer does);
@@ -21,27 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.config import ConfigError, JobConfig, ModelConfig, config_dir, register_configs, to_job_config
+from trainer.config import ConfigError, JobConfig, compose_job_config, register_configs
 from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_size, pack, pack_params
-
-STRATEGY_ORDER = ("none", "sorted", "ffd", "bfd", "bfd_split", "wrapped")
-
-
-def model_context(cfg: ModelConfig) -> int | None:
-    """The model's context length from its config alone (no weights); ``None`` if it cannot be read."""
-    from transformers import AutoConfig
-
-    try:
-        if cfg.name_or_path:
-            config = AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code)
-        else:
-            config = AutoConfig.for_model(cfg.family, **dict(cfg.config_overrides))
-    except Exception:  # offline hub id and the like: the report still runs on data.max_length
-        return None
-    for key in ("n_positions", "max_position_embeddings"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return None
 
 
 def useful_tokens_counter(dataset):
@@ -107,7 +89,7 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
                      "strategies": {}}
     rows = [f"  {'strategy':<10} {'micro-batches':>13} {'fill':>8} {'vs bound':>9} {'positions':>11} "
             f"{'pad overhead':>12} {'pos/token':>9} " + " ".join(f"{'skew@' + str(w):>8}" for w in world_sizes)]
-    for name in STRATEGY_ORDER:
+    for name in STRATEGIES:
         pcfg = replace(cfg.packing, strategy=name, oversize="drop")
         result = pack(lengths, name, pack_params(pcfg, batch_size), np.random.default_rng([seed, 0, 0]))
         s = result.stats
@@ -160,23 +142,15 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, list[int]]:
 
 
 def run(argv: list[str]) -> dict:
-    from hydra import compose, initialize_config_dir
-
-    from trainer.data import load_dataset, load_tokenizer
+    """Print the report on the examples training sees (the eval hold-out removed); return its figures."""
     from trainer.metrics import setup_logging
+    from trainer.pipeline import build_training_data
 
     overrides, png, worlds = parse_args(argv)
-    register_configs()
     setup_logging(0)
     logging.getLogger("trainer.packing").setLevel(logging.WARNING)  # the report prints its own figures
-    with initialize_config_dir(str(config_dir()), version_base=None):
-        cfg = to_job_config(compose("config", overrides=overrides))
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    # The examples the trainer would see for this recipe (same truncation, same cache).
-    max_length = min(cfg.data.max_length, model_context(cfg.model) or cfg.data.max_length)
-    if not cfg.packing.splits_examples:
-        max_length = min(max_length, cfg.packing.token_budget)
-    dataset = load_dataset(cfg.data, tokenizer, max_length)
+    cfg = compose_job_config(overrides)
+    dataset = build_training_data(cfg).dataset
     lines, figures = packing_report(dataset, cfg, worlds)
     png = png or Path(cfg.output_root) / "analyze" / f"{cfg.name}_lengths.png"
     draw_histogram(dataset.lengths, cfg.packing.token_budget, f"{cfg.name}: {len(dataset)} examples", png)

@@ -33,6 +33,7 @@ from pathlib import Path
 from trainer.cli import check_overrides
 from trainer.config import register_configs
 from trainer.metrics import SUMMARY_FILE, read_evals, read_metrics
+from trainer.packing import STRATEGIES
 from trainer.tools.plots import plot_loss, plot_throughput
 
 RUNS = {"padded": "none", "packed": None}  # run name -> packing override (None: the recipe's own)
@@ -59,7 +60,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         key, _, value = o.partition("=")
         if key.lstrip("+~") == "run_dir":
             parser.error(f"{o}: compare sets each run's run_dir itself (use --out DIR)")
-        if key == "packing" and value in ("none", "sorted"):
+        if key == "packing" and value in STRATEGIES and STRATEGIES[value].padded:
             parser.error(f"{o}: the padded baseline is packing=none; name the packed run's strategy (bfd, ...)")
     return args, overrides
 

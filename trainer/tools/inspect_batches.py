@@ -1,6 +1,7 @@
 """Look at packed micro-batches before a long run: ``packfsdp inspect recipe=NAME num_batches=2``.
 
-Builds the tokenizer, dataset and sampler exactly as ``trainer.train`` would for the same overrides, then
+Builds the tokenizer, dataset and sampler exactly as ``trainer.train`` would for the same overrides
+(``trainer.pipeline.build_training_data``: the eval hold-out removed), then
 decodes the first micro-batches of one rank and prints, for each example: its slot in the row
 (``cu_seqlens`` boundary), its position_ids (which must restart at 0) and its text with the tokens that
 carry **no** loss shown inside ``[[ ]]`` (the first token of every example never carries loss).
@@ -14,33 +15,18 @@ Hydra override (``packing=none`` shows the padded baseline's micro-batches).
 from __future__ import annotations
 
 import sys
+from typing import TYPE_CHECKING
 
 import numpy as np
-from hydra import compose, initialize_config_dir
-from transformers import AutoConfig
 
-from trainer.collate import IGNORE_INDEX, Batch, collate_packed, collate_padded
-from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
-from trainer.data import load_dataset, load_tokenizer
-from trainer.evaluate import split_holdout
-from trainer.packing import build_sampler
+from trainer.config import ConfigError, compose_job_config, register_configs
+from trainer.packing import piece_starts
+
+if TYPE_CHECKING:
+    from trainer.collate import Batch
 
 EXTRA = {"num_batches": 2, "rank": 0, "world_size": 1, "show_tokens": 40}
 NO_LOSS_OPEN, NO_LOSS_CLOSE = "[[", "]]"
-
-
-def model_context(cfg: JobConfig) -> int | None:
-    """The model's context length from its config alone (no weights are loaded)."""
-    m = cfg.model
-    config = (
-        AutoConfig.from_pretrained(m.name_or_path, trust_remote_code=m.trust_remote_code, **m.config_overrides)
-        if m.name_or_path
-        else AutoConfig.for_model(m.family, **dict(m.config_overrides))
-    )
-    for key in ("n_positions", "max_position_embeddings"):
-        if getattr(config, key, None):
-            return int(getattr(config, key))
-    return None
 
 
 def render_tokens(tokenizer, ids: np.ndarray, has_loss: np.ndarray, show: int) -> str:
@@ -70,16 +56,17 @@ def positions_summary(pos: np.ndarray, start: int = 0) -> str:
 
 def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] | None = None) -> list[str]:
     """Lines describing one micro-batch and each of its examples."""
+    from trainer.collate import IGNORE_INDEX
+    from trainer.model.selfcheck import example_spans
+
     labels = batch.labels.numpy()
+    slots = [(row, span.start, span.stop) for row, span in example_spans(batch)]
     if batch.packed:
         cu = batch.cu_seqlens.tolist()
-        slots = [(0, s, e) for s, e in zip(cu[:-1], cu[1:])]
         head = (f"packed row: {batch.num_examples} examples, {batch.num_tokens}/{budget} tokens "
                 f"({100 * batch.num_tokens / budget:.1f}% of the budget), {batch.num_label_tokens} carry loss | "
                 f"cu_seqlens {cu}")
     else:
-        lengths = batch.attention_mask.sum(1).tolist()
-        slots = [(row, 0, n) for row, n in enumerate(lengths)]
         head = (f"padded: {batch.num_examples} rows x {batch.input_ids.shape[1]} positions, {batch.num_tokens} real "
                 f"tokens ({100 * (1 - batch.num_tokens / batch.num_positions):.1f}% padding), "
                 f"{batch.num_label_tokens} carry loss")
@@ -113,36 +100,25 @@ def main(argv: list[str] | None = None) -> None:
     from trainer.cli import check_group_choices
 
     check_group_choices(overrides)
-    with initialize_config_dir(config_dir=str(config_dir()), version_base=None):
-        raw = compose(config_name="config", overrides=overrides)
     try:
-        cfg = to_job_config(raw)
+        cfg = compose_job_config(overrides)
     except ConfigError as e:
         sys.exit(f"packfsdp: config error: {e}")
     if not 0 <= extra["rank"] < extra["world_size"]:
         sys.exit(f"packfsdp: rank={extra['rank']} is outside world_size={extra['world_size']}")
 
-    tokenizer = load_tokenizer(cfg.model, cfg.data)
-    # The same examples as trainer.train: clamped like there, eval hold-out removed like there.
-    max_length = min(cfg.data.max_length, model_context(cfg) or cfg.data.max_length)
-    if not cfg.packing.splits_examples:
-        max_length = min(max_length, cfg.packing.token_budget)
-    dataset, _ = split_holdout(
-        load_dataset(cfg.data, tokenizer, max_length),
-        cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
-    )
-    sampler = build_sampler(
-        dataset.lengths, cfg.packing, extra["rank"], extra["world_size"], cfg.seed, grad_accum=cfg.grad_accum
-    )
-    collate = collate_packed if cfg.packing.packed else collate_padded
+    from trainer.pipeline import build_training_data
+
+    data = build_training_data(cfg, extra["rank"], extra["world_size"])  # the examples trainer.train sees
+    dataset, sampler, tokenizer = data.dataset, data.sampler, data.tokenizer
     print(f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.packing.token_budget} | "
           f"rank {extra['rank']} of {extra['world_size']} | text in {NO_LOSS_OPEN} {NO_LOSS_CLOSE} carries no loss")
     for n in range(extra["num_batches"]):
         epoch, indices, _ = sampler.next_microbatch()
         print(f"\n== micro-batch {n + 1} (epoch {epoch}) ==")
-        batch = collate(dataset, indices, tokenizer.pad_token_id)
+        batch = data.collate(dataset, indices, tokenizer.pad_token_id)
         # A split piece (packing=bfd_split|wrapped) starts at its offset inside the example, not at 0.
-        starts = [int(v) for v in indices[:, 1]] if np.ndim(indices) == 2 else None
+        starts = piece_starts(indices)
         print("\n".join(describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"], starts)))
 
 

@@ -1,0 +1,114 @@
+"""The examples a run trains on, built in one place for the trainer and the tools.
+
+``build_training_data`` runs stages 1-2 of the data flow for a config: tokenizer -> tokenized dataset
+(examples clamped to the model's context and, unless the strategy splits them, to the token budget) ->
+held-out split (eval) -> this rank's sampler. ``trainer.loop.Trainer``, ``packfsdp analyze`` and
+``packfsdp inspect`` all call it, so they see the same examples.
+
+``model_context`` and ``resolve_attention`` read the facts the data and the model depend on from the model's
+transformers config alone (no weights): its context length (``trainer.config.stated_context``, the same
+rule the trainer applies to its built model) and the attention backend, resolved once against the device,
+the compute dtype and the model's attention dropout.
+
+Heavy imports (torch, transformers) happen inside the functions, so importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from trainer.config import JobConfig, ModelConfig, stated_context
+
+if TYPE_CHECKING:
+    import torch
+
+    from trainer.data import TokenizedDataset
+    from trainer.model import AttentionBackend
+    from trainer.packing import MicroBatchSampler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TrainingData:
+    """What ``build_training_data`` returns."""
+
+    tokenizer: Any
+    """The tokenizer (a transformers ``PreTrainedTokenizerBase``)."""
+    dataset: TokenizedDataset
+    """The examples training sees: the held-out ones removed."""
+    eval_dataset: TokenizedDataset | None
+    """The held-out examples (``None`` when ``eval.holdout_fraction`` is 0)."""
+    sampler: MicroBatchSampler
+    """This rank's micro-batches of ``dataset``."""
+    collate: Callable
+    """``collate_packed`` or ``collate_padded``, as the strategy needs."""
+    max_length: int
+    """The longest example kept (``JobConfig.max_example_length``)."""
+
+
+def build_training_data(
+    cfg: JobConfig, rank: int = 0, world_size: int = 1, *, tokenizer: Any = None, context: int | None = None
+) -> TrainingData:
+    """Tokenizer -> dataset -> held-out split -> sampler, for this rank of ``world_size``.
+
+    Args:
+        cfg: the validated job config.
+        rank, world_size: whose micro-batches the sampler deals (the plan is the same on every rank).
+        tokenizer: an already loaded tokenizer (the trainer's model is built from it); ``None`` loads it.
+        context: the model's context length when known (the trainer's built model states it); ``None``
+            reads it from the model's config (``model_context``).
+
+    Raises:
+        ConfigError: the token budget cannot hold one example of the longest allowed length (the same
+            verdict on every rank, so no rank is left waiting).
+    """
+    from trainer.collate import collate_packed, collate_padded
+    from trainer.data import load_dataset, load_tokenizer
+    from trainer.evaluate import split_holdout
+    from trainer.packing import build_sampler
+
+    if tokenizer is None:
+        tokenizer = load_tokenizer(cfg.model, cfg.data)
+    if context is None:
+        context = model_context(cfg.model)
+    cfg.validate_budget(context)
+    max_length = cfg.max_example_length(context)
+    dataset, eval_dataset = split_holdout(
+        load_dataset(cfg.data, tokenizer, max_length),
+        cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
+    )
+    sampler = build_sampler(dataset.lengths, cfg.packing, rank, world_size, cfg.seed, grad_accum=cfg.grad_accum)
+    collate = collate_packed if cfg.packing.packed else collate_padded
+    return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
+
+
+def model_context(cfg: ModelConfig) -> int | None:
+    """The model's context length from its config alone (no weights). ``None`` when the config states none
+    or cannot be read (an unreachable hub id, say: the examples are then clamped to ``data.max_length``
+    only, which is logged)."""
+    from trainer.model.loading import model_config
+
+    try:
+        return stated_context(model_config(cfg))
+    except (OSError, ValueError) as e:  # transformers raises these for missing or unreadable configs
+        log.warning("model context unknown (%s); examples are clamped to data.max_length only", e)
+        return None
+
+
+def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
+    """The packed attention backend for ``model.attention`` on ``device``, in the compute dtype
+    (``parallel.param_dtype``), with the model's attention dropout (read from its config, no weights): a
+    backend without dropout is never given a model that asks for it (``auto`` moves on, a named backend
+    fails). Resolved once, before any heavy work, so a backend that cannot run fails first."""
+    from trainer.model import DTYPES, attention_dropout, resolve_backend
+    from trainer.model.loading import model_config
+
+    dropout = attention_dropout(model_config(cfg.model))
+    return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], dropout)
+
+
+__all__ = ["TrainingData", "build_training_data", "model_context", "resolve_attention"]
