@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer import checkpoint as ckpt
 from trainer.checkpoint import CheckpointError, Checkpointer, TrainingState
+from trainer.checkpoint.manifest import write_manifest
 from trainer.config import CheckpointConfig
 
 
@@ -46,7 +46,7 @@ def test_pickle_payload_in_checkpoint_metadata_is_refused(tmp_path):
     path = checkpointer.resolve("auto")
     marker = tmp_path / "payload_ran"
     (path / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
-    ckpt.write_manifest(path, 1)  # an attacker who can write the directory can rewrite the manifest too
+    write_manifest(path, 1)  # an attacker who can write the directory can rewrite the manifest too
     with pytest.raises(CheckpointError, match="not allowed"):
         checkpointer.load(path, _state(), total_steps=2)
     assert not marker.exists()
