@@ -148,6 +148,7 @@ def test_dropout_needs_a_backend_that_has_it(monkeypatch):
         fit_backend_to_model(resolve_backend("torch_varlen", torch.device("cpu")), with_dropout)
 
 
+@pytest.mark.slow
 def test_cli_flash_attn_on_cpu_fails_with_one_line(tmp_path, cache_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.train", "model.attention=flash_attn", f"run_dir={tmp_path}",
