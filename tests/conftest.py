@@ -80,8 +80,8 @@ def compose_job(overrides: list[str]):
         return to_job_config(compose("config", overrides=overrides))
 
 
-def one_error_line(capsys, check, *args) -> str:
-    """Call ``check(*args)``, which must exit with status 2 and print exactly one line on stderr; return it."""
+def exit_line(capsys, check, *args) -> str:
+    """The one stderr line of ``check(*args)``, which must exit with status 2 and print nothing else there."""
     with pytest.raises(SystemExit) as exit_info:
         check(*args)
     assert exit_info.value.code == 2

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import one_error_line as exit_line
+from tests.conftest import exit_line
 from tests.faults.conftest import compose_job
 from trainer.cli import check_overrides
 from trainer.config import OptimConfig

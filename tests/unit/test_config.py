@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO, compose_job, one_error_line
+from tests.conftest import REPO, compose_job, exit_line
 from trainer.config import ConfigError
 
 
@@ -38,7 +38,7 @@ def test_cli_errors_are_one_line(capsys, monkeypatch, arg, expected):
     from trainer.train import main
 
     monkeypatch.setattr(sys, "argv", ["trainer.train", arg])
-    assert one_error_line(capsys, main).startswith(expected)
+    assert exit_line(capsys, main).startswith(expected)
 
 
 @pytest.mark.slow
