@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# Set up .venv (first run only) and run the test suite on CPU. Extra arguments go to pytest.
+# Set up .venv (first run only) and run the test suite on CPU. Extra arguments go to pytest:
+#   bash launch/run_tests.sh                 everything (what .ci/run runs)
+#   bash launch/run_tests.sh -m "not slow"   the fast lane: in-process tests only, well under a minute
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash launch/setup_env.sh

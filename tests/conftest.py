@@ -1,7 +1,9 @@
-"""Shared fixtures: a small tokenized DailyDialog-like set, a local tokenizer, tiny models, a torchrun helper."""
+"""Shared fixtures and helpers: a small tokenized DailyDialog-like set, a local tokenizer, tiny models, config
+composition without running the app, the one-line CLI error check, a torchrun helper."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -57,6 +59,35 @@ def tiny_gpt2_config(**overrides):
 
     base = dict(n_layer=2, n_embd=32, n_head=4, n_positions=512, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     return ModelConfig(family="gpt2", config_overrides=base | overrides)
+
+
+@functools.cache
+def register_configs_once() -> None:
+    """``register_configs`` rebuilds every ConfigStore entry (~0.5 s); the store is a process-wide singleton."""
+    from trainer.config import register_configs
+
+    register_configs()
+
+
+def compose_job(overrides: list[str]):
+    """The validated ``JobConfig`` a run would get from these command-line overrides (nothing is run)."""
+    from hydra import compose, initialize_config_dir
+
+    from trainer.config import config_dir, to_job_config
+
+    register_configs_once()
+    with initialize_config_dir(str(config_dir()), version_base=None):
+        return to_job_config(compose("config", overrides=overrides))
+
+
+def exit_line(capsys, check, *args) -> str:
+    """The one stderr line of ``check(*args)``, which must exit with status 2 and print nothing else there."""
+    with pytest.raises(SystemExit) as exit_info:
+        check(*args)
+    assert exit_info.value.code == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1, err
+    return err[0]
 
 
 def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None, cwd=REPO):

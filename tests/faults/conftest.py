@@ -6,23 +6,17 @@ import logging
 import os
 
 import pytest
-from hydra import compose, initialize_config_dir
 
-from trainer.config import config_dir, register_configs, to_job_config
+from tests.conftest import compose_job, register_configs_once
 
-register_configs()
+register_configs_once()  # check_overrides (test_bad_config.py) finds the recipes in the ConfigStore
 
 # The CPU recipe, shrunk so a step takes milliseconds: faults, not throughput, are under test.
 SMALL_RUN = [
     "recipe=cpu_dailydialog", "data.num_dialogs=300", "data.max_length=256", "packing.token_budget=256",
     "model.config_overrides.n_embd=32", "model.config_overrides.n_positions=256", "max_steps=50", "grad_accum=1",
-    "optim.warmup_steps=0",
+    "optim.warmup_steps=0", "logger.peak_tflops=1",  # a fixed peak: measuring this CPU's bf16 rate takes seconds
 ]
-
-
-def compose_job(overrides: list[str]):
-    with initialize_config_dir(str(config_dir()), version_base=None):
-        return to_job_config(compose("config", overrides=overrides))
 
 
 @pytest.fixture(scope="module")

@@ -3,12 +3,11 @@ what to change; ``_target_`` paths outside the allowlist are refused before anyt
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
-from tests.conftest import REPO
+from tests.conftest import exit_line
 from tests.faults.conftest import compose_job
 from trainer.cli import check_overrides
 from trainer.safety import UnsafeTargetError, check_target
@@ -22,13 +21,9 @@ def record_call(*args, **kwargs):  # a _target_ that would leave a trace if it w
 
 
 def one_error_line(capsys, overrides: list[str]) -> str:
-    with pytest.raises(SystemExit) as exit_info:
-        check_overrides(overrides)
-    assert exit_info.value.code == 2
-    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
-    assert len(err) == 1, err
-    assert err[0].startswith("packfsdp: config error: ")
-    return err[0].removeprefix("packfsdp: config error: ")
+    line = exit_line(capsys, check_overrides, overrides)
+    assert line.startswith("packfsdp: config error: ")
+    return line.removeprefix("packfsdp: config error: ")
 
 
 @pytest.mark.parametrize(
@@ -94,13 +89,12 @@ def test_target_allowlist_is_user_extendable_but_never_reaches_dangerous_callabl
             check_target("x._target_", dangerous)
 
 
-def test_type_error_from_the_command_line_is_one_line():
-    out = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "recipe=cpu_dailydialog", "packing.token_budget=abc"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
-    )
-    assert out.returncode == 2
-    assert out.stderr.strip() == (
+def test_type_error_from_the_command_line_is_one_line(capsys, monkeypatch):
+    """Through the entry's ``main`` (argv checks run before Hydra; a real process: test_config.py)."""
+    from trainer.train import main
+
+    monkeypatch.setattr(sys, "argv", ["trainer.train", "recipe=cpu_dailydialog", "packing.token_budget=abc"])
+    assert exit_line(capsys, main) == (
         "packfsdp: config error: packing.token_budget: Value 'abc' of type 'str' could not be converted to Integer"
     )
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint.manifest import write_manifest
 from trainer.checkpoint import CheckpointError, Checkpointer, TrainingState
+from trainer.checkpoint.manifest import write_manifest
 from trainer.config import CheckpointConfig
 
 

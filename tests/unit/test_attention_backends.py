@@ -156,6 +156,7 @@ def test_config_names_exactly_the_registered_backends():
     assert tuple(BACKENDS) == ATTENTION_BACKENDS == AUTO_ORDER
 
 
+@pytest.mark.slow
 def test_cli_flash_attn_on_cpu_fails_with_one_line(tmp_path, cache_dir):
     proc = subprocess.run(
         [sys.executable, "-m", "trainer.train", "model.attention=flash_attn", f"run_dir={tmp_path}",

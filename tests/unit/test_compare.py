@@ -82,6 +82,7 @@ def test_compare_refuses_overrides_it_sets_itself(bad):
         compare.parse_args(["recipe=cpu_dailydialog", bad])
 
 
+@pytest.mark.slow
 def test_wandb_offline_without_key_logs_the_jsonl_names(tmp_path):
     """A run with wandb on, no API key and no network completes; wandb carries the JSONL's metric names."""
     code = f"""

@@ -8,11 +8,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from hydra import compose, initialize_config_dir
 from torch.distributed.run import get_args_parser
 
-from tests.conftest import REPO
-from trainer.config import config_dir, register_configs, to_job_config
+from tests.conftest import REPO, compose_job
 
 SCRIPTS = ["launch/multinode_torchrun.sh", "launch/slurm_hsdp.sbatch"]
 
@@ -35,9 +33,7 @@ def check_torchrun_and_trainer(argv: list[str], nnodes: int, endpoint: str, run_
     args = get_args_parser().parse_args(argv[1:])
     assert (args.nnodes, args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == (str(nnodes), "c10d", endpoint, run_id)
     assert args.max_restarts == 3 and args.module and args.training_script == "trainer.train"
-    register_configs()
-    with initialize_config_dir(str(config_dir()), version_base=None):
-        cfg = to_job_config(compose("config", args.training_script_args))
+    cfg = compose_job(args.training_script_args)
     assert cfg.parallel.dp_replicate == nnodes  # HSDP: one replica per node
     assert cfg.resume == "auto"
     return args.training_script_args

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.conftest import tiny_gpt2_config
+from tests.conftest import compose_job, tiny_gpt2_config
 from trainer.collate import IGNORE_INDEX, collate_packed
 from trainer.packing import split_into_pieces
 
@@ -83,11 +83,5 @@ def test_packing_report_runs(tmp_path, cache_dir, capsys):
 
 @pytest.mark.parametrize("option", ["none", "sorted", "ffd", "bfd", "bfd_split", "wrapped"])
 def test_every_packing_option_composes(option):
-    from hydra import compose, initialize_config_dir
-
-    from trainer.config import config_dir, register_configs, to_job_config
-
-    register_configs()
-    with initialize_config_dir(str(config_dir()), version_base=None):
-        cfg = to_job_config(compose("config", overrides=["recipe=cpu_dailydialog", f"packing={option}"]))
+    cfg = compose_job(["recipe=cpu_dailydialog", f"packing={option}"])
     assert cfg.packing.strategy == option

@@ -11,6 +11,8 @@ import sys
 import termios
 from types import SimpleNamespace
 
+import pytest
+
 from tests.conftest import REPO
 
 CODE = r"""
@@ -46,6 +48,7 @@ def run_in_terminal(code: str) -> str:
     return out.decode(errors="replace")
 
 
+@pytest.mark.slow
 def test_progress_bar_on_a_terminal_shows_useful_tokens_and_eta():
     out = run_in_terminal(CODE)
     assert "3/3" in out and "useful tok/s 12,345" in out and "loss 2.500" in out
