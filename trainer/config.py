@@ -389,7 +389,7 @@ class JobConfig:
             return
         if context is None:
             context = stated_context(self.model.config_overrides or {})
-        longest = min(self.data.max_length, context) if context else self.data.max_length
+        longest = self.longest_in_context(context)
         if self.packing.token_budget < longest:
             raise ConfigError(
                 f"packing.token_budget={self.packing.token_budget} cannot hold one example of {longest} tokens "
@@ -398,11 +398,15 @@ class JobConfig:
                 f"or data.max_length<={self.packing.token_budget}"
             )
 
+    def longest_in_context(self, context: int | None) -> int:
+        """``data.max_length`` clamped to the model's ``context`` (when known)."""
+        return min(self.data.max_length, context) if context else self.data.max_length
+
     def max_example_length(self, context: int | None) -> int:
-        """The longest example training keeps: ``data.max_length``, clamped to the model's ``context`` (when
-        known) and, unless the strategy splits examples, to one micro-batch's ``packing.token_budget``. So
-        every example fits the model and one micro-batch, in packed and padded runs alike."""
-        longest = min(self.data.max_length, context) if context else self.data.max_length
+        """The longest example training keeps: ``longest_in_context``, and, unless the strategy splits
+        examples, at most one micro-batch's ``packing.token_budget``. So every example fits the model and one
+        micro-batch, in packed and padded runs alike."""
+        longest = self.longest_in_context(context)
         return longest if self.packing.splits_examples else min(longest, self.packing.token_budget)
 
     def validate_world(self, world_size: int) -> None:
