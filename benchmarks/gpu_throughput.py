@@ -1,20 +1,28 @@
 """Packed vs padded training throughput of GPT-2 124M (random init, bf16) on one GPU.
 
-    python benchmarks/gpu_throughput.py [--budget 8192] [--steps 10] [--backends auto sdpa_varlen]
+    python benchmarks/gpu_throughput.py [--budget 8192] [--steps 10] [--backends auto sdpa_varlen] [--json F]
+    python benchmarks/gpu_throughput.py --device cpu --model tiny --steps 1 --warmup 0 --backends sdpa_varlen
 
 Example lengths follow the generated DailyDialog-like corpus (mean ~125 tokens, long tail) drawn from a
-seeded log-normal, token ids are random (the vocabulary is GPT-2's 50257). Packed micro-batches come from
-best-fit-decreasing at ``--budget`` tokens; the padded baseline takes as many examples per micro-batch as a
-packed one holds on average, shuffled, padded to the longest, through transformers' SDPA with a mask.
+seeded log-normal, token ids are random (the vocabulary is GPT-2's 50257). Both sides see the micro-batches
+a one-rank training run would: the packed ones are the first of the sampler's shuffled epoch plan for
+``packing.strategy=bfd`` at ``--budget`` tokens, the padded ones the first of ``packing.strategy=none``
+(shuffled, as many examples per micro-batch as a packed one holds on average, padded to the longest,
+through transformers' SDPA with a mask); see ``sample_microbatches``. Taking the first bins of
+best-fit-decreasing instead would time its longest examples (a dozen per bin, against ~65 on average).
 Each configuration runs ``--warmup`` then ``--steps`` optimizer steps (forward, backward, AdamW) and prints
-useful tokens/s (tokens with a label), padding fraction and peak memory. Needs no network and no data.
+useful tokens/s (tokens with a label), padding fraction and peak memory. A configuration that fails is
+recorded with its error line and the others still run. Needs no network and no data. ``--device cpu
+--model tiny`` checks the plumbing without a GPU (its figures mean nothing).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -25,10 +33,17 @@ from transformers import AutoConfig, AutoModelForCausalLM
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from trainer.collate import IGNORE_INDEX  # noqa: E402
+from trainer.config import PackingConfig  # noqa: E402
 from trainer.model import VarlenCausalLM, resolve_backend  # noqa: E402
-from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing  # noqa: E402
+from trainer.packing import build_sampler  # noqa: E402
 
-VOCAB = 50257
+MODELS = {
+    "gpt2": dict(vocab_size=50257, n_positions=1024, attn_pdrop=0.0),  # GPT-2 124M
+    "tiny": dict(vocab_size=512, n_positions=1024, attn_pdrop=0.0, n_layer=2, n_embd=64, n_head=4, bos_token_id=0,
+                 eos_token_id=0),  # plumbing checks on CPU
+}
+MAX_EXAMPLE_LENGTH = 1024
+"""GPT-2's context: the trainer clamps examples to it (and to the budget)."""
 
 
 def make_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
@@ -36,9 +51,18 @@ def make_lengths(n: int, max_len: int, seed: int) -> np.ndarray:
     return np.clip(rng.lognormal(mean=4.6, sigma=0.6, size=n).astype(np.int64), 8, max_len)
 
 
-def packed_batch(lengths, idx, device, gen):
+def sample_microbatches(lengths: np.ndarray, strategy: str, budget: int, count: int, seed: int) -> list[np.ndarray]:
+    """The first ``count`` micro-batches (example indices) a one-rank training run with
+    ``packing.strategy=strategy`` and ``packing.token_budget=budget`` trains on: the training sampler's
+    shuffled epoch plan (``trainer.packing.build_sampler``), which also matches a padded strategy's batch
+    size to the packed run."""
+    sampler = build_sampler(lengths, PackingConfig(strategy=strategy, token_budget=budget), 0, 1, seed)
+    return [sampler.next_microbatch()[1] for _ in range(count)]
+
+
+def packed_batch(lengths, idx, device, gen, vocab: int):
     lens = lengths[idx]
-    ids = torch.randint(0, VOCAB, (1, int(lens.sum())), generator=gen).to(device)
+    ids = torch.randint(0, vocab, (1, int(lens.sum())), generator=gen).to(device)
     labels = ids.clone()
     cu = torch.zeros(len(lens) + 1, dtype=torch.int32)
     cu[1:] = torch.from_numpy(np.cumsum(lens))
@@ -48,10 +72,10 @@ def packed_batch(lengths, idx, device, gen):
     return inputs, labels, int(lens.sum() - len(lens)), int(lens.sum())
 
 
-def padded_batch(lengths, idx, device, gen):
+def padded_batch(lengths, idx, device, gen, vocab: int):
     lens = lengths[idx]
     width = int(lens.max())
-    ids = torch.randint(0, VOCAB, (len(lens), width), generator=gen)
+    ids = torch.randint(0, vocab, (len(lens), width), generator=gen)
     keep = torch.arange(width)[None] < torch.from_numpy(lens)[:, None]
     labels = ids.masked_fill(~keep, IGNORE_INDEX)
     labels[:, 0] = IGNORE_INDEX
@@ -60,13 +84,20 @@ def padded_batch(lengths, idx, device, gen):
     return inputs, labels.to(device), int(lens.sum() - len(lens)), len(lens) * width
 
 
-def run(model, batches, steps: int, warmup: int) -> dict:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    torch.cuda.reset_peak_memory_stats()
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def run(model, batches, steps: int, warmup: int, device: torch.device) -> dict:
+    """Time ``steps`` optimizer steps (one micro-batch each) after ``warmup`` untimed ones."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     useful = positions = 0
     for step in range(warmup + steps):
         if step == warmup:
-            torch.cuda.synchronize()
+            synchronize(device)
             start = time.perf_counter()
         inputs, labels, n_useful, n_pos = batches[step % len(batches)]
         logits = model(**inputs)
@@ -78,54 +109,100 @@ def run(model, batches, steps: int, warmup: int) -> dict:
         if step >= warmup:
             useful += n_useful
             positions += n_pos
-    torch.cuda.synchronize()
+    synchronize(device)
     elapsed = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
     return {"useful_tok_s": useful / elapsed, "positions": positions, "useful": useful,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "step_ms": 1000 * elapsed / steps}
+            "peak_gib": peak, "step_ms": 1000 * elapsed / steps}
 
 
-def main() -> None:
+def run_isolated(cases: dict[str, Callable[[], dict]]) -> dict[str, dict]:
+    """Each case's figures, or ``{"error": "Type: first line"}`` where it raised: one backend that cannot
+    run (missing kernel, out of memory, a compile error) is recorded and the others still run."""
+    results = {}
+    for label, measure in cases.items():
+        try:
+            results[label] = measure()
+        except Exception as e:  # a check script reports every failure and goes on
+            first_line = next(iter(str(e).splitlines()), "")
+            results[label] = {"error": f"{type(e).__name__}: {first_line}"}
+        finally:
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()  # an out-of-memory case must not starve the next one
+    return results
+
+
+def format_results(results: dict[str, dict], reference: str) -> list[str]:
+    """One table line per case; speed-ups are against ``reference`` when it ran."""
+    ref = results.get(reference, {}).get("useful_tok_s")
+    lines = []
+    for label, r in results.items():
+        if "error" in r:
+            lines.append(f"  {label:<24} error: {r['error']}")
+            continue
+        pad = 1 - r["useful"] / r["positions"]
+        ratio = f"x{r['useful_tok_s'] / ref:5.2f} vs padded" if ref else "(no padded reference)"
+        peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "n/a"
+        lines.append(f"  {label:<24} useful tok/s {r['useful_tok_s']:>10,.0f}  {ratio} | step "
+                     f"{r['step_ms']:7.1f} ms | non-label positions {100 * pad:4.1f}% | peak {peak}")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budget", type=int, default=8192)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backends", nargs="+", default=["auto", "sdpa_varlen"])
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        sys.exit("gpu_throughput: needs a CUDA GPU")
-    device = torch.device("cuda")
+    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                        help="cpu: a plumbing check (float32), its figures mean nothing")
+    parser.add_argument("--model", choices=list(MODELS), default="gpt2")
+    parser.add_argument("--examples", type=int, default=20000)
+    parser.add_argument("--json", type=Path, help="also write the results (errors included) here")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> dict[str, dict]:
+    args = parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("gpu_throughput: needs a CUDA GPU (or --device cpu for a plumbing check)")
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.backends.cuda.matmul.allow_tf32 = True
 
-    lengths = make_lengths(20000, 1024, seed=0)
-    rng = np.random.default_rng(0)
-    bins = pack_best_fit_decreasing(lengths, args.budget, None, rng)
-    per_batch = max(1, round(len(lengths) / len(bins)))
+    spec = MODELS[args.model]
+    lengths = make_lengths(args.examples, min(MAX_EXAMPLE_LENGTH, args.budget), seed=0)
     n = args.warmup + args.steps
     gen = torch.Generator().manual_seed(0)
-    packed = [packed_batch(lengths, b, device, gen) for b in bins[:n]]
-    padded = [padded_batch(lengths, b, device, gen) for b in batch_padded(len(lengths), per_batch, rng)[:n]]
+    packed = [packed_batch(lengths, b, device, gen, spec["vocab_size"])
+              for b in sample_microbatches(lengths, "bfd", args.budget, n, seed=0)]
+    padded_bins = sample_microbatches(lengths, "none", args.budget, n, seed=0)
+    padded = [padded_batch(lengths, b, device, gen, spec["vocab_size"]) for b in padded_bins]
 
-    config = AutoConfig.for_model("gpt2", vocab_size=VOCAB, n_positions=1024, attn_pdrop=0.0)
     torch.manual_seed(0)
-    base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.bfloat16).to(device)
+    config = AutoConfig.for_model("gpt2", **spec)
+    base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
     base.config.use_cache = False
-    print(f"{torch.cuda.get_device_name()} | GPT-2 {sum(p.numel() for p in base.parameters()) / 1e6:.0f}M random "
-          f"init, bf16 | budget {args.budget}, {per_batch} examples per padded micro-batch, {args.steps} steps")
-    results = {}
-    for name in args.backends:
-        try:
-            backend = resolve_backend(name, device, torch.bfloat16)
-        except Exception as e:  # report, keep going: this is a check script
-            print(f"  packed {name:<16} cannot run: {e}")
-            continue
-        results[f"packed {backend.name}"] = run(VarlenCausalLM(base, backend), packed, args.steps, args.warmup)
-    results["padded sdpa"] = run(VarlenCausalLM(base, resolve_backend("sdpa_varlen", device)), padded,
-                                 args.steps, args.warmup)
-    ref = results["padded sdpa"]["useful_tok_s"]
-    for name, r in results.items():
-        pad = 1 - r["useful"] / r["positions"]
-        print(f"  {name:<24} useful tok/s {r['useful_tok_s']:>10,.0f}  x{r['useful_tok_s'] / ref:5.2f} vs padded | "
-              f"step {r['step_ms']:7.1f} ms | non-label positions {100 * pad:4.1f}% | peak {r['peak_gib']:.1f} GiB")
+    device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
+    print(f"{device_name} | GPT-2 {args.model} {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M random init, "
+          f"{dtype} | budget {args.budget}, {len(padded_bins[0])} examples per padded micro-batch, {args.steps} steps")
+
+    def packed_case(name: str) -> Callable[[], dict]:
+        def measure() -> dict:
+            backend = resolve_backend(name, device, dtype)
+            return {"backend": backend.name} | run(VarlenCausalLM(base, backend), packed, args.steps,
+                                                   args.warmup, device)
+        return measure
+
+    cases = {f"packed {name}": packed_case(name) for name in args.backends}
+    cases["padded sdpa"] = lambda: run(VarlenCausalLM(base, resolve_backend("sdpa_varlen", device)), padded,
+                                       args.steps, args.warmup, device)
+    results = run_isolated(cases)
+    print("\n".join(format_results(results, "padded sdpa")))
+    if args.json:
+        args.json.write_text(json.dumps({"device": device_name, "args": vars(args) | {"json": str(args.json)},
+                                         "results": results}, indent=2))
+    return results
 
 
 if __name__ == "__main__":
