@@ -5,6 +5,9 @@ layer), Qwen3 (q/k norms, explicit head_dim, sliding window) and Mistral (slidin
 GQA). The reference runs each example alone through transformers' own SDPA path (its own causal and
 sliding-window masks); the packed run goes through our backend. Some examples are longer than the window
 of 6 and one is a single token, so windows that leak across examples or restart wrongly show up.
+
+The CPU cases use head dim 8 (16 for Qwen3) to stay fast; the GPU cases widen the same configs to real head
+dims (64 for every family, 128 for Qwen2), which the kernels and Inductor's flex lowering need.
 """
 
 from __future__ import annotations
@@ -42,11 +45,32 @@ FAMILIES = {
 }
 CPU_BACKENDS = ["sdpa_varlen", "sdpa_block_mask"]
 GPU_BACKENDS = ["flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa_block_mask"]
+GPU_CASES = [(family, 64) for family in FAMILIES] + [("qwen2", 128)]
+"""(family, head_dim) of the GPU cases: real head dims. The tiny ones (8, 16) are below what Inductor's flex
+lowering takes (16 and up) and far from the shapes the kernels are tuned for."""
 
 
-def tiny_model(family: str, backend: str, device="cpu", dtype=torch.float32) -> VarlenCausalLM:
+def family_config(family: str, head_dim: int | None = None):
+    """The family's transformers config: tiny (``FAMILIES``), or widened to ``head_dim`` per head with the
+    same heads, kv heads, layers and window (hidden size = heads x ``head_dim``, MLP twice that)."""
+    overrides = dict(FAMILIES[family])
+    if head_dim is not None:
+        if family == "gpt2":
+            overrides["n_embd"] = overrides["n_head"] * head_dim
+        else:
+            overrides["hidden_size"] = overrides["num_attention_heads"] * head_dim
+            overrides["intermediate_size"] = 2 * overrides["hidden_size"]
+            if "head_dim" in overrides:  # qwen3 states it explicitly
+                overrides["head_dim"] = head_dim
+    return AutoConfig.for_model(family, vocab_size=VOCAB, **overrides)
+
+
+def tiny_model(
+    family: str, backend: str, device="cpu", dtype=torch.float32, head_dim: int | None = None
+) -> VarlenCausalLM:
+    """The family's model behind ``backend``: tiny, or at a real ``head_dim`` (``family_config``)."""
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=VOCAB, **FAMILIES[family])
+    config = family_config(family, head_dim)
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").to(device=device, dtype=dtype)
     model.config.use_cache = False
     return VarlenCausalLM(model, resolve_backend(backend, torch.device(device), dtype))
@@ -127,10 +151,26 @@ def test_flex_forward_matches_on_cpu(family):
             torch.testing.assert_close(logits[s:t], alone, atol=1e-5, rtol=1e-5)
 
 
+def attention_head_dims(model: VarlenCausalLM) -> set[int]:
+    """The head dims the model's attention layers really use (read from the built modules)."""
+    return {m.head_dim for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "head_dim")}
+
+
+@pytest.mark.parametrize(("family", "head_dim"), GPU_CASES)
+def test_gpu_cases_use_real_head_dims(family, head_dim):
+    """Runs without a GPU, so the GPU cases cannot drift back to toy head dims unnoticed."""
+    assert head_dim in (64, 128)
+    model = tiny_model(family, "sdpa_varlen", head_dim=head_dim)
+    assert attention_head_dims(model) == {head_dim}
+    window = getattr(family_config(family), "sliding_window", None)
+    assert getattr(model.config, "sliding_window", None) == window  # widened, not otherwise changed
+    assert {f for f, _ in GPU_CASES} == set(FAMILIES) and 128 in {d for _, d in GPU_CASES}
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_equals_one_by_one_gpu(family, backend):
+@pytest.mark.parametrize(("family", "head_dim"), GPU_CASES)
+def test_packed_equals_one_by_one_gpu(family, head_dim, backend):
     half = backend in ("flash_attn", "torch_varlen")  # their kernels compute in bf16/fp16 only
     dtype = torch.bfloat16 if half else torch.float32
     from trainer.model.attention import BACKENDS
@@ -138,6 +178,6 @@ def test_packed_equals_one_by_one_gpu(family, backend):
     reason = BACKENDS[backend].unavailable(torch.device("cuda"), dtype)
     if reason:
         pytest.skip(reason)
-    model = tiny_model(family, backend, device="cuda", dtype=dtype)
+    model = tiny_model(family, backend, device="cuda", dtype=dtype, head_dim=head_dim)
     tol = 3e-2 if half else 1e-4  # bf16 kernels of different shapes round differently; fp32 on GPU uses TF32-free SDPA
     assert_equivalent(model, examples("cuda"), atol=tol, rtol=tol)
