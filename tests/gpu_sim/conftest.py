@@ -4,17 +4,25 @@ from __future__ import annotations
 
 import pytest
 
-from tests.gpu_sim import flash_attn_double
+from tests.gpu_sim import flash_attn_double, torch_varlen_double
+from tests.gpu_sim.device import pretend_capable_gpu
+
+
+def _simulate(monkeypatch, accept_fp32: bool):
+    flash_attn_double.install(monkeypatch, accept_fp32)
+    pretend_capable_gpu(monkeypatch)
+    with torch_varlen_double.registered():
+        yield
 
 
 @pytest.fixture
-def simulated_flash_attn(monkeypatch):
-    """``model.attention=flash_attn`` runs here: the flash-attn double is installed and the backend's
-    CUDA/sm80 predicates are patched to pass (see tests/gpu_sim/flash_attn_double.py)."""
-    return flash_attn_double.install(monkeypatch)
+def simulated_gpu(monkeypatch):
+    """``flash_attn`` and ``torch_varlen`` run here: the flash-attn double is installed, torch's flash ops
+    get CPU kernels, and the device predicates pass (see the modules of tests/gpu_sim)."""
+    yield from _simulate(monkeypatch, accept_fp32=False)
 
 
 @pytest.fixture
-def simulated_flash_attn_fp32(monkeypatch):
-    """As ``simulated_flash_attn``, with fp32 inputs accepted so the plumbing can be checked exactly."""
-    return flash_attn_double.install(monkeypatch, accept_fp32=True)
+def simulated_gpu_fp32(monkeypatch):
+    """As ``simulated_gpu``, with fp32 inputs accepted so the plumbing can be checked exactly."""
+    yield from _simulate(monkeypatch, accept_fp32=True)

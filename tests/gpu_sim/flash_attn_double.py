@@ -1,9 +1,8 @@
 """A CPU stand-in for the flash-attn 2.8.3 extension, so the real CUDA backend code runs in CI.
 
-``install(monkeypatch)`` puts this module's ``flash_attn_varlen_func`` in ``sys.modules["flash_attn"]``
-and makes ``trainer.model.backends_cuda`` believe it runs on a capable GPU by patching its two device
-predicates (``_needs_cuda``, ``_needs_sm80``) to say nothing is missing. Nothing else of the product
-changes: ``flash_attn_unavailable`` still finds the package with ``importlib`` and still refuses fp32
+``install(monkeypatch)`` puts this module's ``flash_attn_varlen_func`` in ``sys.modules["flash_attn"]``;
+with ``device.pretend_capable_gpu`` (the backend's CUDA/sm80 predicates patched to pass) the product runs
+unchanged: ``flash_attn_unavailable`` still finds the package with ``importlib`` and still refuses fp32
 compute, and ``flash_attn_attention`` runs line for line as on a GPU.
 
 The double has the real package's two layers:
@@ -187,16 +186,9 @@ def as_module() -> types.ModuleType:
 
 
 def install(monkeypatch, accept_fp32: bool = False) -> types.ModuleType:
-    """Make ``model.attention=flash_attn`` run on this CPU through the double; undone with ``monkeypatch``.
-
-    Works outside pytest too: ``with pytest.MonkeyPatch.context() as mp: install(mp)``.
-    """
-    from trainer.model import backends_cuda
-
+    """Install the double as ``flash_attn`` (undone with ``monkeypatch``; outside pytest use
+    ``with pytest.MonkeyPatch.context() as mp: install(mp)``)."""
     module = as_module()
     monkeypatch.setitem(sys.modules, "flash_attn", module)
-    # The device is the one thing a CPU cannot be: say the CUDA and sm80 requirements are met.
-    monkeypatch.setattr(backends_cuda, "_needs_cuda", lambda device: None)
-    monkeypatch.setattr(backends_cuda, "_needs_sm80", lambda device: None)
     monkeypatch.setattr(sys.modules[__name__], "ACCEPT_FP32", accept_fp32)
     return module

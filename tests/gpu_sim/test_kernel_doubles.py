@@ -1,13 +1,14 @@
-"""``model.attention=flash_attn`` end to end on CPU, through the flash-attn double.
+"""``model.attention=flash_attn`` and ``torch_varlen`` end to end on CPU, through doubles of their kernels.
 
-The double (tests/gpu_sim/flash_attn_double.py, whose docstring lists what it checks) stands in for the
-flash-attn 2.8.3 extension; the ``simulated_flash_attn`` fixture installs it as ``flash_attn`` and patches
-``backends_cuda._needs_cuda`` / ``_needs_sm80`` to pass, so ``resolve_backend`` and
-``flash_attn_attention`` run unchanged. Checked here: the double keeps the kernel's contract and agrees
-with a float64 reference; every model family is packed == one by one with fp32 master weights under bf16
-autocast (3e-2, as bf16 allows) and exactly at fp32 (the double's ``accept_fp32``: the plumbing alone);
-the startup self-check passes under autocast. Only a real GPU shows speed, memory, the kernel's own
-rounding and NCCL: ``launch/gpu_check.sh`` runs the GPU-marked tests for that.
+The flash-attn double (tests/gpu_sim/flash_attn_double.py, whose docstring lists what it checks) stands in
+for the flash-attn 2.8.3 extension; tests/gpu_sim/torch_varlen_double.py gives torch's flash ops CPU
+kernels with the same checks, so torch's own ``varlen_attn`` Python runs. The ``simulated_gpu`` fixture
+installs both and patches only the device predicates (``backends_cuda._needs_cuda`` / ``_needs_sm80``,
+torch's flash-availability flag), so ``resolve_backend`` and the backends run unchanged. Checked here:
+the double keeps the kernel's contract and agrees with a float64 reference; every model family is packed
+== one by one with fp32 master weights under bf16 autocast (3e-2, as bf16 allows) and exactly at fp32
+(the doubles' ``accept_fp32``: the plumbing alone); the startup self-check passes under autocast. Only a
+real GPU shows speed, memory, the kernel's own rounding and NCCL: the GPU-marked tests are for that.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from trainer.model.selfcheck import run_startup_self_check
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
+KERNEL_BACKENDS = ["flash_attn", "torch_varlen"]
 
 
 def kernel_args(total=12, heads=4, kv_heads=2, dim=8, dtype=BF16):
@@ -106,19 +108,21 @@ def test_softcap_caps_the_scores():
 
 
 # ---------------------------------------------------------------------------- the backend, through the double
-def test_resolution_sees_a_capable_device(simulated_flash_attn):
+def test_resolution_sees_a_capable_device(simulated_gpu):
     assert resolve_backend("flash_attn", CPU, BF16).name == "flash_attn"
+    assert resolve_backend("torch_varlen", CPU, BF16).name == "torch_varlen"
     assert resolve_backend("auto", CPU, BF16).name == "flash_attn"
     with pytest.raises(AttentionBackendError, match="bfloat16/float16 only"):
         resolve_backend("flash_attn", CPU, torch.float32)  # the product's own dtype rule still holds
 
 
-def test_mixed_dtypes_under_autocast_reach_the_kernel_as_one(simulated_flash_attn):
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen"])
+def test_mixed_dtypes_under_autocast_reach_the_kernel_as_one(backend, simulated_gpu):
     """Defect 2 at the function level: rotary leaves q/k fp32 while v is bf16 under autocast."""
     lengths = [7, 1, 30, 12]
     q, k, v = qkv(lengths, kv_heads=2)
     with torch.autocast("cpu", dtype=BF16):
-        out = call(backends_cuda.flash_attn_attention, q, k, v.to(BF16), lengths, window=5)
+        out = call(BACKENDS[backend].fn, q, k, v.to(BF16), lengths, window=5)
     assert out.dtype == BF16
     torch.testing.assert_close(out.double(), reference(q, k, v, lengths, 5, 0.3), atol=3e-2, rtol=3e-2)
 
@@ -140,20 +144,22 @@ def test_flex_gets_one_dtype_under_autocast(monkeypatch):
     assert seen == [{BF16}] and out.dtype == BF16
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_equals_one_by_one_bf16_autocast(family, simulated_flash_attn):
+def test_packed_equals_one_by_one_bf16_autocast(family, backend, simulated_gpu):
     """fp32 master weights, bf16 compute (as FSDP's mixed precision runs it): logits and gradients."""
     model = tiny_model(family, "sdpa_varlen")
-    model.backend = resolve_backend("flash_attn", CPU, BF16)  # as the trainer resolves it: the compute dtype
+    model.backend = resolve_backend(backend, CPU, BF16)  # as the trainer resolves it: the compute dtype
     with torch.autocast("cpu", dtype=BF16):
         assert_equivalent(model, examples(), atol=3e-2, rtol=3e-2)
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_packed_equals_one_by_one_fp32_plumbing(family, simulated_flash_attn_fp32):
+def test_packed_equals_one_by_one_fp32_plumbing(family, backend, simulated_gpu_fp32):
     """At fp32 the double is exact, so any difference is the backend's plumbing (windows, GQA, layout)."""
     model = tiny_model(family, "sdpa_varlen")
-    model.backend = BACKENDS["flash_attn"]  # resolve_backend rightly refuses fp32 for the real kernel
+    model.backend = BACKENDS[backend]  # resolve_backend rightly refuses fp32 for the real kernels
     assert_equivalent(model, examples(), atol=1e-5, rtol=1e-5)
 
 
@@ -168,9 +174,10 @@ def packed_batch(exs: list[torch.Tensor]) -> Batch:
     )
 
 
+@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
 @pytest.mark.parametrize("family", ["qwen2", "llama"])
-def test_startup_self_check_under_autocast(family, simulated_flash_attn):
-    """qwen_chat_sft with flash_attn: fp32 master weights, the check runs under bf16 autocast and passes."""
+def test_startup_self_check_under_autocast(family, backend, simulated_gpu):
+    """qwen_chat_sft with a kernel backend: fp32 master weights, the check runs under bf16 autocast, passes."""
     model = tiny_model(family, "sdpa_varlen")
-    model.backend = resolve_backend("flash_attn", CPU, BF16)
+    model.backend = resolve_backend(backend, CPU, BF16)
     run_startup_self_check(model, packed_batch(examples()), None, BF16)
