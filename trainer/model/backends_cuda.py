@@ -52,6 +52,22 @@ def _window_size(window: int | None) -> tuple[int, int]:
     return (-1, 0) if window is None else (window - 1, 0)
 
 
+def _one_compute_dtype(query, key, value) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q/k/v in the one dtype the kernels compute in.
+
+    The kernels take a single dtype for all three (flash-attn raises "FlashAttention only support fp16 and
+    bf16 data type", flex's backward refuses mixed dtypes), and autocast does not cast the inputs of custom
+    ops. Yet under autocast with fp32 master weights, Qwen2/Llama's rotary cos/sin stay fp32, so q and k
+    arrive fp32 while v is bf16. The compute dtype is autocast's when it is on; otherwise v's, because v
+    comes straight from its projection (the weights' dtype) while rotary or q/k norms may have upcast q
+    and k. The output stays in that dtype: it is what transformers' own SDPA path returns under autocast,
+    and what the output projection computes in without it, so there is nothing to cast back.
+    """
+    device_type = query.device.type
+    dtype = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else value.dtype
+    return query.to(dtype), key.to(dtype), value.to(dtype)
+
+
 # ------------------------------------------------------------------------------------------------ flash-attn
 def flash_attn_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
     missing = importlib.util.find_spec("flash_attn") is None
@@ -65,6 +81,7 @@ def flash_attn_unavailable(device: torch.device, dtype: torch.dtype | None = Non
 
 def flash_attn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """flash-attn's ``flash_attn_varlen_func`` (GQA native, dropout supported)."""
+    query, key, value = _one_compute_dtype(query, key, value)
     from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
 
     args = packed_args(module, query, key, kwargs)
@@ -89,6 +106,7 @@ def torch_varlen_unavailable(device: torch.device, dtype: torch.dtype | None = N
 
 def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """``torch.nn.attention.varlen.varlen_attn`` (no extra dependency; no dropout)."""
+    query, key, value = _one_compute_dtype(query, key, value)
     from torch.nn.attention.varlen import varlen_attn
 
     if dropout > 0:
@@ -145,6 +163,7 @@ def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.
 
 def flex_attention_backend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """FlexAttention with a document-causal block mask (blocks between examples are skipped entirely)."""
+    query, key, value = _one_compute_dtype(query, key, value)
     if dropout > 0:
         raise AttentionBackendError(
             f"flex has no attention dropout but the model asks for {dropout}; set it to 0 or use flash_attn"
