@@ -58,14 +58,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_distributed(device: torch.device, backend: str = "auto", timeout_s: float = 600.0) -> None:
-    """Start the default process group (a world of 1 when not launched by torchrun)."""
-    if is_initialized():
-        return
+def process_group_backend(device: torch.device, backend: str = "auto", cpu_offload: bool = False) -> str:
+    """The ``init_process_group`` backend: ``auto`` is nccl on CUDA, gloo on CPU.
+
+    With CPU offload on CUDA, FSDP keeps the gradients on the host and ``clip_grad_norm_`` all-reduces their
+    norms there; an NCCL-only group has no backend for CPU tensors ("No backend type associated with device
+    type cpu"), so such a run gets ``cuda:nccl,cpu:gloo``: NCCL for CUDA tensors, gloo for CPU ones (as
+    torchtitan does).
+    """
     if backend == "auto":
         backend = "nccl" if device.type == "cuda" else "gloo"
     if backend == "nccl" and device.type != "cuda":
         raise RuntimeError("parallel.backend=nccl needs CUDA; use parallel.backend=gloo on CPU")
+    if backend == "nccl" and cpu_offload:
+        return "cuda:nccl,cpu:gloo"
+    return backend
+
+
+def init_distributed(
+    device: torch.device, backend: str = "auto", timeout_s: float = 600.0, cpu_offload: bool = False
+) -> None:
+    """Start the default process group (a world of 1 when not launched by torchrun)."""
+    if is_initialized():
+        return
+    backend = process_group_backend(device, backend, cpu_offload)
     if "RANK" not in os.environ:  # plain `python -m trainer.train`: a single-rank group
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))

@@ -98,7 +98,9 @@ class Trainer:
         """Device, process group, logging, the step guard and the run directory every rank agrees on."""
         cfg = self.cfg
         self.device = distributed.resolve_device(cfg.parallel.device)
-        distributed.init_distributed(self.device, cfg.parallel.backend, cfg.guard.collective_timeout_s)
+        distributed.init_distributed(
+            self.device, cfg.parallel.backend, cfg.guard.collective_timeout_s, cpu_offload=cfg.parallel.cpu_offload
+        )
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         setup_logging(self.rank)
         self.guard = StepGuard(cfg.guard, self.device)

@@ -12,7 +12,9 @@ example (``cu_seqlens``), so the window never leaves its example.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 import logging
+import math
 
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
@@ -95,8 +97,11 @@ def flash_attn_attention(module, query, key, value, attention_mask, scaling=None
 
 # ---------------------------------------------------------------------------------------------- torch varlen
 def torch_varlen_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
-    if importlib.util.find_spec("torch.nn.attention.varlen") is None:
-        return f"torch {torch.__version__} has no torch.nn.attention.varlen (needs torch >= 2.10)"
+    if varlen_attn_parameters() is None:
+        return (
+            f"torch {torch.__version__.split('+')[0]} has no torch.nn.attention.varlen.varlen_attn (it came in "
+            "torch 2.10); upgrade torch or choose model.attention=flash_attn/flex"
+        )
     if reason := _needs_cuda(device):
         return reason
     if not torch.backends.cuda.is_flash_attention_available():
@@ -116,11 +121,58 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
         )
     args = packed_args(module, query, key, kwargs)
     cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
-    out = varlen_attn(
-        _flat(query), _flat(key), _flat(value), cu, cu, args.max_seqlen, args.max_seqlen,
-        scale=scaling, window_size=_window_size(args.window), enable_gqa=query.shape[1] != key.shape[1],
-    )
+    (q, k, v), options = varlen_attn_inputs(_flat(query), _flat(key), _flat(value), scaling, args.window)
+    out = varlen_attn(q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, **options)
     return out.unsqueeze(0), None
+
+
+# A plain dict, not functools.cache: torch.compile traces through a cache wrapper (with a warning) but reads
+# a filled dict as a constant.
+_varlen_attn_signature: dict[str, frozenset[str] | None] = {}
+
+
+def varlen_attn_parameters() -> frozenset[str] | None:
+    """The parameter names of this torch's ``varlen_attn``, or ``None`` if it has none (torch < 2.10).
+
+    Read once from the real signature, not the version string: 2.10 takes ``is_causal`` (no scale, no
+    window); 2.11 adds keyword-only ``scale`` and ``window_size``; 2.12 adds ``enable_gqa``.
+    """
+    if "names" not in _varlen_attn_signature:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            _varlen_attn_signature["names"] = None
+        else:
+            _varlen_attn_signature["names"] = frozenset(inspect.signature(varlen_attn).parameters)
+    return _varlen_attn_signature["names"]
+
+
+def varlen_attn_inputs(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, window: int | None
+) -> tuple[tuple[torch.Tensor, torch.Tensor, torch.Tensor], dict]:
+    """``[T, heads, D]`` q/k/v and the keyword arguments this torch's ``varlen_attn`` takes."""
+    names = varlen_attn_parameters() or frozenset()
+    options: dict = {}
+    if k.shape[1] != q.shape[1]:
+        if "enable_gqa" in names:
+            options["enable_gqa"] = True
+        else:
+            # torch 2.10/2.11 document equal head counts: repeat each kv head for its group of query heads,
+            # the grouping of transformers' repeat_kv (kv head j serves query heads j*g .. (j+1)*g - 1).
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if "window_size" in names:
+        options.update(scale=scale, window_size=_window_size(window))
+        return (q, k, v), options
+    if window is not None:
+        raise AttentionBackendError(
+            f"torch {torch.__version__.split('+')[0]}'s varlen_attn has no sliding window (a window of {window} "
+            "tokens here): use torch >= 2.11 or model.attention=flash_attn/flex"
+        )
+    if scale is not None and not math.isclose(scale, q.shape[-1] ** -0.5):
+        q = q * (scale * q.shape[-1] ** 0.5)  # torch 2.10 always scales by 1/sqrt(head_dim): fold the rest into q
+    options["is_causal"] = True
+    return (q, k, v), options
 
 
 # --------------------------------------------------------------------------------------------------- flex
