@@ -2,7 +2,9 @@
 #   docker build -t packfsdp .
 #   docker run --gpus all --rm --ipc=host -v /data:/data packfsdp \
 #       --nproc_per_node 2 -m trainer.train recipe=gpt2_dailydialog data.path=/data/dailydialog
-FROM pytorch/pytorch:2.9.1-cuda12.8-cudnn9-devel
+# torch must be in pyproject's range (>= 2.10: varlen_attn), else `pip install .` replaces it and breaks the
+# flash-attn built against it.
+FROM pytorch/pytorch:2.11.0-cuda12.8-cudnn9-devel
 
 ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1 \

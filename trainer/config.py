@@ -179,7 +179,8 @@ class PackingConfig:
 @dataclass
 class ParallelConfig:
     backend: str = "auto"
-    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``."""
+    """Process-group backend: ``auto`` (nccl on CUDA, gloo on CPU), ``nccl`` or ``gloo``. With ``cpu_offload`` on
+    CUDA, ``auto``/``nccl`` become ``cuda:nccl,cpu:gloo`` (CPU-resident gradients need a CPU backend)."""
     device: str = "auto"
     """``auto`` (CUDA when available), ``cuda`` or ``cpu``."""
     param_dtype: str = "bfloat16"
