@@ -183,6 +183,8 @@ if ((DRY_RUN)); then
   rm -f "$WORK/compose.txt"
   echo "dry run: nothing runs on CUDA; every command the check would run follows"
 else
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU visible')" \
+    || { echo "(without a GPU: bash launch/gpu_check.sh OUT_DIR --dry-run)" >&2; exit 1; }
   "$PY" "$HELPER" env "$OUT_DIR/env.txt" || FAILED=1
   "$PY" -c "import flash_attn" 2>/dev/null && BACKENDS+=(flash_attn)
 fi
@@ -214,6 +216,8 @@ if ((DRY_RUN)); then
   echo "dry run: ok (outputs would go to $OUT_DIR, runs to $WORK/runs)"
   exit 0
 fi
+cat "$OUT_DIR/backend_losses.txt" 2>/dev/null  # the figures again on stdout, should the files not come back
+grep -h -E '^(NVIDIA|  (packed|padded) )' "$WORK"/logs/throughput_*.log 2>/dev/null
 echo "recompiles logged in the compiled run: $(grep -c 'Recompiling' "$WORK/logs/train_compile.log")" \
   | tee -a "$OUT_DIR/summary.txt"
 echo "total ${SECONDS}s" | tee -a "$OUT_DIR/summary.txt"
