@@ -167,6 +167,10 @@ train_step() {  # train_step NAME LIMIT_S OVERRIDES...: a trainer run into $WORK
 }
 
 # --- setup: the bundle (hydra-core, omegaconf, antlr4, datasets, ...) and the versions
+if ((!DRY_RUN)); then
+  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU visible')" \
+    || { echo "(without a GPU: bash launch/gpu_check.sh OUT_DIR --dry-run)" >&2; exit 1; }
+fi
 if compgen -G "$WHEELS/*.whl" >/dev/null; then
   if ((DRY_RUN)); then
     "$PY" "$HELPER" bundle "$WHEELS" || { echo "gpu_check: the bundle in $WHEELS does not install" >&2; exit 1; }
@@ -183,8 +187,6 @@ if ((DRY_RUN)); then
   rm -f "$WORK/compose.txt"
   echo "dry run: nothing runs on CUDA; every command the check would run follows"
 else
-  "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'gpu_check: no CUDA GPU visible')" \
-    || { echo "(without a GPU: bash launch/gpu_check.sh OUT_DIR --dry-run)" >&2; exit 1; }
   "$PY" "$HELPER" env "$OUT_DIR/env.txt" || FAILED=1
   "$PY" -c "import flash_attn" 2>/dev/null && BACKENDS+=(flash_attn)
 fi
@@ -205,7 +207,7 @@ step throughput_gpt2 90 "$PY" "${BENCH[@]}" --model gpt2 --budget 8192 --backend
 step throughput_qwen 100 "$PY" "${BENCH[@]}" --model qwen2.5-0.5b --budget 16384 --backends "${BACKENDS[@]}" \
   --json "$OUT_DIR/throughput_qwen.json"
 
-# --- the compiled run last: the slowest to start, and its recompile count is read from its log
+# --- the compiled run last: the slowest (Inductor), so a slow compile cannot starve the measurements above
 train_step compile 120 parallel.compile=true
 
 if ((DRY_RUN)); then
@@ -218,7 +220,7 @@ if ((DRY_RUN)); then
 fi
 cat "$OUT_DIR/backend_losses.txt" 2>/dev/null  # the figures again on stdout, should the files not come back
 grep -h -E '^(NVIDIA|  (packed|padded) )' "$WORK"/logs/throughput_*.log 2>/dev/null
-echo "recompiles logged in the compiled run: $(grep -c 'Recompiling' "$WORK/logs/train_compile.log")" \
+echo "recompiles logged in the compiled run: $(grep -c 'Recompiling' "$WORK/logs/train_compile.log" 2>/dev/null)" \
   | tee -a "$OUT_DIR/summary.txt"
 echo "total ${SECONDS}s" | tee -a "$OUT_DIR/summary.txt"
 exit "$FAILED"
