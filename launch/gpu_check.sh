@@ -95,23 +95,23 @@ def bundle(wheels_dir):
     wheels = sorted(Path(wheels_dir).glob("*.whl"))
     names = [w.name.split("-")[0].lower() for w in wheels]
     assert len(set(names)) == len(names), f"two versions of one package: {names}"
-    site = tempfile.mkdtemp(prefix="gpu_check_site_")
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                    "--target", site, "--python-version", "3.12", "--implementation", "cp",
-                    "--only-binary=:all:", *map(str, wheels)], check=True)
-    print(f"bundle: {len(wheels)} wheels install with --no-index --no-deps --target (python 3.12 tags)")
-    modules = ["hydra", "omegaconf", "antlr4"]
-    py312_only = [w.name for w in wheels if wheel_tag(w) != "py3-none-any"]
-    if not py312_only or sys.version_info[:2] == (3, 12):
-        modules.append("datasets")
-    else:
-        print(f"bundle: import of datasets skipped here (python {sys.version.split()[0]}): its requirement "
-              f"{', '.join(py312_only)} is for python 3.12 only")
-    code = ("import importlib, sys; site = sys.argv[1]; "
-            "bad = [m for m in sys.argv[2:] if not importlib.import_module(m).__file__.startswith(site)]; "
-            "sys.exit(f'imported from elsewhere: {bad}' if bad else 0)")
-    subprocess.run([sys.executable, "-c", code, site, *modules], check=True, env={"PYTHONPATH": site})
-    print(f"bundle: {', '.join(modules)} import from the bundle alone")
+    with tempfile.TemporaryDirectory(prefix="gpu_check_site_") as site:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                        "--target", site, "--python-version", "3.12", "--implementation", "cp",
+                        "--only-binary=:all:", *map(str, wheels)], check=True)
+        print(f"bundle: {len(wheels)} wheels install with --no-index --no-deps --target (python 3.12 tags)")
+        modules = ["hydra", "omegaconf", "antlr4"]
+        py312_only = [w.name for w in wheels if wheel_tag(w) != "py3-none-any"]
+        if not py312_only or sys.version_info[:2] == (3, 12):
+            modules.append("datasets")
+        else:
+            print(f"bundle: import of datasets skipped here (python {sys.version.split()[0]}): its requirement "
+                  f"{', '.join(py312_only)} is for python 3.12 only")
+        code = ("import importlib, sys; site = sys.argv[1]; "
+                "bad = [m for m in sys.argv[2:] if not importlib.import_module(m).__file__.startswith(site)]; "
+                "sys.exit(f'imported from elsewhere: {bad}' if bad else 0)")
+        subprocess.run([sys.executable, "-c", code, site, *modules], check=True, env={"PYTHONPATH": site})
+        print(f"bundle: {', '.join(modules)} import from the bundle alone")
 
 
 def compose(runs_file):
