@@ -1,6 +1,7 @@
 """Packed vs padded training throughput of GPT-2 124M (random init, bf16) on one GPU.
 
     python benchmarks/gpu_throughput.py [--budget 8192] [--steps 10] [--backends auto sdpa_varlen] [--json F]
+    python benchmarks/gpu_throughput.py --model qwen2.5-0.5b --budget 16384   # Qwen2.5-0.5B's shape, GQA 14:2
     python benchmarks/gpu_throughput.py --device cpu --model tiny --steps 1 --warmup 0 --backends sdpa_varlen
 
 Example lengths follow the generated DailyDialog-like corpus (mean ~125 tokens, long tail) drawn from a
@@ -38,9 +39,13 @@ from trainer.model import VarlenCausalLM, resolve_backend  # noqa: E402
 from trainer.packing import build_sampler  # noqa: E402
 
 MODELS = {
-    "gpt2": dict(vocab_size=50257, n_positions=1024, attn_pdrop=0.0),  # GPT-2 124M
-    "tiny": dict(vocab_size=512, n_positions=1024, attn_pdrop=0.0, n_layer=2, n_embd=64, n_head=4, bos_token_id=0,
-                 eos_token_id=0),  # plumbing checks on CPU
+    "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, attn_pdrop=0.0),  # GPT-2 124M
+    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
+                         attention_dropout=0.0),  # Qwen2.5-0.5B's shape (494M), random init
+    "tiny": dict(model_type="gpt2", vocab_size=512, n_positions=1024, attn_pdrop=0.0, n_layer=2, n_embd=64, n_head=4,
+                 bos_token_id=0, eos_token_id=0),  # plumbing checks on CPU
 }
 MAX_EXAMPLE_LENGTH = 1024
 """GPT-2's context: the trainer clamps examples to it (and to the budget)."""
@@ -180,11 +185,11 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     padded = [padded_batch(lengths, b, device, gen, spec["vocab_size"]) for b in padded_bins]
 
     torch.manual_seed(0)
-    config = AutoConfig.for_model("gpt2", **spec)
+    config = AutoConfig.for_model(**spec)
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
     base.config.use_cache = False
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{device_name} | GPT-2 {args.model} {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M random init, "
+    print(f"{device_name} | {args.model} {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M random init, "
           f"{dtype} | budget {args.budget}, {len(padded_bins[0])} examples per padded micro-batch, {args.steps} steps")
 
     def packed_case(name: str) -> Callable[[], dict]:
