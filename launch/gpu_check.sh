@@ -28,7 +28,8 @@ for arg in "$@"; do
 done
 [[ -n $OUT_DIR ]] || { echo "usage: bash launch/gpu_check.sh OUT_DIR [--dry-run]" >&2; exit 2; }
 
-PY=${PYTHON:-python3}
+# The GPU image's python3 holds torch; a dry run here uses the project's .venv (launch/setup_env.sh) when it exists.
+if [[ $DRY_RUN == 1 && -z ${PYTHON:-} && -x $REPO/.venv/bin/python ]]; then PY=$REPO/.venv/bin/python; else PY=${PYTHON:-python3}; fi
 WHEELS=$REPO/.whl
 SITE=${GPU_CHECK_SITE:-/tmp/site}
 WORK=${GPU_CHECK_WORK:-/tmp/packfsdp_gpu_check}
