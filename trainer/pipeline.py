@@ -8,7 +8,7 @@ held-out split (eval) -> this rank's sampler. ``trainer.loop.Trainer``, ``packfs
 ``model_context`` and ``resolve_attention`` read the facts the data and the model depend on from the model's
 transformers config alone (no weights): its context length (``trainer.config.stated_context``, the same
 rule the trainer applies to its built model) and the attention backend, resolved once against the device,
-the compute dtype and the model's attention dropout.
+the compute dtype and what the model's attention needs (dropout, logit softcapping, sinks).
 
 Heavy imports (torch, transformers) happen inside the functions, so importing this module is cheap.
 """
@@ -101,14 +101,15 @@ def model_context(cfg: ModelConfig) -> int | None:
 
 def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     """The packed attention backend for ``model.attention`` on ``device``, in the compute dtype
-    (``parallel.param_dtype``), with the model's attention dropout (read from its config, no weights): a
-    backend without dropout is never given a model that asks for it (``auto`` moves on, a named backend
-    fails). Resolved once, before any heavy work, so a backend that cannot run fails first."""
-    from trainer.model import DTYPES, attention_dropout, resolve_backend
+    (``parallel.param_dtype``), for what the model's attention needs (``AttentionNeeds``, read from its
+    config, no weights: dropout, logit softcapping, sinks): a backend that cannot honour one is never given
+    the model (``auto`` moves on, a named backend fails with one line naming the family and the argument).
+    Resolved once, before any heavy work, so a backend that cannot run fails first."""
+    from trainer.model import DTYPES, AttentionNeeds, resolve_backend
     from trainer.model.loading import model_config
 
-    dropout = attention_dropout(model_config(cfg.model))
-    return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], dropout)
+    needs = AttentionNeeds.of(model_config(cfg.model))
+    return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
 
 
 __all__ = ["TrainingData", "build_training_data", "model_context", "resolve_attention"]

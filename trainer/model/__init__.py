@@ -4,6 +4,7 @@ from trainer.model.attention import (
     BACKENDS,
     AttentionBackend,
     AttentionBackendError,
+    AttentionNeeds,
     attention_dropout,
     resolve_backend,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "DTYPES",
     "AttentionBackend",
     "AttentionBackendError",
+    "AttentionNeeds",
     "SelfCheckError",
     "VarlenCausalLM",
     "attention_dropout",

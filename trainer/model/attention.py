@@ -17,8 +17,10 @@ A packed call without boundaries is an error, never a silent fallback to attenti
 | ``sdpa_varlen``   | CPU, CUDA      | all         | yes     | exact causal SDPA per example (batched by length) |
 | ``sdpa_block_mask`` | CPU, CUDA    | all         | yes     | SDPA with a block-diagonal causal mask         |
 
-``auto`` takes the first one in that order that can run on the device, in the compute dtype, with the
-model's attention dropout. Every backend supports sliding windows and GQA.
+``auto`` takes the first one in that order that can run on the device, in the compute dtype, with what the
+model's attention needs (``AttentionNeeds``: dropout, logit softcapping, sinks). Every backend supports
+sliding windows and GQA. Softcapping (Gemma2): ``flash_attn`` and ``flex`` only. Attention sinks (gpt-oss):
+none, so such a model is refused.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from trainer.model.backends_cuda import (
     torch_varlen_attention,
     torch_varlen_unavailable,
 )
+from trainer.model.attention_needs import AttentionNeeds, attention_dropout
 from trainer.model.backends_sdpa import sdpa_block_mask_attention, sdpa_varlen_attention
 from trainer.config import ATTENTION_BACKENDS
 from trainer.model.packed_layout import AttentionBackendError
@@ -60,6 +63,8 @@ class AttentionBackend:
     unavailable: Callable[..., str | None]
     """``unavailable(device, dtype)``: why the backend cannot run there, or None when it can."""
     supports_dropout: bool = True
+    supports_softcap: bool = False
+    """Honours transformers' ``softcap`` (attention logit softcapping); no backend honours ``s_aux``."""
     requested: str = ""
     """What the user asked for (``auto`` or the name); set by ``resolve_backend``."""
     device: torch.device | None = None
@@ -74,14 +79,17 @@ class AttentionBackend:
 BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
-        AttentionBackend("flash_attn", flash_attn_attention, "flash-attn varlen kernel", flash_attn_unavailable),
+        AttentionBackend(
+            "flash_attn", flash_attn_attention, "flash-attn varlen kernel", flash_attn_unavailable,
+            supports_softcap=True,
+        ),
         AttentionBackend(
             "torch_varlen", torch_varlen_attention, "torch varlen_attn (flash kernel)", torch_varlen_unavailable,
             supports_dropout=False,
         ),
         AttentionBackend(
             "flex", flex_attention_backend, "FlexAttention with a document-causal block mask", flex_unavailable,
-            supports_dropout=False,
+            supports_dropout=False, supports_softcap=True,
         ),
         AttentionBackend("sdpa_varlen", sdpa_varlen_attention, "exact causal SDPA per example", _anywhere),
         AttentionBackend(
@@ -104,24 +112,38 @@ for _backend in BACKENDS.values():
     AttentionInterface.register(_backend.hf_name, fn)
 
 
-def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype | None, dropout: float) -> str | None:
+def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype | None, needs: AttentionNeeds) -> str | None:
     if reason := backend.unavailable(device, dtype):
         return reason
-    if dropout > 0 and not backend.supports_dropout:
-        return f"it has no attention dropout and the model's attention dropout is {dropout} (set it to 0)"
+    if needs.dropout > 0 and not backend.supports_dropout:
+        return f"it has no attention dropout and the model's attention dropout is {needs.dropout} (set it to 0)"
+    if needs.softcap is not None and not backend.supports_softcap:
+        capable = " or ".join(b.name for b in BACKENDS.values() if b.supports_softcap)
+        return (
+            f"it cannot honour {needs.family}'s attention softcapping (attn_logit_softcapping={needs.softcap}); "
+            f"use model.attention={capable}"
+        )
+    if needs.sinks:
+        return f"it cannot honour {needs.family}'s attention sinks (s_aux); no packed backend implements them"
     return None
 
 
 def resolve_backend(
-    name: str, device: torch.device, dtype: torch.dtype | None = None, dropout: float = 0.0
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    dropout: float = 0.0,
+    needs: AttentionNeeds | None = None,
 ) -> AttentionBackend:
-    """The backend for ``model.attention=name`` on ``device`` computing in ``dtype`` with attention
-    ``dropout``; raises ``AttentionBackendError`` with a one-line reason if it cannot run."""
+    """The backend for ``model.attention=name`` on ``device`` computing in ``dtype`` for a model whose
+    attention ``needs`` what ``AttentionNeeds.of(config)`` says (``dropout`` alone is shorthand for a model
+    that needs only that); raises ``AttentionBackendError`` with a one-line reason if it cannot run."""
     device = torch.device(device)
+    needs = needs if needs is not None else AttentionNeeds(dropout=dropout)
     if name == "auto":
         reasons = []
         for candidate in AUTO_ORDER:
-            reason = _why_not(BACKENDS[candidate], device, dtype, dropout)
+            reason = _why_not(BACKENDS[candidate], device, dtype, needs)
             if reason is None:
                 return dataclasses.replace(BACKENDS[candidate], requested=name, device=device, dtype=dtype)
             reasons.append(f"{candidate}: {reason}")
@@ -130,18 +152,9 @@ def resolve_backend(
         raise AttentionBackendError(
             f"model.attention={name!r} is not a packed attention backend; choose one of: auto, {', '.join(BACKENDS)}"
         )
-    if reason := _why_not(BACKENDS[name], device, dtype, dropout):
+    if reason := _why_not(BACKENDS[name], device, dtype, needs):
         raise AttentionBackendError(f"model.attention={name} cannot run here: {reason}")
     return dataclasses.replace(BACKENDS[name], requested=name, device=device, dtype=dtype)
-
-
-def attention_dropout(config) -> float:
-    """The attention-probability dropout a transformers config asks for (0 when it has none)."""
-    for key in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"):
-        value = getattr(config, key, None)
-        if value:
-            return float(value)
-    return 0.0
 
 
 __all__ = [
@@ -149,6 +162,7 @@ __all__ = [
     "BACKENDS",
     "AttentionBackend",
     "AttentionBackendError",
+    "AttentionNeeds",
     "attention_dropout",
     "resolve_backend",
     "sdpa_block_mask_attention",

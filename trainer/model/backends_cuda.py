@@ -19,6 +19,7 @@ import math
 import torch
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from trainer.model.attention_needs import refuse_unhonoured
 from trainer.model.packed_layout import AttentionBackendError, PackedLayout, allowed, packed_args
 
 log = logging.getLogger(__name__)
@@ -82,15 +83,18 @@ def flash_attn_unavailable(device: torch.device, dtype: torch.dtype | None = Non
 
 
 def flash_attn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """flash-attn's ``flash_attn_varlen_func`` (GQA native, dropout supported)."""
+    """flash-attn's ``flash_attn_varlen_func`` (GQA native, dropout and logit softcapping supported)."""
+    refuse_unhonoured("flash_attn", kwargs, softcap=True)
     query, key, value = _one_compute_dtype(query, key, value)
     from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
 
     args = packed_args(module, query, key, kwargs)
     cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
+    softcap = kwargs.get("softcap")
     out = flash_attn_varlen_func(
         _flat(query), _flat(key), _flat(value), cu, cu, args.max_seqlen, args.max_seqlen,
         dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=_window_size(args.window),
+        softcap=0.0 if softcap is None else float(softcap),  # flash-attn's "off" is 0
     )
     return out.unsqueeze(0), None
 
@@ -110,7 +114,8 @@ def torch_varlen_unavailable(device: torch.device, dtype: torch.dtype | None = N
 
 
 def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``torch.nn.attention.varlen.varlen_attn`` (no extra dependency; no dropout)."""
+    """``torch.nn.attention.varlen.varlen_attn`` (no extra dependency; no dropout, softcapping or sinks)."""
+    refuse_unhonoured("torch_varlen", kwargs)
     query, key, value = _one_compute_dtype(query, key, value)
     from torch.nn.attention.varlen import varlen_attn
 
@@ -196,6 +201,22 @@ def _flex_fn(device: torch.device):
     return _compiled_flex
 
 
+# One score_mod per cap value, reused: a fresh closure per call would be a new function to the compiled flex.
+_softcap_mods: dict[float, object] = {}
+
+
+def softcap_score_mod(softcap: float):
+    """Gemma2's attention logit softcapping as a flex ``score_mod``: ``softcap * tanh(score / softcap)`` on
+    the scaled scores, as transformers' eager and flex paths apply it."""
+    if softcap not in _softcap_mods:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+        _softcap_mods[softcap] = score_mod
+    return _softcap_mods[softcap]
+
+
 def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.device) -> BlockMask:
     """The document-causal (sliding-window) BlockMask of a packed row, built once per forward."""
     layout = PackedLayout.of(cu_seqlens)
@@ -214,7 +235,9 @@ def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.
 
 
 def flex_attention_backend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """FlexAttention with a document-causal block mask (blocks between examples are skipped entirely)."""
+    """FlexAttention with a document-causal block mask (blocks between examples are skipped entirely);
+    logit softcapping as a ``score_mod``."""
+    refuse_unhonoured("flex", kwargs, softcap=True)
     query, key, value = _one_compute_dtype(query, key, value)
     if dropout > 0:
         raise AttentionBackendError(
@@ -222,7 +245,9 @@ def flex_attention_backend(module, query, key, value, attention_mask, scaling=No
         )
     args = packed_args(module, query, key, kwargs)
     block_mask = flex_block_mask(args.cu_seqlens, args.window, query.device)
+    softcap = kwargs.get("softcap")
     out = _flex_fn(query.device)(
-        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        score_mod=None if softcap is None else softcap_score_mod(float(softcap)),
     )
     return out.transpose(1, 2).contiguous(), None

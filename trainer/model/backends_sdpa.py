@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from trainer.model.attention_needs import refuse_unhonoured
 from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
 
 CALL_COST = 2e7
@@ -113,7 +114,9 @@ def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
 
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Exact causal SDPA per example, examples of similar length batched into one call."""
+    """Exact causal SDPA per example, examples of similar length batched into one call (no softcapping or
+    sinks: SDPA has neither)."""
+    refuse_unhonoured("sdpa_varlen", kwargs)
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
     gqa = query.shape[1] != key.shape[1]
@@ -164,7 +167,9 @@ def tile_width(lengths: list[int], longest: int, call_pairs: float = 0.0) -> int
 
 
 def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc)."""
+    """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc); no
+    softcapping or sinks."""
+    refuse_unhonoured("sdpa_block_mask", kwargs)
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
     width = tile_width(layout.lengths, layout.max_len, _call_cost_pairs(query))

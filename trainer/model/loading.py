@@ -19,7 +19,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int) -> VarlenCausalLM:
     """A pretrained model (``name_or_path``) or a random one from ``family`` + ``config_overrides``, run
     through ``backend`` for packed batches. The trainer resolves ``backend`` once, against the model's
-    attention dropout (``trainer.pipeline.resolve_attention``).
+    attention needs (``trainer.pipeline.resolve_attention``).
 
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.

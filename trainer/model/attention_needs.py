@@ -1,0 +1,71 @@
+"""What a model's attention asks of a packed backend beyond plain causal attention, and the guard that
+refuses a kernel argument a backend does not implement.
+
+transformers passes two such arguments to the attention function: ``softcap`` (Gemma2's attention logit
+softcapping, ``softcap * tanh(scores / softcap)`` before the softmax) and ``s_aux`` (learned per-head
+attention sinks: an extra logit in every softmax's denominator, e.g. gpt-oss). A backend that ignored
+either would train a different model without a word, so ``resolve_backend`` refuses it at start from the
+model's config (``AttentionNeeds.of``), and each backend refuses the argument again if it arrives anyway.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from trainer.model.packed_layout import AttentionBackendError
+
+SINK_FAMILIES = frozenset(
+    {"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "hy_v4_vl", "deepseek_v4", "openai_privacy_filter"}
+)
+"""Model types whose attention passes ``s_aux`` (transformers 5.x). Their configs carry no field for it: the
+sinks are a parameter of every attention layer, so the family is the only sign before the model is built."""
+
+
+def attention_dropout(config) -> float:
+    """The attention-probability dropout a transformers config asks for (0 when it has none)."""
+    for key in ("attn_pdrop", "attention_dropout", "attention_probs_dropout_prob"):
+        value = getattr(config, key, None)
+        if value:
+            return float(value)
+    return 0.0
+
+
+@dataclass(frozen=True)
+class AttentionNeeds:
+    """What a model's attention asks of the packed backend, read from its transformers config (no weights)."""
+
+    family: str = "the model"
+    """The config's ``model_type``, named in refusals."""
+    dropout: float = 0.0
+    """Attention-probability dropout."""
+    softcap: float | None = None
+    """Attention logit softcapping (``attn_logit_softcapping``), ``None`` when off."""
+    sinks: bool = False
+    """Learned attention sinks (``s_aux``)."""
+
+    @classmethod
+    def of(cls, config) -> AttentionNeeds:
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        family = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "the model"
+        softcap = getattr(text, "attn_logit_softcapping", None)
+        return cls(
+            family=family,
+            dropout=attention_dropout(text),
+            softcap=float(softcap) if softcap else None,
+            sinks=family in SINK_FAMILIES or getattr(config, "model_type", None) in SINK_FAMILIES,
+        )
+
+
+def refuse_unhonoured(backend: str, kwargs: dict, *, softcap: bool = False) -> None:
+    """Raise ``AttentionBackendError`` if transformers passed ``softcap`` (unless the backend implements it,
+    ``softcap=True``) or ``s_aux`` (no packed backend does): the second line of defence behind
+    ``resolve_backend``, so the startup self-check stops a run that got past it."""
+    if kwargs.get("softcap") is not None and not softcap:
+        raise AttentionBackendError(
+            f"model.attention={backend} cannot honour the model's attention softcapping (softcap={kwargs['softcap']})"
+        )
+    if kwargs.get("s_aux") is not None:
+        raise AttentionBackendError(f"model.attention={backend} cannot honour the model's attention sinks (s_aux)")
+
+
+__all__ = ["SINK_FAMILIES", "AttentionNeeds", "attention_dropout", "refuse_unhonoured"]
