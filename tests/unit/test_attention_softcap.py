@@ -150,9 +150,9 @@ def test_flex_applies_softcap_as_a_score_mod():
 # -------------------------------------------------------------------------------- a Gemma2 model, packed
 def gemma2_packed_and_alone(backend: str, lengths: list[int]):
     """A tiny softcapped Gemma2: logits of the examples packed through ``backend`` and each alone through
-    transformers' eager path (which softcaps; its SDPA path refuses to)."""
+    the wrapper's padded path (transformers' eager attention, which softcaps; Gemma2 has no SDPA path)."""
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **GEMMA2), attn_implementation="eager")
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **GEMMA2))
     hf.config.use_cache = False
     with torch.no_grad():  # random init leaves scores near 0, where capping changes nothing: widen them
         for name, p in hf.named_parameters():
@@ -164,8 +164,10 @@ def gemma2_packed_and_alone(backend: str, lengths: list[int]):
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     pos = torch.cat([torch.arange(n) for n in lengths])[None]
     packed = model(input_ids=torch.cat(exs)[None], position_ids=pos, cu_seqlens=cu, max_seqlen=max(lengths))[0]
-    hf.config._attn_implementation = "eager"
-    alone = [hf(input_ids=e[None], position_ids=torch.arange(len(e))[None], use_cache=False).logits[0] for e in exs]
+    alone = [
+        model(input_ids=e[None], position_ids=torch.arange(len(e))[None], attention_mask=torch.ones_like(e)[None])[0]
+        for e in exs
+    ]
     return list(packed.split(lengths)), alone
 
 
@@ -189,3 +191,25 @@ def test_the_gemma2_check_would_see_softcap_dropped(monkeypatch):
     with torch.no_grad():
         _, alone = gemma2_packed_and_alone("flash_attn", [9, 1, 14, 5])
     assert max((p - a).abs().max() for p, a in zip(packed, alone)) > 1e-2
+
+
+def test_a_gemma2_run_builds_and_passes_the_self_check(monkeypatch, tokenizer, small_dataset):
+    """End to end as the trainer does it: resolve from the config, build (eager where SDPA cannot
+    softcap), self-check a packed micro-batch; a backend that got past resolution is stopped there."""
+    from trainer.collate import collate_packed
+    from trainer.model import build_model, self_check
+    from trainer.pipeline import resolve_attention
+
+    flash_attn_double.install(monkeypatch, accept_fp32=True)
+    pretend_capable_gpu(monkeypatch)
+    overrides = {k: v for k, v in GEMMA2.items() if k != "vocab_size"} | {"max_position_embeddings": 512}
+    cfg = JobConfig(model=ModelConfig(family="gemma2", config_overrides=overrides))
+    backend = resolve_attention(cfg, CUDA)
+    model = build_model(cfg.model, tokenizer, backend, seed=0)
+    assert model.padded_attention == "eager"
+    batch = collate_packed(small_dataset, [3, 17, 42, 5], tokenizer.pad_token_id)
+    result = self_check(model, batch)
+    assert result.ok, result.line()
+    model.backend = BACKENDS["sdpa_varlen"]
+    with pytest.raises(AttentionBackendError, match="sdpa_varlen cannot honour the model's attention softcapping"):
+        self_check(model, batch)

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, Pre
 
 from trainer.config import ModelConfig
 from trainer.model.attention import AttentionBackend
-from trainer.model.wrapper import PADDED_ATTENTION, VarlenCausalLM
+from trainer.model.wrapper import VarlenCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         model = AutoModelForCausalLM.from_pretrained(
             cfg.name_or_path,
             dtype=dtype,
-            attn_implementation=PADDED_ATTENTION,
+            attn_implementation=None,  # transformers' choice: SDPA, or eager where the family has none
             trust_remote_code=cfg.trust_remote_code,
             weights_only=True,  # a .bin checkpoint is never unpickled beyond tensors (safetensors preferred)
             **cfg.config_overrides,
@@ -43,7 +43,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
             "pad_token_id": tokenizer.pad_token_id,
         }
         model = AutoModelForCausalLM.from_config(
-            model_config(cfg, base=special), dtype=dtype, attn_implementation=PADDED_ATTENTION
+            model_config(cfg, base=special), dtype=dtype, attn_implementation=None
         )
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))

@@ -3,7 +3,8 @@
 ``VarlenCausalLM`` holds a transformers causal LM and picks its attention per batch:
 - a packed batch (``cu_seqlens`` given) runs the configured packed backend, with ``position_ids``
   restarting per example and no ``attention_mask`` (the boundaries travel as ``cu_seq_lens_*`` kwargs);
-- a padded batch (``attention_mask`` given) runs transformers' own SDPA path with the padding mask.
+- a padded batch (``attention_mask`` given) runs transformers' own SDPA path with the padding mask (eager
+  for a family without one, ``padded_attention``).
 The wrapper returns logits; the loss lives in the trainer (summed, normalised by the global label count).
 """
 
@@ -17,11 +18,18 @@ from trainer.model.attention import AttentionBackend
 PADDED_ATTENTION = "sdpa"
 
 
+def padded_attention(model_class: type) -> str:
+    """transformers' attention for padded batches and the self-check's one-by-one reference: SDPA, or eager
+    for a family without an SDPA path (Gemma2: SDPA cannot softcap; gpt-oss: it has no sinks)."""
+    return PADDED_ATTENTION if getattr(model_class, "_supports_sdpa", True) else "eager"
+
+
 class VarlenCausalLM(nn.Module):
     def __init__(self, model: nn.Module, backend: AttentionBackend) -> None:
         super().__init__()
         self.model = model
         self.backend = backend
+        self.padded_attention = padded_attention(type(model))
 
     @property
     def config(self):
@@ -49,7 +57,7 @@ class VarlenCausalLM(nn.Module):
                 max_length_k=max_seqlen,
             )
         else:
-            self.model.config._attn_implementation = PADDED_ATTENTION
+            self.model.config._attn_implementation = self.padded_attention
             out = self.model(
                 input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
             )
