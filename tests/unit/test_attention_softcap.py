@@ -148,9 +148,9 @@ def test_flex_applies_softcap_as_a_score_mod():
 
 
 # -------------------------------------------------------------------------------- a Gemma2 model, packed
-def gemma2_packed_and_alone(backend: str, lengths: list[int]):
-    """A tiny softcapped Gemma2: logits of the examples packed through ``backend`` and each alone through
-    the wrapper's padded path (transformers' eager attention, which softcaps; Gemma2 has no SDPA path)."""
+def gemma2_model(backend: str) -> VarlenCausalLM:
+    """A tiny softcapped Gemma2 behind ``backend``; its padded path is transformers' eager attention, which
+    softcaps (Gemma2 has no SDPA path)."""
     torch.manual_seed(0)
     hf = AutoModelForCausalLM.from_config(AutoConfig.for_model("gemma2", **GEMMA2))
     hf.config.use_cache = False
@@ -158,7 +158,12 @@ def gemma2_packed_and_alone(backend: str, lengths: list[int]):
         for name, p in hf.named_parameters():
             if name.endswith(("q_proj.weight", "k_proj.weight")):
                 p.mul_(30)
-    model = VarlenCausalLM(hf, BACKENDS[backend])
+    return VarlenCausalLM(hf, BACKENDS[backend])
+
+
+def gemma2_packed_and_alone(backend: str, lengths: list[int]):
+    """Logits of the examples packed through ``backend`` and each alone through the padded path."""
+    model = gemma2_model(backend)
     g = torch.Generator().manual_seed(1)
     exs = [torch.randint(0, 97, (n,), generator=g) for n in lengths]
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
@@ -179,6 +184,13 @@ def test_packed_gemma2_with_softcapping_equals_one_by_one(backend, monkeypatch):
         packed, alone = gemma2_packed_and_alone(backend, [9, 1, 14, 5])
     for p, a in zip(packed, alone):
         torch.testing.assert_close(p, a, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_gemma2_gradients_equal_one_by_one_through_flash_attn(monkeypatch):
+    from tests.unit.test_model_families import assert_equivalent, examples
+
+    flash_attn_double.install(monkeypatch, accept_fp32=True)
+    assert_equivalent(gemma2_model("flash_attn"), examples(), atol=1e-5, rtol=1e-5)
 
 
 def test_the_gemma2_check_would_see_softcap_dropped(monkeypatch):
