@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import REPO
 from trainer.model import backends_sdpa
-from trainer.model.attention import BACKENDS, AttentionBackendError, attention_dropout, resolve_backend
+from trainer.model.attention import BACKENDS, AttentionBackendError, AttentionNeeds, attention_dropout, resolve_backend
 from trainer.model.packed_layout import PackedLayout
 
 CAUSAL = SimpleNamespace(is_causal=True)
@@ -143,9 +143,9 @@ def test_dropout_needs_a_backend_that_has_it(monkeypatch):
     monkeypatch.setattr(attention, "BACKENDS", fake)
     assert resolve_backend("auto", torch.device("cpu")).name == "torch_varlen"
     dropout = attention_dropout(SimpleNamespace(attn_pdrop=0.1))
-    assert resolve_backend("auto", torch.device("cpu"), dropout=dropout).name == "sdpa_varlen"
+    assert resolve_backend("auto", torch.device("cpu"), needs=AttentionNeeds(dropout=dropout)).name == "sdpa_varlen"
     with pytest.raises(AttentionBackendError, match="dropout"):
-        resolve_backend("torch_varlen", torch.device("cpu"), dropout=dropout)
+        resolve_backend("torch_varlen", torch.device("cpu"), needs=AttentionNeeds(dropout=dropout))
 
 
 def test_config_names_exactly_the_registered_backends():

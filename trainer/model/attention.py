@@ -129,17 +129,12 @@ def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype
 
 
 def resolve_backend(
-    name: str,
-    device: torch.device,
-    dtype: torch.dtype | None = None,
-    dropout: float = 0.0,
-    needs: AttentionNeeds | None = None,
+    name: str, device: torch.device, dtype: torch.dtype | None = None, needs: AttentionNeeds = AttentionNeeds()
 ) -> AttentionBackend:
     """The backend for ``model.attention=name`` on ``device`` computing in ``dtype`` for a model whose
-    attention ``needs`` what ``AttentionNeeds.of(config)`` says (``dropout`` alone is shorthand for a model
-    that needs only that); raises ``AttentionBackendError`` with a one-line reason if it cannot run."""
+    attention ``needs`` what ``AttentionNeeds.of(config)`` says (default: plain causal attention); raises
+    ``AttentionBackendError`` with a one-line reason if it cannot run."""
     device = torch.device(device)
-    needs = needs if needs is not None else AttentionNeeds(dropout=dropout)
     if name == "auto":
         reasons = []
         for candidate in AUTO_ORDER:
