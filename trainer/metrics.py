@@ -69,12 +69,6 @@ class JsonRecord:
         """The record a JSON line holds; derived fields are computed again, unknown keys ignored."""
         return cls(**{f.name: record[f.name] for f in fields(cls) if f.init and f.name in record})
 
-    def __getitem__(self, key: str) -> Any:
-        """``record["loss"]`` is ``record.loss``: code that reads the JSON line's keys reads the record."""
-        if key not in {f.name for f in fields(self)}:
-            raise KeyError(key)
-        return getattr(self, key)
-
 
 @dataclass
 class StepMetrics(JsonRecord):

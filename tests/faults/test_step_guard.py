@@ -52,8 +52,8 @@ def test_step_without_labels_is_skipped_and_changes_nothing(trainer, grad_clip):
     inject(trainer, "no_labels@NEXT")
     before, skipped_before = snapshot(trainer), trainer.guard.skipped["no_labels"]
     metrics = trainer.train_step()
-    assert metrics["skipped"] == "no_labels" and metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
-    assert metrics["useful_tokens"] == 0
+    assert metrics.skipped == "no_labels" and metrics.loss == 0.0 and metrics.grad_norm == 0.0
+    assert metrics.useful_tokens == 0
     assert trainer.guard.skipped["no_labels"] == skipped_before + 1
     assert_same(before, snapshot(trainer))
     trainer.cfg.optim.grad_clip = 1.0
@@ -66,11 +66,11 @@ def test_nonfinite_step_is_skipped_then_training_goes_on(trainer, fault):
     inject(trainer, f"{fault}@NEXT")
     before = snapshot(trainer)
     metrics = trainer.train_step()
-    assert metrics["skipped"] == "nonfinite" and math.isnan(metrics["grad_norm"])
+    assert metrics.skipped == "nonfinite" and math.isnan(metrics.grad_norm)
     assert_same(before, snapshot(trainer))
     after_skip = snapshot(trainer)
     metrics = trainer.train_step()  # no fault due: a normal step, the update applies
-    assert metrics["skipped"] is None and math.isfinite(metrics["loss"])
+    assert metrics.skipped is None and math.isfinite(metrics.loss)
     assert not torch.equal(after_skip[0][0], snapshot(trainer)[0][0])
 
 
