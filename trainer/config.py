@@ -31,12 +31,16 @@ CONTEXT_KEYS = ("n_positions", "max_position_embeddings")
 
 def stated_context(config: Any) -> int | None:
     """The context length a transformers config states, or ``None``. ``config`` is a transformers config
-    (of a built model, or read without weights) or a plain dict of its fields (``model.config_overrides``)."""
+    (of a built model, or read without weights) or a plain dict of its fields (``ModelConfig.init_fields``)."""
     for key in CONTEXT_KEYS:
         value = config.get(key) if isinstance(config, dict) else getattr(config, key, None)
         if value:
             return int(value)
     return None
+
+
+LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
+"""A ``name_or_path`` starting so is a local folder (a hub id never does), checked to exist at once."""
 
 
 class ConfigError(ValueError):
@@ -94,15 +98,22 @@ class DataConfig:
 @dataclass
 class ModelConfig:
     name_or_path: str | None = None
-    """Hub id or local directory of pretrained weights. ``None`` builds a randomly initialised model from
-    ``family`` and ``config_overrides``."""
+    """Hub id or local directory of pretrained weights (family, tokenizer, chat template and context length
+    are read from it; ``model=hf`` is the group for it). ``None`` builds a randomly initialised model from
+    ``family`` and ``random_init``."""
     family: str = "gpt2"
-    """transformers ``model_type`` used when building from a config (gpt2, llama, qwen2, ...)."""
+    """transformers ``model_type`` used when building from a config (gpt2, llama, qwen2, ...); a loaded
+    model's family is the one its folder states."""
+    random_init: dict[str, Any] = field(default_factory=dict)
+    """Config fields of the randomly initialised model a preset builds (its sizes). Never applied to a
+    model loaded from ``name_or_path``, so a preset's sizes cannot leak into your model."""
     config_overrides: dict[str, Any] = field(default_factory=dict)
-    """Fields set on the transformers config (sizes for small random models, dropout, ...)."""
+    """Fields you set on the transformers config, of a loaded model or a built one (dropout, context,
+    sizes on top of ``random_init``). Presets leave it empty: whatever is here, you asked for."""
     tokenizer: str | None = "local_bpe"
-    """``local_bpe`` trains a byte-level BPE tokenizer on the data and caches it; anything else is a hub id
-    or local directory passed to ``AutoTokenizer.from_pretrained``. ``null`` means ``name_or_path``."""
+    """``local_bpe`` trains a byte-level BPE tokenizer on the data and caches it (for randomly initialised
+    models only: a loaded model uses its folder's tokenizer); anything else is a hub id or local directory
+    passed to ``AutoTokenizer.from_pretrained``. ``null`` means ``name_or_path``."""
     tokenizer_vocab_size: int = 4096
     """Vocabulary size of the locally trained tokenizer."""
     attention: str = "auto"
@@ -121,7 +132,32 @@ class ModelConfig:
     built-in ``default``); ``default`` (``role:\\n content EOS``), ``chatml`` (Qwen's format; the local BPE
     then gets ``<|im_start|>``/``<|im_end|>`` as special tokens) or a Jinja string replace it."""
 
+    def tokenizer_name(self) -> str:
+        """The tokenizer this model uses: ``local_bpe`` (trained on the data) for a random model, else a
+        hub id or folder. A loaded model always gets a real tokenizer: ``local_bpe`` would not match its
+        embeddings, so there it means ``name_or_path``'s own."""
+        if self.name_or_path and self.tokenizer in (None, "local_bpe"):
+            return self.name_or_path
+        assert self.tokenizer is not None, "validate() refuses a model with neither tokenizer nor name_or_path"
+        return self.tokenizer
+
+    def init_fields(self) -> dict[str, Any]:
+        """The config fields set on the model: ``config_overrides`` for a loaded model, ``random_init``
+        updated by ``config_overrides`` for a built one."""
+        if self.name_or_path:
+            return dict(self.config_overrides)
+        return dict(self.random_init) | dict(self.config_overrides)
+
     def validate(self) -> None:
+        if self.tokenizer is None and not self.name_or_path:
+            raise ConfigError(
+                "model.name_or_path must be set: a local model folder or a hub id (model=hf: "
+                "model.name_or_path=/path/to/model); or name a tokenizer with model.tokenizer=..."
+            )
+        if self.name_or_path and self.name_or_path.startswith(LOCAL_PATH_PREFIXES):
+            folder = Path(self.name_or_path).expanduser()
+            if not folder.is_dir():
+                raise ConfigError(f"model.name_or_path={self.name_or_path}: no such folder")
         _choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
         _choice("model.attention", self.attention, ("auto", *ATTENTION_BACKENDS))
         _positive("model.tokenizer_vocab_size", self.tokenizer_vocab_size)
@@ -384,12 +420,12 @@ class JobConfig:
 
         Args:
             context: the model's context length when known (``trainer.pipeline`` checks again with it);
-                before the model exists, the size set in ``model.config_overrides`` if any.
+                before the model exists, the size set in ``model.random_init``/``config_overrides`` if any.
         """
         if not self.packing.packed or self.packing.splits_examples:
             return
         if context is None:
-            context = stated_context(self.model.config_overrides or {})
+            context = stated_context(self.model.init_fields())
         longest = self.longest_in_context(context)
         if self.packing.token_budget < longest:
             raise ConfigError(

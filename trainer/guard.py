@@ -38,6 +38,7 @@ from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
+from trainer.library_errors import LoadError
 from trainer.safety import UnsafeFileError, redact
 
 log = logging.getLogger("trainer")
@@ -125,10 +126,11 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
 
     rank = distributed.rank()
     text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
-    if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):
+    if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):  # LoadError too
         # Fix the config or the data, then run again: a restart alone would fail the same way (exit code 2).
-        kinds = {
-            ConfigError: "config error", BadRecordError: "data error", AttentionBackendError: "attention backend error"
+        kinds = {  # most specific first: a LoadError is a ConfigError
+            LoadError: "load error", ConfigError: "config error", BadRecordError: "data error",
+            AttentionBackendError: "attention backend error",
         }
         kind = next((k for cls, k in kinds.items() if isinstance(exc, cls)), "error")
         failure = _own(rank, f"{kind}: {text}", exit_code=2)

@@ -256,7 +256,7 @@ class Trainer:
             "dataset": asdict(self.dataset.stats),
             "skipped_steps": dict(self.guard.skipped),
             "run_dir": str(self.run_dir),
-        }
+        } | self.metrics.wall_clock()
         self.metrics.close()
         if self.rank == 0:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(json_safe(result), indent=2))

@@ -17,7 +17,9 @@ import logging
 import os
 import resource
 import sys
+import time
 from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -58,8 +60,22 @@ def useful_fraction(useful_tokens: float, positions: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- records
+def utc_iso(unix_time: float) -> str:
+    """Wall-clock time as ISO 8601 in UTC, to the millisecond (``2026-11-30T21:43:02.123+00:00``)."""
+    return datetime.fromtimestamp(unix_time, timezone.utc).isoformat(timespec="milliseconds")
+
+
 class JsonRecord:
-    """A dataclass that is one line of a JSONL file: its JSON keys are its field names."""
+    """A dataclass that is one line of a JSONL file: its JSON keys are its field names. The logger stamps
+    each record's ``time`` (wall clock, ISO 8601 UTC) and ``elapsed_s`` (since this process started the
+    run; a resumed attempt counts from its own start) as it writes it."""
+
+    time: str | None
+    elapsed_s: float | None
+
+    def stamp(self, started: float) -> None:
+        now = time.time()
+        self.time, self.elapsed_s = utc_iso(now), round(now - started, 3)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -119,6 +135,10 @@ class StepMetrics(JsonRecord):
     tokens_seen: int | None = None
     """``useful_tokens`` summed over the run so far, this step included (restored on resume). ``None`` only
     in records written before it was logged."""
+    time: str | None = None
+    """Wall-clock time the record was written (ISO 8601, UTC): lines steps up with outside monitoring."""
+    elapsed_s: float | None = None
+    """Seconds since this process started the run (a resumed attempt counts from its own start)."""
 
     def __post_init__(self) -> None:
         self.useful_tokens_per_s = self.useful_tokens / self.step_time_s
@@ -153,6 +173,10 @@ class EvalMetrics(JsonRecord):
     """Held-out label tokens over all ranks."""
     eval_time_s: float
     """Wall-clock seconds of the eval on this rank."""
+    time: str | None = None
+    """Wall-clock time the record was written (ISO 8601, UTC)."""
+    elapsed_s: float | None = None
+    """Seconds since this process started the run."""
 
 
 def setup_logging(rank: int) -> None:
@@ -235,6 +259,7 @@ class MetricsLogger:
 
     def __init__(self, cfg: LoggerConfig, run_dir: Path, enabled: bool, run_config: dict | None = None) -> None:
         self.cfg, self.enabled = cfg, enabled
+        self.started = time.time()
         self.path = run_dir / METRICS_FILE
         self.eval_path = run_dir / EVAL_FILE
         self._file = open(self.path, "a", encoding="utf-8") if enabled else None
@@ -246,6 +271,7 @@ class MetricsLogger:
     def log(self, metrics: StepMetrics) -> None:
         if not self.enabled:
             return
+        metrics.stamp(self.started)
         record = metrics.to_json()
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
@@ -260,15 +286,21 @@ class MetricsLogger:
             return
         if self._eval_file is None:
             self._eval_file = open(self.eval_path, "a", encoding="utf-8")
+        metrics.stamp(self.started)
         record = metrics.to_json()
         self._eval_file.write(json.dumps(record) + "\n")
         self._eval_file.flush()
         if self._wandb is not None:
-            self._wandb.log({k: v for k, v in record.items() if k != "step"}, step=metrics.step)
+            self._wandb.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=metrics.step)
         log.info(
             "eval  %5d | loss %.4f on %d held-out tokens (%.1f s)",
             metrics.step, metrics.eval_loss, metrics.eval_tokens, metrics.eval_time_s,
         )
+
+    def wall_clock(self) -> dict[str, Any]:
+        """When this process started the run and when it ended (now), for ``summary.json``."""
+        now = time.time()
+        return {"started_at": utc_iso(self.started), "ended_at": utc_iso(now), "wall_time_s": round(now - self.started, 3)}
 
     def close(self) -> None:
         for f in (self._file, self._eval_file):

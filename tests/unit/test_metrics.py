@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 import math
 
 import pytest
@@ -17,7 +18,7 @@ from trainer.throughput import StepCounts
 JSONL_KEYS = [
     "step", "epoch", "loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
     "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction", "model_flops",
-    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen",
+    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen", "time", "elapsed_s",
 ]
 
 
@@ -71,8 +72,26 @@ def test_logger_writes_what_read_metrics_reads(tmp_path):
     logger.log_eval(evals[0])
     logger.close()
     assert read_metrics(tmp_path) == steps and read_evals(tmp_path) == evals
-    assert list(json.loads((tmp_path / "eval.jsonl").read_text())) == ["step", "eval_loss", "eval_tokens", "eval_time_s"]
+    assert list(json.loads((tmp_path / "eval.jsonl").read_text())) == [
+        "step", "eval_loss", "eval_tokens", "eval_time_s", "time", "elapsed_s"]
     assert read_evals(tmp_path / "nowhere") == []
+
+
+def test_every_record_carries_wall_clock_time_and_the_summary_its_start_and_end(tmp_path):
+    """Users line steps up with outside monitoring: each JSON line has its UTC time and elapsed seconds."""
+    before = datetime.now(timezone.utc).replace(microsecond=0)  # records keep milliseconds
+    logger = MetricsLogger(LoggerConfig(), tmp_path, enabled=True)
+    logger.log(_measure(COUNTS))
+    logger.log_eval(EvalMetrics(step=1, eval_loss=2.5, eval_tokens=80, eval_time_s=0.1))
+    clock = logger.wall_clock()
+    logger.close()
+    for name in ("metrics.jsonl", "eval.jsonl"):
+        record = json.loads((tmp_path / name).read_text())
+        stamped = datetime.fromisoformat(record["time"])
+        assert stamped.tzinfo is not None and before <= stamped <= datetime.now(timezone.utc)
+        assert 0 <= record["elapsed_s"] < 60
+    started, ended = datetime.fromisoformat(clock["started_at"]), datetime.fromisoformat(clock["ended_at"])
+    assert before <= started <= ended and clock["wall_time_s"] >= 0
 
 
 def test_run_summary_ratios_agree_with_the_steps():

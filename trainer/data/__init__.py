@@ -14,6 +14,7 @@ from trainer.data.dataset import DatasetStats, TokenizedDataset, build_dataset, 
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, apply_template_setting, template_fingerprint
 from trainer.data.sources import SOURCES, check_source, load_records, plugin_path, register_source
 from trainer.data.tokenizer import local_tokenizer, pretrained_tokenizer
+from trainer.library_errors import library_load
 
 
 def source_fingerprint(cfg: DataConfig) -> str:
@@ -45,7 +46,8 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
 
     ``model.chat_template``, when set, replaces the tokenizer's chat template.
     """
-    if model_cfg.tokenizer == "local_bpe":
+    name = model_cfg.tokenizer_name()
+    if name == "local_bpe":
         records = functools.cache(lambda: load_records(data_cfg))
         texts = lambda: [t for r in records() for t in record_texts(r)]  # noqa: E731
         extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
@@ -53,10 +55,8 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
             texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, source_fingerprint(data_cfg), extra
         )
     else:
-        name = model_cfg.tokenizer or model_cfg.name_or_path
-        if name is None:
-            raise ValueError("model.tokenizer is null and model.name_or_path is null: name a tokenizer")
-        tokenizer = pretrained_tokenizer(name, model_cfg.trust_remote_code)
+        with library_load(f"the tokenizer {name}"):
+            tokenizer = pretrained_tokenizer(name, model_cfg.trust_remote_code)
     apply_template_setting(tokenizer, model_cfg.chat_template)
     return tokenizer
 

@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
 
 from trainer.config import ModelConfig
+from trainer.library_errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.wrapper import VarlenCausalLM
 
@@ -17,7 +18,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int) -> VarlenCausalLM:
-    """A pretrained model (``name_or_path``) or a random one from ``family`` + ``config_overrides``, run
+    """A pretrained model (``name_or_path``) or a random one from ``family`` + ``random_init``, run
     through ``backend`` for packed batches. The trainer resolves ``backend`` once, against the model's
     attention needs (``trainer.pipeline.resolve_attention``).
 
@@ -27,14 +28,15 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     torch.manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     if cfg.name_or_path:
-        model = AutoModelForCausalLM.from_pretrained(
-            cfg.name_or_path,
-            dtype=dtype,
-            attn_implementation=None,  # transformers' choice: SDPA, or eager where the family has none
-            trust_remote_code=cfg.trust_remote_code,
-            weights_only=True,  # a .bin checkpoint is never unpickled beyond tensors (safetensors preferred)
-            **cfg.config_overrides,
-        )
+        with library_load(f"model.name_or_path={cfg.name_or_path}"):
+            model = AutoModelForCausalLM.from_pretrained(
+                cfg.name_or_path,
+                dtype=dtype,
+                attn_implementation=None,  # transformers' choice: SDPA, or eager where the family has none
+                trust_remote_code=cfg.trust_remote_code,
+                weights_only=True,  # a .bin checkpoint is never unpickled beyond tensors (safetensors preferred)
+                **cfg.init_fields(),
+            )
     else:
         special = {
             "vocab_size": len(tokenizer),
@@ -55,7 +57,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
 
 def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:
     """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
-    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``config_overrides``."""
+    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``random_init`` and
+    ``config_overrides`` (``ModelConfig.init_fields``)."""
     if cfg.name_or_path:
-        return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.config_overrides)
-    return AutoConfig.for_model(cfg.family, **((base or {}) | dict(cfg.config_overrides)))
+        with library_load(f"model.name_or_path={cfg.name_or_path}"):
+            return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.init_fields())
+    return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
