@@ -73,11 +73,11 @@ def compose_job(overrides: list[str]):
     """The validated ``JobConfig`` a run would get from these command-line overrides (nothing is run)."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.config import config_dir, to_job_config
+    from trainer.config import config_dir, open_mapping_overrides, to_job_config
 
     register_configs_once()
     with initialize_config_dir(str(config_dir()), version_base=None):
-        return to_job_config(compose("config", overrides=overrides))
+        return to_job_config(compose("config", overrides=open_mapping_overrides(overrides)))
 
 
 def exit_line(capsys, check, *args) -> str:

@@ -536,6 +536,16 @@ def to_job_config(cfg: Any) -> JobConfig:
     return job
 
 
+OPEN_MAPPINGS = ("model.config_overrides.", "model.random_init.")
+"""Mappings of free-form transformers config fields: any key may be set, whether the preset has it or not."""
+
+
+def open_mapping_overrides(overrides: list[str]) -> list[str]:
+    """``model.config_overrides.n_layer=4`` works whether or not the preset sets ``n_layer``: Hydra would want
+    ``+`` for a new key and refuse it for an existing one, so these keys are passed as ``++`` (add or set)."""
+    return [f"++{arg}" if arg.startswith(OPEN_MAPPINGS) and "=" in arg else arg for arg in overrides]
+
+
 def compose_job_config(overrides: list[str]) -> JobConfig:
     """Compose ``configs/config.yaml`` with command-line ``overrides`` and validate it, as a run would
     (for tools and tests; ``trainer.train`` composes through ``hydra.main``)."""
@@ -543,7 +553,7 @@ def compose_job_config(overrides: list[str]) -> JobConfig:
 
     register_configs()
     with initialize_config_dir(str(config_dir()), version_base=None):
-        return to_job_config(compose("config", overrides=overrides))
+        return to_job_config(compose("config", overrides=open_mapping_overrides(overrides)))
 
 
 __all__ = [
@@ -562,6 +572,7 @@ __all__ = [
     "PackingConfig",
     "ParallelConfig",
     "compose_job_config",
+    "open_mapping_overrides",
     "config_dir",
     "recipe_dirs",
     "register_configs",

@@ -18,7 +18,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError, JobConfig, config_dir, register_configs, to_job_config
+from trainer.config import ConfigError, JobConfig, config_dir, open_mapping_overrides, register_configs, to_job_config
 from trainer.safety import redact
 
 log = logging.getLogger("trainer")
@@ -85,6 +85,7 @@ def hydra_main(raw: DictConfig) -> dict | None:
 
 def main() -> None:
     register_configs()
+    sys.argv[1:] = open_mapping_overrides(sys.argv[1:])  # before Hydra reads them
     from trainer.cli import check_group_choices, check_overrides
 
     check_group_choices(sys.argv[1:])

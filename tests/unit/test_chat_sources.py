@@ -103,7 +103,7 @@ def test_text_records_empty_and_malformed(tokenizer):
     assert prompt_only.stats.dropped_no_labels == 1  # counted, not silently lost
     with pytest.raises(ValueError, match="record 0"):
         render(tokenizer, [{"messages": [{"role": "user"}]}])
-    with pytest.raises(ValueError, match="'messages', 'turns' or 'text'"):
+    with pytest.raises(ValueError, match="'messages', 'turns', 'text' or 'input_ids'"):
         render(tokenizer, [{"body": "x"}])
 
 

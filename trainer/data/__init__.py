@@ -9,7 +9,7 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
-from trainer.config import DataConfig, ModelConfig
+from trainer.config import ConfigError, DataConfig, ModelConfig
 from trainer.data.dataset import DatasetStats, TokenizedDataset, build_dataset, log_dataset_stats
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, apply_template_setting, template_fingerprint
 from trainer.data.sources import SOURCES, check_source, load_records, plugin_path, register_source
@@ -41,6 +41,18 @@ def record_texts(record: dict) -> list[str]:
     return [text] if isinstance(text, str) else []
 
 
+def pretokenized_refused(records: list[dict]) -> list[dict]:
+    """``records``, unless they are pre-tokenized: their ids belong to the tokenizer that made them, and a
+    tokenizer trained here would read them as other tokens."""
+    if records and isinstance(records[0], dict) and "input_ids" in records[0]:
+        raise ConfigError(
+            "the data is pre-tokenized (input_ids) but model.tokenizer=local_bpe would train a new tokenizer; "
+            "name the tokenizer the ids came from: model.tokenizer=DIR_OR_HUB_ID (or load its model: model=hf "
+            "model.name_or_path=...)"
+        )
+    return records
+
+
 def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTokenizerBase:
     """The pretrained tokenizer named by the model config, or the local BPE trained on the data (cached).
 
@@ -49,7 +61,7 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
     name = model_cfg.tokenizer_name()
     if name == "local_bpe":
         records = functools.cache(lambda: load_records(data_cfg))
-        texts = lambda: [t for r in records() for t in record_texts(r)]  # noqa: E731
+        texts = lambda: [t for r in pretokenized_refused(records()) for t in record_texts(r)]  # noqa: E731
         extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
         tokenizer = local_tokenizer(
             texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, source_fingerprint(data_cfg), extra

@@ -23,6 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
 from trainer.data.chat import ChatTemplateError, Segment, chat_segments, check_messages, effective_template
+from trainer.data.pretokenized import token_segments
 from trainer.data.sources import Record
 from trainer.distributed import on_rank0_then_all
 
@@ -80,14 +81,18 @@ class TokenizedDataset:
 def record_segments(
     record: Record, tokenizer: PreTrainedTokenizerBase, loss_on: str, template: str, where: str
 ) -> list[Segment] | None:
-    """The pieces of one record (``None`` when it has no content). Three kinds of record:
+    """The pieces of one record (``None`` when it has no content). Four kinds of record:
 
     - ``{"turns": [...]}`` (a dialog): ``BOS t1 EOS t2 EOS ...``; ``responses`` puts loss on turns 2, 4, ...
       and their EOS, ``all``/``auto`` on every turn;
     - ``{"messages": [...]}`` (a chat): rendered with the chat template (``trainer.data.chat``);
       ``auto``/``responses`` puts loss on the assistant messages only, ``all`` on everything;
-    - ``{"text": "..."}`` (a plain document): ``BOS text EOS``, loss on every token.
+    - ``{"text": "..."}`` (a plain document): ``BOS text EOS``, loss on every token;
+    - ``{"input_ids": [...], "labels": [...]}`` (pre-tokenized, ``trainer.data.pretokenized``): the ids as
+      they are, loss where the labels (or a ``loss_mask``) say.
     """
+    if "input_ids" in record:
+        return token_segments(record, len(tokenizer), loss_on, where)
     bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     eos = tokenizer.eos_token_id
     if "messages" in record:
@@ -113,7 +118,9 @@ def record_segments(
         if not isinstance(text, str):
             raise ValueError(f"{where}: 'text' must be a string, got {type(text).__name__}")
         return [Segment([bos], False), Segment(text, True), Segment([eos], True)]
-    raise ValueError(f"{where}: a record needs 'messages', 'turns' or 'text' (keys: {', '.join(map(str, record))})")
+    raise ValueError(
+        f"{where}: a record needs 'messages', 'turns', 'text' or 'input_ids' (keys: {', '.join(map(str, record))})"
+    )
 
 
 def render_records(

@@ -30,6 +30,7 @@ from pathlib import Path
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
 from trainer.data.synthetic import generate_chats, generate_dialogs
+from trainer.library_errors import library_load
 
 log = logging.getLogger(__name__)
 
@@ -214,13 +215,12 @@ def csv(cfg: DataConfig) -> list[Record]:
 
 @register_source("hf")
 def hf(cfg: DataConfig) -> list[Record]:
-    """Any dataset ``datasets.load_dataset`` opens: a hub id (``data.path``, ``data.subset``, ``data.split``)
-    or a local dataset folder. Columns are mapped with ``data.columns``."""
-    import datasets
-
+    """Any dataset ``datasets`` opens: a hub id (``data.path``, ``data.subset``, ``data.split``), a local
+    dataset folder, a ``save_to_disk`` folder or ``.arrow`` files. Columns are mapped with ``data.columns``."""
     if not cfg.path:
         raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
-    ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
+    with library_load(f"data.path={cfg.path}"):
+        ds = open_hf_dataset(cfg)
     # Only the mapped columns, read column-wise (far faster than iterating rows of a large dataset).
     columns = dict(cfg.columns) or detect_columns(ds.column_names)
     keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
@@ -228,3 +228,22 @@ def hf(cfg: DataConfig) -> list[Record]:
         ds = ds.select_columns(keep)
     bad = BadRecords(cfg.on_bad_record, cfg.source)
     return bad.finish(rows_to_records(ds.to_list(), cfg, bad))
+
+
+def open_hf_dataset(cfg: DataConfig):
+    """``data.path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder (``load_from_disk``; the split of a
+    saved ``DatasetDict``), ``.arrow`` files (a file or a folder of them), else ``load_dataset``."""
+    import datasets
+
+    path = Path(cfg.path).expanduser()
+    if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
+        ds = datasets.load_from_disk(str(path))
+        if isinstance(ds, datasets.DatasetDict):
+            if cfg.split not in ds:
+                raise ConfigError(f"data.path={cfg.path} has no split {cfg.split!r} (data.split; it has: {', '.join(ds)})")
+            ds = ds[cfg.split]
+        return ds
+    arrow = [path] if path.suffix == ".arrow" else sorted(path.rglob("*.arrow")) if path.is_dir() else []
+    if arrow:
+        return datasets.load_dataset("arrow", data_files=[str(f) for f in arrow], split="train")
+    return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)

@@ -10,7 +10,8 @@ The column mapping ``data.columns`` says which of your columns holds which packf
 
 With no mapping the columns are recognised by name: ``messages`` or ``conversations`` (chat), ``text``,
 ``turns`` or ``dialog``, ``prompt`` with ``response`` or ``completion``. ShareGPT roles (``human``,
-``gpt``) become ``user`` / ``assistant``; ``data.roles`` renames any others.
+``gpt``) become ``user`` / ``assistant``; ``data.roles`` renames any others. A table with ``input_ids``
+is pre-tokenized (with ``labels``, ``loss_mask`` and/or ``attention_mask``; ``trainer.data.pretokenized``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty, utf8_lines
+from trainer.data.pretokenized import TOKEN_FIELDS
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
 
@@ -102,6 +104,8 @@ def read_csv(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
 def detect_columns(names: Iterable[str]) -> dict[str, str]:
     """The mapping for well-known column names (``data.columns`` left empty)."""
     names = set(names)
+    if "input_ids" in names:  # pre-tokenized: the ids and whichever mask columns came with them
+        return {name: name for name in TOKEN_FIELDS if name in names}
     for field, candidates in (("messages", ("messages", "conversations")), ("text", ("text",)),
                               ("turns", ("turns", "dialog"))):
         for c in candidates:
@@ -122,12 +126,12 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
     if not rows:
         return []
     columns = dict(cfg.columns) or detect_columns(rows[0].keys())
-    kinds = [k for k in ("messages", "text", "turns", "prompt") if k in columns]
+    kinds = [k for k in ("messages", "text", "turns", "prompt", "input_ids") if k in columns]
     if len(kinds) != 1 or (kinds[0] == "prompt" and "response" not in columns):
         raise ConfigError(
             f"data.source={cfg.source}: cannot tell which column holds the data (columns: "
             f"{', '.join(map(str, rows[0].keys()))}); set data.columns, e.g. data.columns={{text: body}}, "
-            "{messages: chat}, {turns: utterances} or {prompt: question, response: answer}"
+            "{messages: chat}, {turns: utterances}, {prompt: question, response: answer} or {input_ids: ids, labels: lab}"
         )
     kind = kinds[0]
     wanted = [c for f, c in columns.items() if f not in ("role", "content", "system")]
@@ -148,7 +152,9 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
             bad.bad(where, f"no column {', '.join(map(repr, absent))} (columns: {', '.join(map(str, row))})")
             continue
         try:
-            if kind == "text":
+            if kind == "input_ids":
+                record = {name: row[columns[name]] for name in TOKEN_FIELDS if name in columns}
+            elif kind == "text":
                 record = {"text": row[columns["text"]]}
             elif kind == "turns":
                 record = {"turns": [t for t in (row[columns["turns"]] or []) if t is not None]}

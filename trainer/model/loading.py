@@ -51,7 +51,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         model.resize_token_embeddings(len(tokenizer))
     model.config.use_cache = False
     n_params = sum(p.numel() for p in model.parameters())
-    log.info("model %s: %.2fM parameters, %s", cfg.name_or_path or cfg.family, n_params / 1e6, cfg.dtype)
+    log.info(
+        "model %s: %s, %.2fM parameters, %s", cfg.name_or_path or cfg.family, model.config.model_type, n_params / 1e6,
+        cfg.dtype,
+    )
     return VarlenCausalLM(model, backend)
 
 
