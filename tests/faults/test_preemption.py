@@ -1,0 +1,65 @@
+"""Issue 14, bullet 1: SIGTERM / SIGUSR1 stop every rank at the same step boundary with a checkpoint and exit
+code 75; ``resume=auto`` then continues bitwise exactly (2 gloo ranks under torchrun)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import run_torchrun
+from tests.faults.conftest import SMALL_RUN
+from trainer.checkpoint import complete_checkpoints
+from trainer.preemption import PREEMPTED_EXIT_CODE
+
+pytestmark = pytest.mark.slow
+
+RUN = [*SMALL_RUN, "max_steps=12", "eval.every=4", "checkpoint.every_steps=0", "checkpoint.every_minutes=0"]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in records]
+    assert len(steps) == len(set(steps)), f"a step was logged twice: {steps}"
+    return {r["step"]: r["loss"] for r in records}
+
+
+def preempted_lines(out) -> list[str]:
+    return [line for line in out.stderr.splitlines() if line.startswith("packfsdp: ") and "preempted" in line]
+
+
+def signalled_run(run_dir: Path, spec: str):
+    return run_torchrun(["-m", "tests.faults.signal_entry", *RUN, f"run_dir={run_dir}"], env={"PFTEST_SIGNAL": spec})
+
+
+def test_sigterm_mid_run_saves_then_resume_auto_matches_the_uninterrupted_run(tmp_path):
+    reference = run_torchrun(["-m", "trainer.train", *RUN, f"run_dir={tmp_path / 'ref'}"])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    run = tmp_path / "run"
+    out = signalled_run(run, "SIGTERM:parent:0:5")  # the scheduler's SIGTERM reaches torchrun
+    lines = preempted_lines(out)
+    assert len(lines) == 2, out.stderr[-3000:]
+    stopped = {int(line.split("after step ")[1].split(":")[0]) for line in lines}
+    assert len(stopped) == 1, lines  # both ranks stopped after the same step
+    (step,) = stopped
+    assert 5 <= step < 12 and "SIGTERM" in lines[0]
+    assert complete_checkpoints(run / "checkpoints")[-1].name == f"step_{step:08d}"
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in out.stderr or f"exit code {PREEMPTED_EXIT_CODE}" in out.stderr
+
+    resumed = run_torchrun(["-m", "trainer.train", *RUN, f"run_dir={run}", "resume=auto"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert losses(run) == losses(tmp_path / "ref")  # every step, bitwise: nothing lost, nothing repeated
+    evals = [json.loads(line)["step"] for line in (run / "eval.jsonl").read_text().splitlines()]
+    assert evals == [4, 8, 12]
+
+
+def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
+    out = signalled_run(tmp_path, "SIGUSR1:self:1:3")  # SLURM's --signal=USR1, seen by rank 1 only
+    lines = preempted_lines(out)
+    assert sorted(line.split(":")[1] for line in lines) == [" rank 0", " rank 1"], out.stderr[-3000:]
+    assert all("(SIGUSR1) after step 3:" in line for line in lines), lines
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in out.stderr
+    assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000003"]
+    assert sorted(losses(tmp_path)) == [1, 2, 3]
