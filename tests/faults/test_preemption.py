@@ -13,8 +13,6 @@ from tests.faults.conftest import SMALL_RUN
 from trainer.checkpoint import complete_checkpoints
 from trainer.preemption import PREEMPTED_EXIT_CODE
 
-pytestmark = pytest.mark.slow
-
 RUN = [*SMALL_RUN, "max_steps=12", "eval.every=4", "checkpoint.every_steps=0", "checkpoint.every_minutes=0"]
 
 
@@ -33,6 +31,7 @@ def signalled_run(run_dir: Path, spec: str):
     return run_torchrun(["-m", "tests.faults.signal_entry", *RUN, f"run_dir={run_dir}"], env={"PFTEST_SIGNAL": spec})
 
 
+@pytest.mark.slow
 def test_sigterm_mid_run_saves_then_resume_auto_matches_the_uninterrupted_run(tmp_path):
     reference = run_torchrun(["-m", "trainer.train", *RUN, f"run_dir={tmp_path / 'ref'}"])
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -55,6 +54,7 @@ def test_sigterm_mid_run_saves_then_resume_auto_matches_the_uninterrupted_run(tm
     assert evals == [4, 8, 12]
 
 
+@pytest.mark.slow
 def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
     out = signalled_run(tmp_path, "SIGUSR1:self:1:3")  # SLURM's --signal=USR1, seen by rank 1 only
     lines = preempted_lines(out)
@@ -63,3 +63,45 @@ def test_sigusr1_on_one_rank_stops_both_ranks_at_the_same_step(tmp_path):
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in out.stderr
     assert [p.name for p in complete_checkpoints(tmp_path / "checkpoints")] == ["step_00000003"]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+@pytest.mark.parametrize("recipe", ["cpu_chat_sft", "cpu_dailydialog", "gpt2_dailydialog", "qwen_chat_sft"])
+def test_recipes_checkpoint_by_default(recipe):
+    from tests.conftest import compose_job
+
+    cfg = compose_job([f"recipe={recipe}"]).checkpoint
+    assert cfg.every_steps > 0 or cfg.every_minutes > 0
+
+
+@pytest.mark.slow
+def test_slurm_script_forwards_the_signal_and_requeues(tmp_path):
+    """SLURM's ``--signal=B:USR1`` reaches the batch script: it forwards the signal to the job step (a fake
+    ``srun`` that exits 75 as a preempted trainer does) and requeues the job."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from tests.conftest import REPO
+
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        f'#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node1; else echo "scontrol $*" >> {log}; fi\n')
+    (bin_dir / "srun").write_text(
+        f"#!/usr/bin/env bash\ntrap 'echo \"srun got USR1\" >> {log}; exit {PREEMPTED_EXIT_CODE}' USR1\n"
+        f"touch {tmp_path / 'started'}\nwhile true; do sleep 0.1; done\n")
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
+        "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "node1", "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO)}
+    script = subprocess.Popen(["bash", str(REPO / "launch/slurm_hsdp.sbatch")], env=env, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 20
+    while not (tmp_path / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    script.send_signal(signal.SIGUSR1)
+    _, err = script.communicate(timeout=20)
+    assert script.returncode == PREEMPTED_EXIT_CODE, err
+    assert log.read_text().splitlines() == ["srun got USR1", "scontrol requeue 777"]
+    assert "#SBATCH --signal=B:USR1@" in (REPO / "launch/slurm_hsdp.sbatch").read_text()
