@@ -84,7 +84,9 @@ def check_targets(tree: Any, path: str = "") -> None:
 
 # --------------------------------------------------------------------------------------------------- secrets
 SECRET_ENV_NAMES = re.compile(r"(TOKEN|API_KEY|_KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL)", re.IGNORECASE)
-SECRET_CONFIG_KEYS = re.compile(r"(token|api_key|apikey|secret|password|passwd|credential)", re.IGNORECASE)
+_SECRET_WORDS = {"secret", "password", "passwd", "credential", "credentials", "apikey", "authorization"}
+_KEY_OWNERS = {"api", "access", "private", "secret", "auth", "hub", "hf", "wandb", "openai", "ssh", "encryption"}
+_TOKENIZER_TOKENS = {"bos", "eos", "pad", "unk", "sep", "cls", "mask"}
 # Token shapes worth catching even when they do not come from the environment.
 SECRET_PATTERNS = re.compile(
     r"\bhf_[A-Za-z0-9]{20,}\b"  # Hugging Face user access tokens
@@ -94,6 +96,29 @@ SECRET_PATTERNS = re.compile(
 )
 REDACTED = "***"
 _MIN_SECRET_LEN = 6  # shorter values ("1", "true") would redact ordinary words
+
+
+def secret_key(name: str) -> bool:
+    """Whether a config key (its last dotted part) names a secret: ``token`` or ``*_token`` (not a tokenizer's
+    ``pad_token``), ``api_key``-style ``*_key``, or a word like ``secret`` / ``password`` anywhere. Keys that
+    merely contain "token" (``token_budget``, ``tokenizer_vocab_size``) are settings, not secrets."""
+    parts = re.split(r"[_\-]+", str(name).rsplit(".", 1)[-1].lower())
+    if _SECRET_WORDS & set(parts):
+        return True
+    last, before = parts[-1], parts[-2] if len(parts) > 1 else ""
+    if last == "token":
+        return before not in _TOKENIZER_TOKENS
+    return last == "key" and before in _KEY_OWNERS
+
+
+# ``key=value`` / ``key: value`` where the key names a secret (command lines, Hydra's sweep logs and files).
+_SECRET_ASSIGNMENT = re.compile(r"(?P<key>[\w.+~-]+)(?P<sep>=|: )(?P<value>[^\s,'\"\]}]+)")
+
+
+def _redact_assignment(match: re.Match) -> str:
+    if not secret_key(match["key"].lstrip("+~")) or match["value"] in ("null", "None", "", REDACTED):
+        return match[0]
+    return f"{match['key']}{match['sep']}{REDACTED}"
 
 
 def secret_values() -> list[str]:
@@ -106,6 +131,7 @@ def redact(text: str) -> str:
     """``text`` with every known secret value and token-shaped string replaced by ``***``."""
     for value in secret_values():
         text = text.replace(value, REDACTED)
+    text = _SECRET_ASSIGNMENT.sub(_redact_assignment, text)
     return SECRET_PATTERNS.sub(REDACTED, text)
 
 
@@ -113,7 +139,7 @@ def redact_tree(tree: Any) -> Any:
     """A copy of a nested dict/list with secret-named keys' values and secret strings redacted."""
     if isinstance(tree, dict):
         return {
-            k: (REDACTED if SECRET_CONFIG_KEYS.search(str(k)) and v not in (None, "", False) else redact_tree(v))
+            k: (REDACTED if secret_key(k) and v not in (None, "", False) else redact_tree(v))
             for k, v in tree.items()
         }
     if isinstance(tree, (list, tuple)):
@@ -129,7 +155,7 @@ def redact_argv(argv: list[str]) -> list[str]:
     out = []
     for arg in argv:
         key, sep, value = arg.partition("=")
-        out.append(f"{key}={REDACTED}" if sep and value and SECRET_CONFIG_KEYS.search(key) else redact(arg))
+        out.append(f"{key}={REDACTED}" if sep and value and secret_key(key) else redact(arg))
     return out
 
 
