@@ -25,6 +25,11 @@ ATTENTION_BACKENDS = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa
 them (fastest first). ``trainer.model.attention.BACKENDS`` registers exactly these; the names live here so
 that validating a config never imports torch."""
 
+CODE_OPTIONS = {"data.plugins": "PACKFSDP_PLUGINS", "model.trust_remote_code": "PACKFSDP_TRUST_REMOTE_CODE"}
+"""Options that import user or remote code, and the environment variable that may set each instead of the
+command line (a config file may not: ``trainer.cli.check_code_sources``). ``PACKFSDP_PLUGINS`` is a
+comma-separated list added to ``data.plugins``; ``PACKFSDP_TRUST_REMOTE_CODE=1`` sets the flag."""
+
 CONTEXT_KEYS = ("n_positions", "max_position_embeddings")
 """Where a transformers config states the model's context length (GPT-2 names it ``n_positions``)."""
 
@@ -501,6 +506,9 @@ def to_job_config(cfg: Any) -> JobConfig:
         raise ConfigError("the composed config does not follow the JobConfig schema")
     _check_known_keys(cfg, job)
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
+    job.data.plugins += [p.strip() for p in os.environ.get(CODE_OPTIONS["data.plugins"], "").split(",") if p.strip()]
+    if os.environ.get(CODE_OPTIONS["model.trust_remote_code"], "") == "1":
+        job.model.trust_remote_code = True
     job.validate()
     from trainer.safety import check_targets  # late: safety's UnsafeTargetError is a ConfigError from here
 
@@ -520,6 +528,7 @@ def compose_job_config(overrides: list[str]) -> JobConfig:
 
 
 __all__ = [
+    "CODE_OPTIONS",
     "CheckpointConfig",
     "ATTENTION_BACKENDS",
     "CONTEXT_KEYS",

@@ -46,7 +46,7 @@ from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
 from trainer.run_dir import RunDir, claim_run_dir
-from trainer.safety import redact_tree
+from trainer.safety import redact_tree, user_code
 from trainer.throughput import StepCounts, flop_params, model_flops, peak_tflops
 
 log = logging.getLogger("trainer")
@@ -114,6 +114,8 @@ class Trainer:
         self.owner: RunDir = claim_run_dir(cfg)
         self.run_dir = self.owner.path
         log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
+        if self.rank == 0 and (imported := user_code(asdict(cfg))):
+            log.warning("user code this run imports: %s", "; ".join(imported))
 
     def build_data(self, context: int | None) -> None:
         """The examples, held-out set and sampler (``trainer.pipeline``: the tools see the same ones)."""

@@ -104,10 +104,11 @@ def exit_preempted(result: dict) -> None:
 
 def main() -> None:
     register_configs()
-    from trainer.cli import check_group_choices, check_overrides
+    from trainer.cli import check_code_sources, check_group_choices, check_overrides
 
     check_group_choices(sys.argv[1:])
     check_overrides(sys.argv[1:])
+    check_code_sources(sys.argv[1:])  # before Hydra instantiates its callbacks, launcher and sweeper
     hydra_main()
 
 
