@@ -28,7 +28,7 @@ from omegaconf import OmegaConf
 
 from trainer import distributed
 from trainer.config import ConfigError, JobConfig
-from trainer.safety import redact_tree
+from trainer.safety import redact_argv, redact_tree
 
 log = logging.getLogger("trainer")
 
@@ -173,12 +173,29 @@ def choose_run_dir(cfg: JobConfig) -> Path:
 
 def multirun_job_tag() -> str:
     """In a Hydra multirun (``-m``): ``<job number>-<its overrides>``, so every job of a sweep gets its own
-    run directory that says what it ran; ``""`` otherwise."""
+    run directory that says what it ran (a secret-named key's value as ``***``); ``""`` otherwise."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return ""
-    job = HydraConfig.get().job
-    overrides = "".join(c if c.isalnum() or c in "=.,-_+" else "_" for c in job.override_dirname)
-    return f"{job.num}-{overrides}"[:120]
+    hydra_cfg = HydraConfig.get()
+    overrides = ",".join(sorted(redact_argv(list(hydra_cfg.overrides.task))))
+    overrides = "".join(c if c.isalnum() or c in "=.,-_+*" else "_" for c in overrides).replace("***", "redacted")
+    return f"{hydra_cfg.job.num}-{overrides}"[:120]
+
+
+def redact_sweep_file() -> None:
+    """Rewrite the sweep's ``multirun.yaml`` (Hydra writes the overrides and config there as given) with
+    secrets redacted; every job of the sweep calls it, the first one does the work."""
+    from hydra.core.hydra_config import HydraConfig
+
+    path = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    if not path.is_file():
+        return
+    saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    clean = redact_tree(saved)
+    if clean != saved:
+        tmp = path.with_name(f"multirun.yaml.{os.getpid()}")
+        tmp.write_text(OmegaConf.to_yaml(clean))
+        os.replace(tmp, path)

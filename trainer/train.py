@@ -57,7 +57,7 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
 def hydra_main(raw: DictConfig) -> dict | None:
     from trainer import distributed
     from trainer.guard import JobFailed
-    from trainer.run_dir import multirun_job_tag
+    from trainer.run_dir import multirun_job_tag, redact_sweep_file
 
     try:
         cfg = to_job_config(raw)
@@ -68,6 +68,8 @@ def hydra_main(raw: DictConfig) -> dict | None:
     multirun = bool(multirun_job_tag())
     if multirun:
         atexit.register(distributed.destroy_distributed)  # idempotent; after the sweep's last job
+        if distributed.is_rank0():
+            redact_sweep_file()
     try:
         result = run(cfg, keep_process_group=multirun)
     except JobFailed as e:
