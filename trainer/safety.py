@@ -4,15 +4,21 @@ Three rules, each enforced in one place:
 
 1. **``_target_`` allowlist.** Hydra's ``instantiate`` imports and calls whatever dotted path a config names,
    so ``optim.optimizer._target_=os.system`` on a command line (or in a shared sweep file) would run it.
-   Every ``_target_`` anywhere in the composed config must start with an allowed prefix and must not name
-   a known-dangerous callable; ``to_job_config`` checks this before anything is instantiated. Users extend
-   the allowlist with ``PACKFSDP_ALLOWED_TARGETS`` (comma-separated prefixes, e.g. ``mylib.optim.``) or
-   ``allow_targets("mylib.optim.")`` from a plugin. The allowlist is deliberately not a config key: an
-   override that could extend it could also use it.
+   Every ``_target_`` anywhere in the composed config is resolved (importing nothing outside an allowed
+   prefix, and failing when a step of the path is a module, so ``torch.optim.optimizer.torch.serialization.
+   shutil.copyfile`` cannot reach ``shutil``) and the object compared by identity with the built-in allowlist
+   (torch's optimizers and schedulers); ``to_job_config`` checks this before anything is instantiated, and
+   ``trainer.cli.check_code_sources`` checks Hydra's own ``hydra.callbacks`` / ``launcher`` / ``sweeper``
+   before Hydra starts. Users allow their own objects with ``PACKFSDP_ALLOWED_TARGETS`` (comma-separated
+   prefixes of the objects' own module names, e.g. ``mylib.optim.``) or ``allow_targets("mylib.optim.")`` from
+   a plugin. The allowlist is deliberately not a config key: an override that could extend it could also
+   use it.
 2. **Secrets never leave the process.** Values of secret-looking environment variables (``WANDB_API_KEY``,
-   ``HF_TOKEN``, anything named ``*_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``) and token-shaped
-   strings are replaced by ``***`` in every log line (a filter on the root handler), in the saved
-   ``config.yaml``, in error lines, in the config handed to wandb and in the command line wandb records.
+   ``HF_TOKEN``, anything named ``*_TOKEN``, ``*_KEY``, ``*_SECRET``, ``*_PASSWORD``), values of config keys
+   named like secrets (``secret_key``: ``token``, ``*_token``, ``api_key``, ``password``, ...; not
+   ``token_budget``) and token-shaped strings are replaced by ``***`` in every log line (a filter on the root
+   handler), in the saved ``config.yaml``, a sweep's ``multirun.yaml`` and run-folder names, in error lines,
+   in the config handed to wandb and in the command line wandb records.
 3. **No pickle from disk.** ``load_tensors`` reads safetensors, or ``torch.load`` with
    ``weights_only=True`` (a pickle that names anything but tensors and plain containers is refused with
    one line naming the file).
