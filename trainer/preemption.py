@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import threading
 import time
 from dataclasses import dataclass
 from types import FrameType
@@ -56,6 +57,9 @@ class StepBoundary:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> StepBoundary:
+        if threading.current_thread() is not threading.main_thread():  # Python takes signals there only
+            log.warning("training outside the main thread: SIGTERM/SIGUSR1 will not save a checkpoint first")
+            return self
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
         return self
