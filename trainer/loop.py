@@ -88,12 +88,13 @@ class Trainer:
             self.device,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
+        saved_config = redact_tree(asdict(cfg))  # what checkpoints and wandb keep of the config
         self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=redact_tree(asdict(cfg))
+            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=saved_config
         )
         self.checkpointer.check_writable()  # a read-only checkpoint dir fails now, not at the first save
         self.resume()
-        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=redact_tree(asdict(cfg)))
+        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
         log.info(
             "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
@@ -250,8 +251,8 @@ class Trainer:
         wall-clock cadence or a stop signal says so. Returns the stop signal's name, if any."""
         agreed = boundary.agree()
         if self.checkpointer.due(self.step, last_step) or agreed.clock_due or agreed.stop_signal:
-            self.last_checkpoint = self.save_checkpoint()
-            boundary.saved()
+            with boundary.saving_checkpoint():
+                self.last_checkpoint = self.save_checkpoint()
         return agreed.stop_signal
 
     def preempted(self, stop_signal: str) -> dict:

@@ -105,3 +105,34 @@ def test_slurm_script_forwards_the_signal_and_requeues(tmp_path):
     assert script.returncode == PREEMPTED_EXIT_CODE, err
     assert log.read_text().splitlines() == ["srun got USR1", "scontrol requeue 777"]
     assert "#SBATCH --signal=B:USR1@" in (REPO / "launch/slurm_hsdp.sbatch").read_text()
+
+
+def test_a_rank_stuck_after_the_signal_exits_and_one_that_saves_is_left_alone(monkeypatch):
+    """The watchdog (``trainer.preemption``): a signal with no step boundary in time ends the rank, as the
+    signal alone would have; a boundary in time, or a save in progress, does not."""
+    import os
+    import signal
+    import time
+
+    import torch
+
+    from trainer import preemption
+
+    stuck = []
+    monkeypatch.setattr(preemption, "MIN_GRACE_S", 0.2)
+    monkeypatch.setattr(preemption.StepBoundary, "_stuck", lambda self, signum: stuck.append(signum))
+    with preemption.StepBoundary(0, torch.device("cpu")) as boundary:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(0.5)
+    assert stuck == [signal.SIGUSR1]
+
+    stuck.clear()
+    before = signal.getsignal(signal.SIGTERM)
+    with preemption.StepBoundary(0, torch.device("cpu")) as boundary:
+        with boundary.saving_checkpoint():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.4)  # a long save is not cut short
+        assert stuck == [] and boundary.agree().stop_signal == "SIGTERM"
+        time.sleep(0.4)
+    assert stuck == []
+    assert signal.getsignal(signal.SIGTERM) == before  # outside the loop, nothing changed
