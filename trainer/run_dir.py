@@ -63,7 +63,11 @@ def claim_run_dir(cfg: JobConfig) -> RunDir:
     def claim() -> None:
         path = choose_run_dir(cfg)
         take_lock(path)
-        owner.append(RunDir(path, own_run_id(path, cfg.resume)))
+        try:
+            owner.append(RunDir(path, own_run_id(path, cfg.resume)))
+        except RunDirError:
+            (path / LOCK_FILE).unlink(missing_ok=True)  # refused: the directory stays as it was
+            raise
         (path / "config.yaml").write_text(OmegaConf.to_yaml(redact_tree(asdict(cfg))))
 
     distributed.on_rank0_then_all(claim)
@@ -94,14 +98,19 @@ def take_lock(path: Path) -> None:
     lock = path / LOCK_FILE
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
           "torchrun_id": os.environ.get("TORCHELASTIC_RUN_ID", "none"), "since": datetime.now().isoformat()}
+    try:  # no lock yet: create it exclusively, so two runs starting at once cannot both get it
+        with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
+            f.write(json.dumps(me))
+        return
+    except FileExistsError:
+        pass
     held = _read_json(lock)
-    if held and not _stale(held, me):
+    if not _stale(held, me):
         raise RunDirError(
             f"run_dir {path} is in use by pid {held.get('pid')} on {held.get('host')} since {held.get('since')}; "
             f"wait for that run to end, or delete {lock} if it is no longer running"
         )
-    if held:
-        log.info("taking over the stale lock of pid %s on %s (%s)", held.get("pid"), held.get("host"), lock)
+    log.info("taking over the stale lock of pid %s on %s (%s)", held.get("pid"), held.get("host"), lock)
     tmp = lock.with_name(f"{LOCK_FILE}.{os.getpid()}")
     tmp.write_text(json.dumps(me))
     os.replace(tmp, lock)
@@ -109,6 +118,8 @@ def take_lock(path: Path) -> None:
 
 def _stale(held: dict, me: dict) -> bool:
     """An earlier attempt of this job, or a process that is gone (same host: the pid and its start time)."""
+    if not held.get("pid"):  # unreadable or empty: its writer died between creating and writing it
+        return True
     if held.get("torchrun_id") not in (None, "none") and held.get("torchrun_id") == me["torchrun_id"]:
         return True
     if held.get("host") != me["host"]:
