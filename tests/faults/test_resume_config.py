@@ -63,15 +63,20 @@ def test_harmless_keys_pass(checkpoint):
           "checkpoint.every_minutes=5", "guard.nonfinite=stop", "stop_after_steps=10")
 
 
-def test_a_world_size_change_says_what_happens_to_tokens_per_step(checkpoint, monkeypatch, caplog):
+def test_a_world_size_change_says_what_happens_to_tokens_per_step(tmp_path, monkeypatch, caplog):
+    saved = Checkpointer(CheckpointConfig(), tmp_path, run_id="r", job_config=job_config("grad_accum=2"))
+    path = saved.save(3, make_state(), tokens_seen=30, total_steps=50)  # 1 rank x 2 micro-batches per step
     monkeypatch.setattr(Checkpointer, "__init__", _world(Checkpointer.__init__, 2))
     with caplog.at_level(logging.WARNING):
-        check(checkpoint)
+        check(path, "grad_accum=2", grad_accum=2)
     assert "resume on 2 rank(s), the checkpoint was saved on 1" in caplog.text
-    assert "tokens per step change by x2.00" in caplog.text
-    # Halving grad_accum on twice the ranks keeps the global batch: accepted, no refusal.
-    with pytest.raises(ConfigError):
-        check(checkpoint, "grad_accum=3", grad_accum=3)
+    assert "tokens per step change by x2.00" in caplog.text and "grad_accum=1 keeps it" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check(path, "grad_accum=1", grad_accum=1)  # the same global batch: accepted without allow_changes
+    assert "the global batch is kept" in caplog.text
+    with pytest.raises(ConfigError, match="grad_accum: 2 -> 3"):
+        check(path, "grad_accum=3", grad_accum=3)
 
 
 def _world(init, world):
