@@ -25,6 +25,11 @@ ATTENTION_BACKENDS = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa
 them (fastest first). ``trainer.model.attention.BACKENDS`` registers exactly these; the names live here so
 that validating a config never imports torch."""
 
+CODE_OPTIONS = {"data.plugins": "PACKFSDP_PLUGINS", "model.trust_remote_code": "PACKFSDP_TRUST_REMOTE_CODE"}
+"""Options that import user or remote code, and the environment variable that may set each instead of the
+command line (a config file may not: ``trainer.cli.check_code_sources``). ``PACKFSDP_PLUGINS`` is a
+comma-separated list added to ``data.plugins``; ``PACKFSDP_TRUST_REMOTE_CODE=1`` sets the flag."""
+
 CONTEXT_KEYS = ("n_positions", "max_position_embeddings")
 """Where a transformers config states the model's context length (GPT-2 names it ``n_positions``)."""
 
@@ -328,7 +333,10 @@ class EvalConfig:
 @dataclass
 class CheckpointConfig:
     every_steps: int = 0
-    """Save a checkpoint every N optimizer steps (``0``: only at the end)."""
+    """Save a checkpoint every N optimizer steps (``0``: by ``every_minutes`` and at the end only)."""
+    every_minutes: float = 30.0
+    """Also save when this many minutes of wall-clock time (rank 0's clock) passed since the last save or
+    the start (``0``: off), so a preempted or crashed run loses at most that much work by default."""
     at_end: bool = True
     """Save a checkpoint when training ends (or stops at ``stop_after_steps``)."""
     keep_last: int = 3
@@ -339,8 +347,8 @@ class CheckpointConfig:
     """Check every file against the manifest's SHA-256 before loading (catches flipped or truncated files)."""
 
     def validate(self) -> None:
-        if self.every_steps < 0 or self.keep_last < 0:
-            raise ConfigError("checkpoint.every_steps and checkpoint.keep_last must be >= 0")
+        if self.every_steps < 0 or self.keep_last < 0 or self.every_minutes < 0:
+            raise ConfigError("checkpoint.every_steps, checkpoint.every_minutes and checkpoint.keep_last must be >= 0")
 
 
 @dataclass
@@ -382,8 +390,14 @@ class JobConfig:
     """Explicit run directory (all ranks use it as is). Without it, a torchrun restart (same rendezvous id)
     reuses the directory of the attempt it restarts, so ``resume=auto`` finds that attempt's checkpoints."""
     resume: str = "none"
-    """``none``; ``auto`` (the latest complete checkpoint under the checkpoint dir, or a fresh start when
-    there is none); or the path of a checkpoint (``.../step_00000100``) or of a run / checkpoints dir."""
+    """``none``; ``auto`` (the latest complete checkpoint of this run under the checkpoint dir, or a fresh
+    start when there is none); or the path of a checkpoint (``.../step_00000100``) or of a run / checkpoints
+    dir. A new run (``none``) into a run dir that already holds a run is refused."""
+    resume_allow_changes: list[str] = field(default_factory=list)
+    """Keys (``data.loss_on``, ``grad_accum``, or a section such as ``optim``) whose change from the
+    checkpoint's config a resume accepts; any other change that alters the math is refused, naming the keys
+    (see ``trainer.checkpoint.config_check``). A flat key, not ``resume.allow_changes``: ``resume=auto``
+    must stay a plain value."""
     stop_after_steps: int | None = None
     """Leave the loop after this many steps (checkpointing first) while the schedule still spans
     ``max_steps``/``epochs``: a planned stop, e.g. before a job's time limit, to resume later."""
@@ -528,6 +542,9 @@ def to_job_config(cfg: Any) -> JobConfig:
         raise ConfigError("the composed config does not follow the JobConfig schema")
     _check_known_keys(cfg, job)
     job.data.cache_dir = str(Path(job.data.cache_dir).expanduser())
+    job.data.plugins += [p.strip() for p in os.environ.get(CODE_OPTIONS["data.plugins"], "").split(",") if p.strip()]
+    if os.environ.get(CODE_OPTIONS["model.trust_remote_code"], "") == "1":
+        job.model.trust_remote_code = True
     job.validate()
     from trainer.safety import check_targets  # late: safety's UnsafeTargetError is a ConfigError from here
 
@@ -557,6 +574,7 @@ def compose_job_config(overrides: list[str]) -> JobConfig:
 
 
 __all__ = [
+    "CODE_OPTIONS",
     "CheckpointConfig",
     "ATTENTION_BACKENDS",
     "CONTEXT_KEYS",

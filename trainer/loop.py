@@ -16,6 +16,7 @@ import logging
 import math
 import time
 from dataclasses import asdict
+from pathlib import Path
 
 import torch
 
@@ -43,8 +44,9 @@ from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
-from trainer.run_dir import agree_run_dir
-from trainer.safety import redact_tree
+from trainer.preemption import StepBoundary
+from trainer.run_dir import RunDir, claim_run_dir
+from trainer.safety import redact_tree, user_code
 from trainer.throughput import StepCounts, flop_params, model_flops, peak_tflops
 
 log = logging.getLogger("trainer")
@@ -54,6 +56,7 @@ class Trainer:
     def __init__(self, cfg: JobConfig) -> None:
         self.cfg = cfg
         self.step = 0
+        self.last_checkpoint: Path | None = None
         self.tokens_seen = 0
         """Label tokens trained on so far, over all ranks (restored on resume)."""
         self.setup()
@@ -85,9 +88,13 @@ class Trainer:
             self.device,
         )
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        self.checkpointer = Checkpointer(cfg.checkpoint, self.run_dir, cfg.seed)
+        saved_config = redact_tree(asdict(cfg))  # what checkpoints and wandb keep of the config
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=saved_config
+        )
+        self.checkpointer.check_writable()  # a read-only checkpoint dir fails now, not at the first save
         self.resume()
-        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=redact_tree(asdict(cfg)))
+        self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
         log.info(
             "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
@@ -105,8 +112,11 @@ class Trainer:
         setup_logging(self.rank)
         self.guard = StepGuard(cfg.guard, self.device)
         self.faults = FaultInjector.from_env(self.rank)
-        self.run_dir = agree_run_dir(cfg)
+        self.owner: RunDir = claim_run_dir(cfg)
+        self.run_dir = self.owner.path
         log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
+        if self.rank == 0 and (imported := user_code(asdict(cfg))):
+            log.warning("user code this run imports: %s", "; ".join(imported))
 
     def build_data(self, context: int | None) -> None:
         """The examples, held-out set and sampler (``trainer.pipeline``: the tools see the same ones)."""
@@ -132,17 +142,18 @@ class Trainer:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
 
     def resume(self) -> None:
-        """Restore everything from the checkpoint ``cfg.resume`` names (``auto``: the latest complete one)."""
+        """Restore everything from the checkpoint ``cfg.resume`` names (``auto``: this run's latest one that
+        verifies), after checking that its config allows it (``trainer.checkpoint.config_check``)."""
         path = self.checkpointer.resolve(self.cfg.resume)
-        if path is None:
-            return
-        restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
-        self.step, self.tokens_seen = restored.step, restored.tokens_seen
-        if self.rank == 0:
+        if path is not None:
+            self.checkpointer.check_config(path, self.cfg.resume_allow_changes, self.cfg.grad_accum)
+            restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
+            self.step, self.tokens_seen = restored.step, restored.tokens_seen
+        if self.rank == 0:  # steps (and evals) logged after the checkpoint, or by a restart from scratch
             trim_metrics(self.run_dir, self.step)
 
-    def save_checkpoint(self) -> None:
-        self.checkpointer.save(self.step, self.training_state(), self.tokens_seen, self.total_steps)
+    def save_checkpoint(self) -> Path:
+        return self.checkpointer.save(self.step, self.training_state(), self.tokens_seen, self.total_steps)
 
     def count_total_steps(self) -> int:
         if self.cfg.max_steps is not None:
@@ -216,8 +227,12 @@ class Trainer:
         if self.step >= end:  # e.g. a restart after the final checkpoint: the run is already complete
             log.info("resumed at step %d of %d: nothing left to train", self.step, end)
             self.metrics.close()
+            self.owner.release()
             return {"steps": 0, "resumed_step": self.step, "run_dir": str(self.run_dir)}
-        with ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar:
+        with (
+            StepBoundary(self.cfg.checkpoint.every_minutes, self.device) as boundary,
+            ProgressBar(self.total_steps, self.cfg.logger.progress_bar and self.rank == 0) as bar,
+        ):
             while self.step < end:
                 metrics = self.train_step()
                 self.summary.add(metrics)
@@ -226,9 +241,29 @@ class Trainer:
                     self.metrics.log(metrics)
                 if self.step == self.total_steps or (every and self.step % every == 0):
                     self.evaluate()
-                if self.checkpointer.due(self.step, last_step=self.step == end):
-                    self.save_checkpoint()
+                stop_signal = self.after_step(boundary, last_step=self.step == end)
+                if stop_signal and self.step < end:
+                    return self.preempted(stop_signal)
         return self.finish()
+
+    def after_step(self, boundary: StepBoundary, last_step: bool) -> str | None:
+        """At the step boundary every rank agrees on (one all-reduce): save when the step cadence, the
+        wall-clock cadence or a stop signal says so. Returns the stop signal's name, if any."""
+        agreed = boundary.agree()
+        if self.checkpointer.due(self.step, last_step) or agreed.clock_due or agreed.stop_signal:
+            with boundary.saving_checkpoint():
+                self.last_checkpoint = self.save_checkpoint()
+        return agreed.stop_signal
+
+    def preempted(self, stop_signal: str) -> dict:
+        """Stopped by a signal after this step's checkpoint: the entry point exits with
+        ``PREEMPTED_EXIT_CODE``, and ``resume=auto`` continues from that checkpoint exactly."""
+        log.warning("%s received: stopped after step %d with checkpoint %s; resume=auto continues from there",
+                    stop_signal, self.step, self.last_checkpoint)
+        self.metrics.close()
+        self.owner.release()
+        return {"preempted": stop_signal, "step": self.step, "checkpoint": str(self.last_checkpoint),
+                "run_dir": str(self.run_dir)}
 
     def evaluate(self) -> EvalMetrics | None:
         """Eval loss on the held-out split (packed batches; every rank takes part)."""
@@ -258,6 +293,7 @@ class Trainer:
             "run_dir": str(self.run_dir),
         } | self.metrics.wall_clock()
         self.metrics.close()
+        self.owner.release()
         if self.rank == 0:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(json_safe(result), indent=2))
             log.info(

@@ -311,21 +311,22 @@ class MetricsLogger:
 
 
 def trim_metrics(run_dir: Path, step: int) -> None:
-    """Drop ``metrics.jsonl`` records after ``step`` (logged by an attempt that died before its next
-    checkpoint): the resumed run logs those steps again, once."""
-    path = Path(run_dir) / METRICS_FILE
-    if not path.is_file():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            if json.loads(line).get("step", 0) <= step:
-                kept.append(line)
-        except ValueError:  # a line cut short when the attempt died
+    """Drop ``metrics.jsonl`` and ``eval.jsonl`` records after ``step`` (logged by an attempt that died before
+    its next checkpoint): the resumed run logs those steps again, once."""
+    for name in (METRICS_FILE, EVAL_FILE):
+        path = Path(run_dir) / name
+        if not path.is_file():
             continue
-    tmp = path.with_suffix(".jsonl.tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+        kept = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line).get("step", 0) <= step:
+                    kept.append(line)
+            except ValueError:  # a line cut short when the attempt died
+                continue
+        tmp = path.with_suffix(".jsonl.tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, path)
 
 
 def read_metrics(run_dir: Path) -> list[StepMetrics]:

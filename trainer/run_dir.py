@@ -1,64 +1,212 @@
-"""The run directory: where a job's config, metrics and checkpoints go, agreed on by every rank."""
+"""The run directory: where a job's config, metrics and checkpoints go, agreed on by every rank and owned by
+one run.
+
+Ownership (``claim_run_dir``):
+
+- ``run.json`` names the run that lives in the directory (a random run id). Checkpoints carry it, and
+  ``resume=auto`` and pruning only consider the checkpoints of this run.
+- A new run (``resume=none``) into a directory that already holds a run is refused with one line: it would
+  mix two runs' metrics and checkpoints. ``resume=auto`` (or a path) continues the run that is there; a
+  torchrun restart of the same job (same rendezvous id) continues it too.
+- ``.lock`` (host, pid, rendezvous id) refuses a second run while one is using the directory. A lock is
+  stale, and taken over, when its process is gone (same host) or it was left by an earlier attempt of this
+  very job (a torchrun restart or a SLURM requeue: same rendezvous id).
+"""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
-from dataclasses import asdict
+import socket
+import uuid
+from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from trainer import distributed
-from trainer.config import JobConfig
-from trainer.safety import redact_tree
+from trainer.config import ConfigError, JobConfig
+from trainer.safety import redact_argv, redact_tree
 
 log = logging.getLogger("trainer")
 
 
-def agree_run_dir(cfg: JobConfig) -> Path:
+RUN_FILE = "run.json"
+LOCK_FILE = ".lock"
+PREVIOUS_RUN_SIGNS = (RUN_FILE, "metrics.jsonl", "checkpoints")
+"""Files a run leaves in its directory: any of them means the directory already holds a run."""
+
+
+class RunDirError(ConfigError):
+    """The run directory belongs to another run, or is in use (fix the command: exit code 2)."""
+
+
+@dataclass
+class RunDir:
+    path: Path
+    run_id: str
+    """The run living in ``path`` (from ``run.json``); checkpoints carry it."""
+
+    def release(self) -> None:
+        """Remove this process's lock (rank 0; at the end of a run or after a preemption checkpoint)."""
+        lock = self.path / LOCK_FILE
+        if distributed.is_rank0() and _read_json(lock).get("pid") == os.getpid():
+            lock.unlink(missing_ok=True)
+
+
+def claim_run_dir(cfg: JobConfig) -> RunDir:
+    """The agreed run directory, locked and owned (see the module doc); refusals fail on every rank."""
+    owner: list[RunDir] = []
+
+    def claim() -> None:
+        path = choose_run_dir(cfg)
+        take_lock(path)
+        try:
+            owner.append(RunDir(path, own_run_id(path, cfg.resume)))
+        except RunDirError:
+            (path / LOCK_FILE).unlink(missing_ok=True)  # refused: the directory stays as it was
+            raise
+        (path / "config.yaml").write_text(OmegaConf.to_yaml(redact_tree(asdict(cfg))))
+
+    distributed.on_rank0_then_all(claim)
+    path, run_id = distributed.broadcast_object((str(owner[0].path), owner[0].run_id) if owner else None)
+    return RunDir(Path(path), run_id)
+
+
+def own_run_id(path: Path, resume: str) -> str:
+    """The run id of ``path``: the recorded one when this start continues it, a new one for a new run."""
+    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    recorded = _read_json(path / RUN_FILE)
+    restart = job != "none" and recorded.get("torchrun_id") == job
+    if recorded.get("run_id") and (resume not in ("none", "") or restart):
+        return recorded["run_id"]
+    previous = [name for name in PREVIOUS_RUN_SIGNS if (path / name).exists()]
+    if previous and resume in ("none", ""):
+        raise RunDirError(
+            f"run_dir {path} already holds a run ({', '.join(previous)}); add resume=auto to continue it, "
+            "or give a new run_dir"
+        )
+    run_id = uuid.uuid4().hex[:12]
+    (path / RUN_FILE).write_text(json.dumps({"run_id": run_id, "torchrun_id": job, "created": datetime.now().isoformat()}))
+    return run_id
+
+
+def take_lock(path: Path) -> None:
+    """Create ``<path>/.lock`` for this process, taking over a stale one; refuse a live one."""
+    lock = path / LOCK_FILE
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
+          "torchrun_id": os.environ.get("TORCHELASTIC_RUN_ID", "none"), "since": datetime.now().isoformat()}
+    try:  # no lock yet: create it exclusively, so two runs starting at once cannot both get it
+        with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
+            f.write(json.dumps(me))
+        return
+    except FileExistsError:
+        pass
+    held = _read_json(lock)
+    if not _stale(held, me):
+        raise RunDirError(
+            f"run_dir {path} is in use by pid {held.get('pid')} on {held.get('host')} since {held.get('since')}; "
+            f"wait for that run to end, or delete {lock} if it is no longer running"
+        )
+    log.info("taking over the stale lock of pid %s on %s (%s)", held.get("pid"), held.get("host"), lock)
+    tmp = lock.with_name(f"{LOCK_FILE}.{os.getpid()}")
+    tmp.write_text(json.dumps(me))
+    os.replace(tmp, lock)
+
+
+def _stale(held: dict, me: dict) -> bool:
+    """An earlier attempt of this job, or a process that is gone (same host: the pid and its start time)."""
+    if not held.get("pid"):  # unreadable or empty: its writer died between creating and writing it
+        return True
+    if held.get("torchrun_id") not in (None, "none") and held.get("torchrun_id") == me["torchrun_id"]:
+        return True
+    if held.get("host") != me["host"]:
+        return False
+    pid = held.get("pid")
+    if pid == me["pid"]:  # an earlier job of this process (a multirun sweep, a test) that did not release it
+        return True
+    return not isinstance(pid, int) or _process_start(pid) is None or _process_start(pid) != held.get("started")
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (Linux ``/proc``; the pid alone may be reused), or ``None`` if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass
+        return "unknown"
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def choose_run_dir(cfg: JobConfig) -> Path:
     """Rank 0 picks the run directory (``run_dir`` or ``<output_root>/<name>/<timestamp>``) and every rank
-    takes it from there, so ranks started in different seconds never disagree.
+    takes it from there (``claim_run_dir``), so ranks started in different seconds never disagree.
 
     A torchrun restart (``--max-restarts``) starts fresh processes in a later second; they must find the
     checkpoints of the attempt they replace. Torchrun gives every attempt of one job the same rendezvous id
     (``TORCHELASTIC_RUN_ID``: ``--rdzv-id``, or a random id per ``--standalone`` launch), so rank 0 records
     the directory it chose under that id and a restarted attempt takes it from there."""
-    chosen = None
-    if distributed.is_rank0():
-        job = multirun_job_tag()
-        run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-        marker = Path(cfg.output_root) / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
-        if cfg.run_dir:
-            chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
-        elif marker is not None and marker.is_file():
-            chosen = Path(marker.read_text().strip())
-            log.info("torchrun attempt %s of run %s: reusing %s",
-                     os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), run_id, chosen)
-        else:
-            stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
-            chosen = Path(cfg.output_root) / cfg.name / stamp
-            suffix = 1
-            while chosen.exists():
-                chosen = Path(cfg.output_root) / cfg.name / f"{stamp}-{suffix}"
-                suffix += 1
-            if marker is not None:
-                marker.parent.mkdir(parents=True, exist_ok=True)
-                marker.write_text(str(chosen))
-        chosen.mkdir(parents=True, exist_ok=True)
-        (chosen / "config.yaml").write_text(OmegaConf.to_yaml(redact_tree(asdict(cfg))))
-    return Path(distributed.broadcast_object(str(chosen) if chosen else None))
+    job = multirun_job_tag()
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    marker = Path(cfg.output_root) / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
+    if cfg.run_dir:
+        chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
+    elif marker is not None and marker.is_file():
+        chosen = Path(marker.read_text().strip())
+        log.info("torchrun attempt %s of run %s: reusing %s",
+                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), run_id, chosen)
+    else:
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
+        chosen = Path(cfg.output_root) / cfg.name / stamp
+        suffix = 1
+        while chosen.exists():
+            chosen = Path(cfg.output_root) / cfg.name / f"{stamp}-{suffix}"
+            suffix += 1
+        if marker is not None:
+            marker.parent.mkdir(parents=True, exist_ok=True)
+            marker.write_text(str(chosen))
+    chosen.mkdir(parents=True, exist_ok=True)
+    return chosen
 
 
 def multirun_job_tag() -> str:
     """In a Hydra multirun (``-m``): ``<job number>-<its overrides>``, so every job of a sweep gets its own
-    run directory that says what it ran; ``""`` otherwise."""
+    run directory that says what it ran (a secret-named key's value as ``***``); ``""`` otherwise."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return ""
-    job = HydraConfig.get().job
-    overrides = "".join(c if c.isalnum() or c in "=.,-_+" else "_" for c in job.override_dirname)
-    return f"{job.num}-{overrides}"[:120]
+    hydra_cfg = HydraConfig.get()
+    overrides = ",".join(sorted(redact_argv(list(hydra_cfg.overrides.task))))
+    overrides = "".join(c if c.isalnum() or c in "=.,-_+*" else "_" for c in overrides).replace("***", "redacted")
+    return f"{hydra_cfg.job.num}-{overrides}"[:120]
+
+
+def redact_sweep_file() -> None:
+    """Rewrite the sweep's ``multirun.yaml`` (Hydra writes the overrides and config there as given) with
+    secrets redacted; every job of the sweep calls it, the first one does the work."""
+    from hydra.core.hydra_config import HydraConfig
+
+    path = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
+    if not path.is_file():
+        return
+    saved = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    clean = redact_tree(saved)
+    if clean != saved:
+        tmp = path.with_name(f"multirun.yaml.{os.getpid()}")
+        tmp.write_text(OmegaConf.to_yaml(clean))
+        os.replace(tmp, path)

@@ -33,6 +33,8 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     No teardown barrier after an error: the other ranks may be blocked in a collective this rank will never
     join, so a barrier would hang both until the timeout. Exiting lets torchrun stop the job (or restart
     it, with --max-restarts) at once."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     from trainer import distributed
     from trainer.guard import describe_failure
     from trainer.loop import Trainer
@@ -41,7 +43,7 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     try:
         trainer = Trainer(cfg)
         result = trainer.train()
-    except Exception as e:
+    except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         where = f"step {trainer.step + 1}" if trainer is not None else "setup"
         raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
     if keep_process_group:
@@ -55,7 +57,7 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
 def hydra_main(raw: DictConfig) -> dict | None:
     from trainer import distributed
     from trainer.guard import JobFailed
-    from trainer.run_dir import multirun_job_tag
+    from trainer.run_dir import multirun_job_tag, redact_sweep_file
 
     try:
         cfg = to_job_config(raw)
@@ -66,8 +68,10 @@ def hydra_main(raw: DictConfig) -> dict | None:
     multirun = bool(multirun_job_tag())
     if multirun:
         atexit.register(distributed.destroy_distributed)  # idempotent; after the sweep's last job
+        if distributed.is_rank0():
+            redact_sweep_file()
     try:
-        return run(cfg, keep_process_group=multirun)
+        result = run(cfg, keep_process_group=multirun)
     except JobFailed as e:
         if e.own and e.exit_code == 1:  # this rank's own unexpected error: its traceback helps
             log.error("failed", exc_info=e.__cause__)
@@ -81,15 +85,33 @@ def hydra_main(raw: DictConfig) -> dict | None:
             distributed.store_barrier("failed", timeout_s=10)
         # No collective and no process-group destructor: either could wait forever on a dead or stuck peer.
         os._exit(e.exit_code)
+    if result.get("preempted"):
+        exit_preempted(result)
+    return result
+
+
+def exit_preempted(result: dict) -> None:
+    """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank, ``PREEMPTED_EXIT_CODE``."""
+    from trainer import distributed
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
+    sys.stderr.write(
+        f"packfsdp: rank {distributed.rank()}: preempted ({result['preempted']}) after step {result['step']}: "
+        f"checkpoint {result['checkpoint']} saved; run again with resume=auto to continue "
+        f"(exit code {PREEMPTED_EXIT_CODE})\n"
+    )
+    sys.stderr.flush()
+    sys.exit(PREEMPTED_EXIT_CODE)
 
 
 def main() -> None:
     register_configs()
     sys.argv[1:] = open_mapping_overrides(sys.argv[1:])  # before Hydra reads them
-    from trainer.cli import check_group_choices, check_overrides
+    from trainer.cli import check_code_sources, check_group_choices, check_overrides
 
     check_group_choices(sys.argv[1:])
     check_overrides(sys.argv[1:])
+    check_code_sources(sys.argv[1:])  # before Hydra instantiates its callbacks, launcher and sweeper
     hydra_main()
 
 

@@ -45,7 +45,7 @@ def test_bad_line_is_an_error_naming_file_and_line_or_a_counted_skip(tmp_path, c
     with caplog.at_level(logging.WARNING):
         records = load_records(_cfg(path, on_bad_record="skip"))
     assert len(records) == 2 and records.skipped_bad == 1
-    assert f"skipped bad" in caplog.text and f"{path}:{line}" in caplog.text
+    assert "skipped bad" in caplog.text and f"{path}:{line}" in caplog.text
 
 
 def test_empty_file_is_an_error_or_a_counted_skip(tmp_path):

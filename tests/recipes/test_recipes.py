@@ -98,7 +98,7 @@ def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
 
 OWN_RECIPE = """\
 # @package _global_
-# python -m trainer.train hydra.searchpath=[file://myconf] recipe=faq_sft
+# python -m trainer.train hydra.searchpath=[file://myconf] recipe=faq_sft data.plugins=[my_sources.py]
 defaults:
   - override /model: qwen2_tiny
   - override /packing: bfd
@@ -109,7 +109,6 @@ max_steps: 2
 data:
   source: faq_lines
   path: faq.tsv
-  plugins: [my_sources.py]
 parallel:
   device: cpu
 optim:
@@ -143,7 +142,8 @@ def test_own_recipe_and_source_from_a_folder_outside_the_package(tmp_path):
              for i in range(120)]
     (tmp_path / "faq.tsv").write_text("\n".join(lines) + "\n")
 
-    proc = python_train(["hydra.searchpath=[file://myconf]", "recipe=faq_sft"], cwd=tmp_path)
+    # data.plugins imports code: taken from the command line only, never from a YAML (trainer.cli)
+    proc = python_train(["hydra.searchpath=[file://myconf]", "recipe=faq_sft", "data.plugins=[my_sources.py]"], cwd=tmp_path)
     assert_ok(proc)
     assert "data faq_lines: 120 records -> 120 examples" in proc.stderr + proc.stdout
     (run,) = (tmp_path / "outputs" / "faq_sft").iterdir()

@@ -18,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 
 from trainer import distributed
+from trainer.checkpoint.config_check import JOB_CONFIG, check_resume_config, warn_world_size
 from trainer.checkpoint.discovery import (
     FORMAT_VERSION,
     HF_DIR,
@@ -35,13 +37,15 @@ from trainer.checkpoint.discovery import (
     CheckpointError,
     checkpoint_name,
     complete_checkpoints,
+    dcp_failure,
     find_checkpoint,
-    latest_checkpoint,
+    is_checkpoint_name,
+    read_json,
 )
-from trainer.checkpoint.manifest import fsync_dir, verify_checkpoint, write_manifest
+from trainer.checkpoint.manifest import file_stamps, fsync_dir, verify_checkpoint, write_manifest
 from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
-from trainer.config import CheckpointConfig
+from trainer.config import CheckpointConfig, ConfigError
 from trainer.safety import redact_tree
 
 log = logging.getLogger("trainer.checkpoint")
@@ -86,13 +90,50 @@ class Checkpointer:
         cfg: the checkpoint config.
         run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints`` unless ``cfg.dir`` is set).
         seed: the run's seed (re-seeds RNGs when a checkpoint was taken on a different world size).
+        run_id: the run the checkpoints belong to (``trainer.run_dir``): saved in each, and ``resume=auto``
+            and pruning consider only this run's checkpoints. ``None``: every checkpoint is this run's.
+        job_config: the run's (redacted) config, saved in each checkpoint for ``check_config``.
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: Path, seed: int = 0) -> None:
+    def __init__(
+        self, cfg: CheckpointConfig, run_dir: Path, seed: int = 0, run_id: str | None = None,
+        job_config: dict | None = None,
+    ) -> None:
         self.cfg = cfg
         self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
         self.seed = seed
+        self.run_id, self.job_config = run_id, job_config
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        self._verified: tuple[Path, tuple] | None = None
+        """The checkpoint ``resolve`` already verified (rank 0), so ``load`` does not hash it twice."""
+
+    def check_writable(self) -> None:
+        """Fail on every rank, now, when the checkpoint dir cannot be written (not at the first save)."""
+
+        def probe() -> None:
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                probe_file = self.dir / f".write_probe.{os.getpid()}"
+                probe_file.write_bytes(b"")
+                probe_file.unlink()
+            except OSError as e:
+                raise ConfigError(
+                    f"checkpoint dir {self.dir} is not writable ({e.strerror or e}); fix its permissions or set "
+                    "checkpoint.dir to a writable folder"
+                ) from None
+
+        distributed.on_rank0_then_all(probe)
+
+    def own(self, path: Path) -> bool:
+        """Whether a checkpoint belongs to this run (one saved before run ids existed counts as this run's)."""
+        if self.run_id is None:
+            return True
+        saved = read_json(path / TRAINER_STATE).get("run_id")
+        return saved in (None, self.run_id)
+
+    def own_checkpoints(self) -> list[Path]:
+        """This run's complete checkpoints, oldest first; another run's are never resumed or pruned."""
+        return [p for p in complete_checkpoints(self.dir) if self.own(p)]
 
     def due(self, step: int, last_step: bool) -> bool:
         """Whether to save after ``step`` (``last_step``: the loop ends after this step)."""
@@ -104,13 +145,46 @@ class Checkpointer:
         if resume in ("none", "", None):
             return None
         if resume == "auto":
-            path = latest_checkpoint(self.dir) if distributed.is_rank0() else None
+            path = self.latest_verified() if distributed.is_rank0() else None
         else:
             path = find_checkpoint(resume) if distributed.is_rank0() else None
         path = distributed.broadcast_object(str(path) if path else None)
         if resume == "auto" and path is None:
             log.info("resume=auto: no complete checkpoint in %s; starting from scratch", self.dir)
         return Path(path) if path else None
+
+    def latest_verified(self) -> Path | None:
+        """This run's newest checkpoint that verifies; a damaged newer one is skipped with a warning."""
+        others = [p.name for p in complete_checkpoints(self.dir) if not self.own(p)]
+        if others:
+            log.warning("resume=auto: ignoring %d checkpoint(s) of another run in %s (%s)",
+                        len(others), self.dir, ", ".join(others[:3]))
+        for path in reversed(self.own_checkpoints()):
+            try:
+                if self.cfg.verify:
+                    verify_checkpoint(path)
+            except CheckpointError as e:
+                log.warning("resume=auto: skipping %s, it does not verify: %s", path.name, e)
+                continue
+            self._verified = (path, file_stamps(path))
+            return path
+        return None
+
+    def check_config(self, path: Path, allowed: list[str], grad_accum: int) -> None:
+        """Refuse (on every rank) a resume whose config changes what is trained (``config_check``)."""
+
+        def check() -> None:
+            state = read_json(path / TRAINER_STATE)
+            saved = read_json(path / JOB_CONFIG)
+            if not saved or self.job_config is None:
+                log.warning("%s records no job config: the resume cannot check for changed settings", path)
+                if state.get("world_size", self.world_size) != self.world_size:
+                    warn_world_size(grad_accum, state["world_size"], self.world_size, grad_accum)
+                return
+            check_resume_config(saved, self.job_config, allowed, state.get("world_size", self.world_size),
+                                self.world_size, str(path))
+
+        distributed.on_rank0_then_all(check)
 
     # ------------------------------------------------------------------------------------------------ save
     def save(self, step: int, state: TrainingState, tokens_seen: int, total_steps: int) -> Path:
@@ -130,12 +204,16 @@ class Checkpointer:
                 module.reshard()
         model_sd = get_model_state_dict(state.model)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
+        try:
+            dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
+        except CheckpointException as e:  # a BaseException (a full disk, a lost mount): one line, not a trace
+            raise dcp_failure(e, f"saving checkpoint {final}") from None
         save_file(rng_tensors(), str(tmp / "rng" / f"rank_{self.rank:05d}.safetensors"))
         if distributed.is_rank0():
             scheduler = {k: v for k, v in state.scheduler.state_dict().items() if k != "lr_lambdas"}
             trainer_state = {
                 "format": FORMAT_VERSION,
+                "run_id": self.run_id,
                 "step": step,
                 "tokens_seen": tokens_seen,
                 "total_steps": total_steps,
@@ -145,6 +223,8 @@ class Checkpointer:
                 "optimizer_param_groups": optim_sd["param_groups"],
             }
             (tmp / TRAINER_STATE).write_text(json.dumps(trainer_state, indent=1, default=_jsonable))
+            if self.job_config is not None:
+                (tmp / JOB_CONFIG).write_text(json.dumps(self.job_config, indent=1, default=str))
             save_hf_assets(state, tmp / HF_DIR)
         distributed.barrier()  # every rank's files are on disk
 
@@ -170,16 +250,32 @@ class Checkpointer:
         fsync_dir(self.dir)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
-        if self.cfg.keep_last > 0:
-            for old in complete_checkpoints(self.dir)[: -self.cfg.keep_last]:
-                shutil.rmtree(old, ignore_errors=True)
+        if self.cfg.keep_last > 0:  # this run's only; keep_last counts the one just written, never pruned
+            others = [p for p in self.own_checkpoints() if p != final]
+            for old in others[: max(len(others) - (self.cfg.keep_last - 1), 0)]:
+                # Renamed first: a kill during the removal leaves a folder that is never loaded, not a
+                # step folder that lost its manifest half-way through.
+                doomed = old.with_name(old.name + ".pruned")
+                os.replace(old, doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
+        self.clean_orphans()
+
+    def clean_orphans(self) -> None:
+        """Leftovers of a kill (a step folder without a manifest, a half-pruned or replaced one): never
+        loadable, so removed. ``.tmp`` folders are the next save's to clear."""
+        for path in self.dir.glob("step_*"):
+            if not path.is_dir() or path.name.endswith(".tmp"):
+                continue
+            if not is_checkpoint_name(path.name) or not (path / MANIFEST).is_file():
+                log.info("removing %s: left incomplete by an interrupted save or prune", path)
+                shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, path: Path, state: TrainingState, total_steps: int) -> Restored:
         """Restore ``state`` from ``path``; returns the step and tokens seen to continue from."""
         start = time.perf_counter()
         def verify() -> None:  # rank 0 reads every file once; a bad checkpoint fails on every rank
-            if self.cfg.verify:
+            if self.cfg.verify and self._verified != (path, file_stamps(path)):
                 verify_checkpoint(path)
             elif not (path / MANIFEST).is_file():
                 raise CheckpointError(f"{path} is incomplete (no {MANIFEST})")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -16,8 +17,31 @@ class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not fit this run."""
 
 
+def dcp_failure(exc: BaseException, what: str) -> CheckpointError:
+    """DCP's ``CheckpointException`` (a ``BaseException``, so ``except Exception`` misses it, and its text is a
+    traceback per rank) as a ``CheckpointError`` of one line naming the first failing rank and its error."""
+    failures = getattr(exc, "failures", {}) or {}
+    if not failures:
+        return CheckpointError(f"{what} failed: {type(exc).__name__}: {str(exc).strip().splitlines()[0]}")
+    rank, (cause, _) = min(failures.items())
+    text = str(cause).strip().splitlines()[0] if str(cause).strip() else ""
+    return CheckpointError(f"{what} failed on rank {rank}: {type(cause).__name__}: {text}")
+
+
 def checkpoint_name(step: int) -> str:
     return f"step_{step:08d}"
+
+
+def is_checkpoint_name(name: str) -> bool:
+    return _NAME.match(name) is not None
+
+
+def read_json(path: Path) -> dict:
+    """A small JSON file of a checkpoint (``{}`` when it is missing or unreadable)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return {}
 
 
 def complete_checkpoints(directory: str | Path) -> list[Path]:

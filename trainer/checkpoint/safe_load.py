@@ -14,7 +14,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from trainer.checkpoint.discovery import CheckpointError
+from trainer.checkpoint.discovery import CheckpointError, dcp_failure
 
 
 def _metadata_classes() -> dict[tuple[str, str], Any]:
@@ -85,9 +85,14 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
 def load_tensors(state: dict, path: str | Path) -> None:
     """Fill ``state`` (nested dicts of tensors / DTensors) in place from the DCP checkpoint at ``path``.
     Works in a process group of any size and without one (full tensors)."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     reader = SafeFileSystemReader(str(path))
     reader.read_metadata()  # refused metadata raises CheckpointError here, not wrapped inside DCP's errors
-    dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    try:
+        dcp.load(state, storage_reader=reader, planner=TensorOnlyLoadPlanner())
+    except CheckpointException as e:
+        raise dcp_failure(e, f"loading {path}") from None
 
 
 def read_full_tensors(path: str | Path, prefix: str = "") -> dict[str, torch.Tensor]:

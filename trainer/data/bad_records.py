@@ -13,8 +13,11 @@ reaches ``DatasetStats.dropped_bad`` so the run's log and summary show it. Nothi
 
 from __future__ import annotations
 
+import codecs
+import json
 import logging
 from collections.abc import Iterator
+from typing import Any
 from pathlib import Path
 
 log = logging.getLogger(__name__)
@@ -67,10 +70,21 @@ def utf8_lines(path: Path, bad: BadRecords) -> Iterator[tuple[int, str]]:
     with its line (a plain ``open(encoding="utf-8")`` fails somewhere inside a read buffer, without one)."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
+            if n == 1 and raw.startswith(codecs.BOM_UTF8):  # Excel's "CSV UTF-8" starts with a byte-order mark
+                raw = raw[len(codecs.BOM_UTF8):]
             try:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError as e:
                 bad.bad(f"{path}:{n}", f"not UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1})", "line")
+
+
+def parse_json(text: str) -> Any:
+    """``json.loads`` whose failures are all ``ValueError``: a value nested too deeply (``[[[[...``) makes the
+    parser recurse past Python's limit and raise ``RecursionError``, which would escape the bad-record path."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to read") from None
 
 
 def check_not_empty(path: Path, rows_in_file: int, bad: BadRecords) -> None:

@@ -126,12 +126,14 @@ def dailydialog(cfg: DataConfig) -> list[Record]:
         bad = BadRecords(cfg.on_bad_record, cfg.source)
         return bad.finish([{"turns": turns} for turns in read_dailydialog_text(path, bad)])
     if path.is_file() and path.suffix == ".parquet":
-        return [{"turns": turns} for turns in read_dialog_parquet([path])]
+        bad = BadRecords(cfg.on_bad_record, cfg.source)
+        return bad.finish([{"turns": turns} for turns in read_dialog_parquet([path], bad)])
     if path.is_dir():
         files = sorted(path.rglob(f"*{cfg.split}*.parquet")) or sorted(path.rglob("*.parquet"))
-        text = sorted(path.rglob(f"dialogues_text.txt"))
+        text = sorted(path.rglob("dialogues_text.txt"))
         if files:
-            return [{"turns": turns} for turns in read_dialog_parquet(files)]
+            bad = BadRecords(cfg.on_bad_record, cfg.source)
+            return bad.finish([{"turns": turns} for turns in read_dialog_parquet(files, bad)])
         if text:
             bad = BadRecords(cfg.on_bad_record, cfg.source)
             return bad.finish([{"turns": turns} for turns in read_dailydialog_text(text[0], bad)])
@@ -147,16 +149,14 @@ def read_dailydialog_text(path: Path, bad: BadRecords | None = None) -> list[lis
     return [[u.strip() for u in line.split("__eou__") if u.strip()] for _, line in utf8_lines(path, bad or BadRecords())]
 
 
-def read_dialog_parquet(files: list[Path]) -> list[list[str]]:
-    import pyarrow.parquet as pq
-
+def read_dialog_parquet(files: list[Path], bad: BadRecords | None = None) -> list[list[str]]:
+    """Rows with a ``dialog`` list; an unreadable file follows ``bad`` (an error naming it, or a skip)."""
     dialogs = []
     for file in files:
-        table = pq.read_table(file)
-        if "dialog" not in table.column_names:
-            raise ValueError(f"{file}: no 'dialog' column (columns: {', '.join(table.column_names)})")
-        for row in table.column("dialog").to_pylist():
-            dialogs.append([u.strip() for u in (row or []) if u and u.strip()])
+        rows = read_parquet([file], bad or BadRecords())
+        if rows and "dialog" not in rows[0]:
+            raise ValueError(f"{file}: no 'dialog' column (columns: {', '.join(rows[0])})")
+        dialogs += [[u.strip() for u in (row["dialog"] or []) if u and u.strip()] for row in rows]
     return dialogs
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
-from trainer.data.bad_records import BadRecords, check_not_empty, utf8_lines
+from trainer.data.bad_records import BadRecords, check_not_empty, parse_json, utf8_lines
 from trainer.data.pretokenized import TOKEN_FIELDS
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
@@ -65,9 +65,12 @@ def read_jsonl(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                value = json.loads(line.rstrip("\r\n"))
+                value = parse_json(line.rstrip("\r\n"))
             except json.JSONDecodeError as e:
                 bad.bad(f"{file}:{n}", f"not valid JSON ({e.msg}, column {e.colno})", "line")
+                continue
+            except ValueError as e:
+                bad.bad(f"{file}:{n}", f"not readable JSON ({e})", "line")
                 continue
             if not isinstance(value, dict):
                 bad.bad(f"{file}:{n}", f"a JSON {type(value).__name__}, not an object", "line")
@@ -83,21 +86,40 @@ def read_parquet(files: list[Path], bad: BadRecords | None = None) -> list[dict]
     bad = bad or BadRecords()
     rows = []
     for file in files:
-        table = pq.read_table(file).to_pylist()
+        try:
+            table = pq.read_table(file).to_pylist()
+        except (OSError, ValueError) as e:  # pyarrow's ArrowInvalid is a ValueError, ArrowIOError an OSError
+            bad.bad(str(file), f"not a readable Parquet file ({str(e).strip().splitlines()[0]})", "file")
+            continue
         rows += [_row(r, f"{file} row {i}") for i, r in enumerate(table)]
         check_not_empty(file, len(table), bad)
     return rows
 
 
+CSV_FIELD_LIMIT = 1 << 30
+"""Largest CSV cell read (bytes); Python's default, 128 KiB, is smaller than one long document."""
+
+
 def read_csv(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
     bad = bad or BadRecords()
     rows = []
-    for file in files:
-        before = len(rows)
-        reader = csv.DictReader(line for _, line in utf8_lines(file, bad))
-        for values in reader:
-            rows.append(_row(values, f"{file}:{reader.line_num}"))
-        check_not_empty(file, len(rows) - before, bad)
+    previous_limit = csv.field_size_limit(CSV_FIELD_LIMIT)
+    try:
+        for file in files:
+            before = len(rows)
+            reader = csv.DictReader(line for _, line in utf8_lines(file, bad))
+            while True:
+                try:
+                    values = next(reader)
+                except StopIteration:
+                    break
+                except csv.Error as e:  # a malformed row: the reader resumes at the next line
+                    bad.bad(f"{file}:{reader.reader.line_num}", f"not a valid CSV row ({e})")
+                    continue
+                rows.append(_row(values, f"{file}:{reader.line_num}"))
+            check_not_empty(file, len(rows) - before, bad)
+    finally:
+        csv.field_size_limit(previous_limit)
     return rows
 
 
@@ -178,9 +200,11 @@ def normalise_messages(value, role_key: str | None, content_key: str | None, rol
         return []
     if isinstance(value, str):
         try:
-            value = json.loads(value)
+            value = parse_json(value)
         except json.JSONDecodeError as e:
             raise ValueError(f"{where}: the messages cell is a string but not JSON ({e.msg})") from None
+        except ValueError as e:
+            raise ValueError(f"{where}: the messages cell is not readable JSON ({e})") from None
     if not isinstance(value, list):
         raise ValueError(f"{where}: messages must be a list, got {type(value).__name__}")
     out = []

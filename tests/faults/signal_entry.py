@@ -1,0 +1,31 @@
+"""``python -m tests.faults.signal_entry OVERRIDES``: ``trainer.train`` that signals itself or torchrun mid-run.
+
+``PFTEST_SIGNAL=NAME:TARGET:RANK:STEP``: on the first torchrun attempt, after optimizer step STEP, rank RANK
+sends signal NAME (``SIGTERM``, ``SIGUSR1``) to TARGET: ``parent`` (torchrun, which forwards it to every
+worker, as a scheduler's SIGTERM reaches a job) or ``self`` (this worker only).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+from trainer import loop, train
+
+
+def signal_after(name: str, target: str, rank: int, step: int):
+    original = loop.Trainer.train_step
+
+    def train_step(self):
+        metrics = original(self)
+        if self.step == step and self.rank == rank and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+            os.kill(os.getppid() if target == "parent" else os.getpid(), getattr(signal, name))
+        return metrics
+
+    return train_step
+
+
+if __name__ == "__main__":
+    sig, where, on_rank, at_step = os.environ["PFTEST_SIGNAL"].split(":")
+    loop.Trainer.train_step = signal_after(sig, where, int(on_rank), int(at_step))
+    train.main()

@@ -1,0 +1,132 @@
+"""Preemption: SIGTERM / SIGUSR1 stop the run at the next step boundary, on every rank, after a checkpoint.
+
+A scheduler announces the end of a job with a signal (SLURM: SIGTERM at preemption or cancellation,
+``--signal=USR1@SECONDS`` before the time limit; torchrun forwards the signals it handles to every worker).
+The handler only records the signal: the loop asks ``StepBoundary.agree`` after every optimizer step, and
+one all-reduce (MAX) of ``[signal number, checkpoint-clock due]`` gives every rank the same answer, so a rank
+that got the signal a step later than another never leaves the others waiting in a collective. The run then
+saves a checkpoint and exits with ``PREEMPTED_EXIT_CODE``; ``resume=auto`` continues from there exactly.
+
+The clock of ``checkpoint.every_minutes`` is rank 0's, shared by the same all-reduce, so ranks whose clocks
+differ still save together.
+
+A rank that is stuck (a hung peer, a kernel that never returns) never reaches the boundary, and with a
+handler installed the signal no longer ends it. So the handler also starts a watchdog: when no boundary is
+reached within ``max(MIN_GRACE_S, 3 x the longest step so far)`` (a step's interval includes its eval and
+checkpoint), the rank exits with ``128 + signal`` and one line, as the signal alone would have ended it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from types import FrameType
+
+import torch
+
+from trainer import distributed
+
+log = logging.getLogger("trainer")
+
+PREEMPTED_EXIT_CODE = 75
+"""Exit code of a run stopped by a signal after saving its checkpoint (``EX_TEMPFAIL``: try again later)."""
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+MIN_GRACE_S = 10.0
+"""Shortest wait for the next step boundary after a signal before a rank counts as stuck."""
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What every rank does after a step (the same on all ranks)."""
+
+    stop_signal: str | None
+    """Name of the signal a rank received (``SIGTERM``, ``SIGUSR1``), or ``None``."""
+    clock_due: bool
+    """``checkpoint.every_minutes`` passed since the last save."""
+
+
+class StepBoundary:
+    """Records stop signals (while active) and decides, identically on every rank, what happens after a step.
+
+    Use as a context manager around the training loop: the handlers are installed on entry and the previous
+    ones restored on exit, so nothing outside the loop (setup, tests in the same process) changes behaviour.
+    """
+
+    def __init__(self, every_minutes: float, device: torch.device) -> None:
+        self.every_s = every_minutes * 60.0
+        self.device = device
+        self.received: int = 0
+        self.last_save = self.last_boundary = time.monotonic()
+        self.longest_step_s = 0.0
+        self._previous: dict[int, object] = {}
+        self._watchdog: threading.Timer | None = None
+        self.saving = False
+        """Inside a checkpoint save: a signal then arms no watchdog until the save is done."""
+
+    def __enter__(self) -> StepBoundary:
+        if threading.current_thread() is not threading.main_thread():  # Python takes signals there only
+            log.warning("training outside the main thread: SIGTERM/SIGUSR1 will not save a checkpoint first")
+            return self
+        for sig in STOP_SIGNALS:
+            self._previous[sig] = signal.signal(sig, self._record)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+        self._stop_watchdog()
+
+    def _record(self, signum: int, frame: FrameType | None) -> None:
+        # Nothing that takes a lock (logging could deadlock): a flag, and a timer thread for a stuck rank.
+        self.received = signum
+        if not self.saving:
+            self._arm_watchdog()
+
+    def _arm_watchdog(self) -> None:
+        if self._watchdog is None and self.received:
+            grace = max(MIN_GRACE_S, 3 * self.longest_step_s)
+            self._watchdog = threading.Timer(grace, self._stuck, (self.received,))
+            self._watchdog.daemon = True
+            self._watchdog.start()
+
+    def _stuck(self, signum: int) -> None:
+        os.write(2, f"packfsdp: rank {distributed.rank()}: {signal.Signals(signum).name} received but no step "
+                    "boundary was reached in time (a stuck collective or kernel): exiting without a checkpoint\n"
+                    .encode())
+        os._exit(128 + signum)
+
+    def _stop_watchdog(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+
+    @contextlib.contextmanager
+    def saving_checkpoint(self) -> Iterator[None]:
+        """Around a save: it may take longer than a step, and a signal during it must not cut it short; the
+        wall-clock interval starts again after it."""
+        self.saving = True
+        try:
+            yield
+        finally:
+            self.saving = False
+            self.last_save = time.monotonic()
+        self._arm_watchdog()  # a signal that came during the save: the next boundary is due in time
+
+    def agree(self) -> Boundary:
+        """One all-reduce (MAX): the signal any rank received, and whether rank 0's checkpoint clock is due."""
+        now = time.monotonic()
+        self.longest_step_s = max(self.longest_step_s, now - self.last_boundary)
+        self.last_boundary = now
+        clock_due = distributed.is_rank0() and self.every_s > 0 and now - self.last_save >= self.every_s
+        signum, due = distributed.all_reduce_max([float(self.received), float(clock_due)], self.device)
+        self._stop_watchdog()  # every rank reached the boundary: none is stuck, this one saves and stops
+        name = signal.Signals(int(signum)).name if signum else None
+        return Boundary(stop_signal=name, clock_due=bool(due))
