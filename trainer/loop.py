@@ -39,6 +39,7 @@ from trainer.metrics import (
     trim_metrics,
 )
 from trainer.model import DTYPES, build_model
+from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.pipeline import build_training_data, resolve_attention
@@ -65,7 +66,7 @@ class Trainer:
         # Resolve the backend first: a backend that cannot run here fails before any heavy work.
         self.backend = resolve_attention(cfg, self.device)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data)
-        model = build_model(cfg.model, self.tokenizer, self.backend, cfg.seed)
+        model = apply_peft(build_model(cfg.model, self.tokenizer, self.backend, cfg.seed), cfg.peft, cfg.model, cfg.seed)
         if cfg.packing.packed:
             log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
         else:
