@@ -19,8 +19,6 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -43,13 +41,10 @@ from trainer.checkpoint.manifest import fsync_dir, verify_checkpoint, write_mani
 from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
 from trainer.config import CheckpointConfig
-from trainer.model.lora import save_lora_assets
+from trainer.model.lora import TRAINABLE_ONLY, save_lora_assets, trainable_state_dict
 from trainer.safety import redact_tree
 
 log = logging.getLogger("trainer.checkpoint")
-
-MODEL_STATE = StateDictOptions(ignore_frozen_params=True)
-"""Frozen parameters (a LoRA run's base model) are not saved: they come back from where the model was built."""
 
 
 @dataclass
@@ -134,7 +129,7 @@ class Checkpointer:
         for module in state.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        model_sd = get_model_state_dict(state.model, options=MODEL_STATE)
+        model_sd = trainable_state_dict(state.model)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
         save_file(rng_tensors(), str(tmp / "rng" / f"rank_{self.rank:05d}.safetensors"))
@@ -195,11 +190,11 @@ class Checkpointer:
         saved = json.loads((path / TRAINER_STATE).read_text())
         if saved.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: checkpoint format {saved.get('format')} is not {FORMAT_VERSION}")
-        model_sd = get_model_state_dict(state.model, options=MODEL_STATE)
+        model_sd = trainable_state_dict(state.model)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
         tensors = {"model": model_sd, "optim": optim_sd["state"]}
         load_tensors(tensors, path)
-        set_model_state_dict(state.model, tensors["model"], options=MODEL_STATE)
+        set_model_state_dict(state.model, tensors["model"], options=TRAINABLE_ONLY)
         set_optimizer_state_dict(
             state.model, state.optimizer, {"state": tensors["optim"], "param_groups": saved["optimizer_param_groups"]}
         )

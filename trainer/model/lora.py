@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer.config import ModelConfig, PeftConfig
 from trainer.model.wrapper import VarlenCausalLM
@@ -34,6 +35,10 @@ ADAPTER_CONFIG = "adapter_config.json"
 LORA_BASE = "lora_base.json"
 """Where the frozen base of a LoRA checkpoint comes from (``LoraBase``), next to ``ADAPTER_CONFIG``."""
 ADAPTER_NAME = "default"
+TRAINABLE_ONLY = StateDictOptions(ignore_frozen_params=True, strict=False)
+"""Checkpoints skip frozen parameters (a LoRA run's base model): they come back from where it was built.
+Loading is not strict, as the frozen keys are missing on purpose; the trainable ones cannot be, as DCP's
+load fails on any key of the model's state dict that a checkpoint lacks."""
 
 
 @dataclass
@@ -128,11 +133,18 @@ def save_lora_assets(model: nn.Module, directory: Path) -> None:
     (directory / LORA_BASE).write_text(json.dumps(asdict(base), indent=1) + "\n")
 
 
+def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state dict without frozen parameters, tied aliases of them included (a LoRA run's
+    checkpoint holds adapters, not GPT-2's or Qwen's frozen tied embedding under its ``lm_head`` name)."""
+    frozen = {name for name, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
+    return {k: v for k, v in get_model_state_dict(model, options=TRAINABLE_ONLY).items() if k not in frozen}
+
+
 def is_lora_checkpoint(hf_dir: Path) -> bool:
     return (hf_dir / LORA_BASE).is_file()
 
 
-def rebuild_base(hf_dir: Path) -> nn.Module:
+def rebuild_base(hf_dir: Path, attn_implementation: str | None = None) -> nn.Module:
     """The frozen base model of a LoRA checkpoint, verified against its recorded SHA-256."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -143,10 +155,11 @@ def rebuild_base(hf_dir: Path) -> nn.Module:
     torch.manual_seed(base.seed)  # as build_model: the random init (and any resized rows) follow the seed
     if base.name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
-            base.name_or_path, config=config, dtype=DTYPES[base.dtype], weights_only=True
+            base.name_or_path, config=config, dtype=DTYPES[base.dtype], weights_only=True,
+            attn_implementation=attn_implementation,
         )
     else:
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[base.dtype])
+        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[base.dtype], attn_implementation=attn_implementation)
     if base_fingerprint(model) != base.sha256:
         where = base.name_or_path or f"a random init under seed {base.seed}"
         raise ValueError(f"the base model rebuilt from {where} is not the one the adapters were trained on")
