@@ -11,7 +11,7 @@ from tests.unit.test_model_families import assert_equivalent, examples, tiny_mod
 from trainer.collate import collate_packed
 from trainer.config import ConfigError, ModelConfig, OptimConfig, PeftConfig
 from trainer.model import build_model, resolve_backend, self_check
-from trainer.model.lora import apply_peft, base_fingerprint, trainable_counts
+from trainer.model.lora import apply_peft, base_fingerprint, base_mismatch, save_lora_assets, trainable_counts
 from trainer.optim import build_optimizer
 
 LORA = PeftConfig(method="lora", rank=4, alpha=8.0)
@@ -96,3 +96,24 @@ def test_peft_group_composes_and_validates():
                        ("peft.dropout=1.0", "peft.dropout"), ("peft.target_modules=[]", "target_modules")]:
         with pytest.raises(ConfigError, match=match):
             compose_job(["peft=lora", bad])
+
+
+def test_resume_refuses_another_base_or_mode(tmp_path):
+    """A checkpoint's adapters resume only on the base they were trained on (and LoRA only LoRA)."""
+    model = with_lora(tiny_model("llama", "sdpa_varlen"))
+    save_lora_assets(model, tmp_path)
+    assert (tmp_path / "adapter_config.json").is_file() and base_mismatch(model, tmp_path) is None
+    other = tiny_model("llama", "sdpa_varlen")
+    with torch.no_grad():
+        other.model.lm_head.weight[0, 0] += 1
+    assert "another base model" in base_mismatch(with_lora(other), tmp_path)
+    assert "LoRA run" in base_mismatch(tiny_model("llama", "sdpa_varlen"), tmp_path)
+    assert "full fine-tuning" in base_mismatch(model, tmp_path / "missing")
+
+
+def test_lora_recipes_are_their_sft_recipes_with_adapters():
+    for lora, sft in [("cpu_chat_lora", "cpu_chat_sft"), ("qwen_chat_lora", "qwen_chat_sft")]:
+        a, b = compose_job([f"recipe={lora}"]), compose_job([f"recipe={sft}"])
+        assert (a.peft.method, b.peft.method) == ("lora", "none")
+        assert (a.model, a.data, a.packing, a.parallel) == (b.model, b.data, b.packing, b.parallel)
+    assert compose_job(["recipe=qwen_chat_lora"]).model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"

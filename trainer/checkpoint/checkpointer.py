@@ -41,7 +41,7 @@ from trainer.checkpoint.manifest import fsync_dir, verify_checkpoint, write_mani
 from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
 from trainer.config import CheckpointConfig
-from trainer.model.lora import TRAINABLE_ONLY, save_lora_assets, trainable_state_dict
+from trainer.model.lora import TRAINABLE_ONLY, base_mismatch, save_lora_assets, trainable_state_dict
 from trainer.safety import redact_tree
 
 log = logging.getLogger("trainer.checkpoint")
@@ -186,6 +186,8 @@ class Checkpointer:
                 raise CheckpointError(f"{path} is incomplete (no {MANIFEST})")
 
         distributed.on_rank0_then_all(verify)
+        if (mismatch := base_mismatch(state.model, path / HF_DIR)) is not None:
+            raise CheckpointError(f"{path} cannot resume this run: {mismatch}")
 
         saved = json.loads((path / TRAINER_STATE).read_text())
         if saved.get("format") != FORMAT_VERSION:

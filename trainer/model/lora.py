@@ -140,6 +140,18 @@ def trainable_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v for k, v in get_model_state_dict(model, options=TRAINABLE_ONLY).items() if k not in frozen}
 
 
+def base_mismatch(model: nn.Module, hf_dir: Path) -> str | None:
+    """Why the checkpoint in ``hf_dir`` cannot resume ``model`` (LoRA on another base, or LoRA vs full
+    fine-tuning), or ``None``."""
+    base = getattr(model, "lora_base", None)
+    saved = json.loads((hf_dir / LORA_BASE).read_text()) if is_lora_checkpoint(hf_dir) else None
+    if (base is None) != (saved is None):
+        return "it was saved by a " + ("full fine-tuning" if saved is None else "LoRA") + " run; this run is not one"
+    if base is not None and saved["sha256"] != base.sha256:
+        return "its LoRA adapters were trained on another base model (the weights' SHA-256 differs)"
+    return None
+
+
 def is_lora_checkpoint(hf_dir: Path) -> bool:
     return (hf_dir / LORA_BASE).is_file()
 
