@@ -1,6 +1,7 @@
 """Worker for tests/distributed/test_lora.py, run under torchrun with 2 gloo ranks on CPU.
 
-Per family (GPT-2, Llama) and precision (fp32; bf16 compute with fp32 reduce): a LoRA model's gradients
+Per family (GPT-2, Llama) and precision (fp32; bf16 compute with fp32 reduce), and for Llama with
+activation checkpointing on every block: a LoRA model's gradients
 of one global batch of 4 packed micro-batches, on one unsharded process and under FSDP2 over 2 ranks (2
 micro-batches each). Rank 0 writes one JSON record per case to ``argv[1]``.
 """
@@ -28,7 +29,11 @@ SIZES = {
     "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256),
 }
-PRECISIONS = {"fp32": ("float32", "float32"), "bf16": ("bfloat16", "float32")}
+PARALLEL = {
+    "fp32": dict(param_dtype="float32", reduce_dtype="float32"),
+    "bf16": dict(param_dtype="bfloat16", reduce_dtype="float32"),
+    "fp32_ac": dict(param_dtype="float32", reduce_dtype="float32", activation_checkpointing="full"),
+}
 
 
 def lora_model(family: str, tokenizer):
@@ -48,12 +53,11 @@ def accumulate(model, batches, global_labels: float) -> None:
         (summed_token_loss(model, batch) / global_labels).backward()
 
 
-def run_case(family: str, precision: str, tokenizer, microbatches, rank: int) -> dict:
+def run_case(family: str, parallel: str, tokenizer, microbatches, rank: int) -> dict:
     global_labels = float(sum(b.num_label_tokens for b in microbatches))
     reference = lora_model(family, tokenizer)
     accumulate(reference, microbatches, global_labels)
-    param_dtype, reduce_dtype = PRECISIONS[precision]
-    cfg = ParallelConfig(device="cpu", backend="gloo", param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    cfg = ParallelConfig(device="cpu", backend="gloo", **PARALLEL[parallel])
     model = parallelize(lora_model(family, tokenizer), build_mesh(torch.device("cpu"), 2, cfg), cfg)
     accumulate(model, microbatches[2 * rank: 2 * rank + 2], global_labels)
     optimizer = build_optimizer(model, OptimConfig())
@@ -78,8 +82,9 @@ def main(out_path: str, cache: str) -> None:
     tokenizer = load_tokenizer(ModelConfig(), data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
     microbatches = [collate_packed(dataset, list(range(3 * i, 3 * i + 3)), tokenizer.pad_token_id) for i in range(4)]
-    results = {f"{family}_{precision}": run_case(family, precision, tokenizer, microbatches, rank)
-               for family in SIZES for precision in PRECISIONS}
+    cases = [(family, parallel) for family in SIZES for parallel in ("fp32", "bf16")] + [("llama", "fp32_ac")]
+    results = {f"{family}_{parallel}": run_case(family, parallel, tokenizer, microbatches, rank)
+               for family, parallel in cases}
     if rank == 0:
         with open(out_path, "w") as f:
             json.dump(results, f, indent=1)

@@ -117,3 +117,9 @@ def test_lora_recipes_are_their_sft_recipes_with_adapters():
         assert (a.peft.method, b.peft.method) == ("lora", "none")
         assert (a.model, a.data, a.packing, a.parallel) == (b.model, b.data, b.packing, b.parallel)
     assert compose_job(["recipe=qwen_chat_lora"]).model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
+
+
+def test_optimizer_refuses_a_model_with_nothing_to_train():
+    model = tiny_model("gpt2", "sdpa_varlen").requires_grad_(False)
+    with pytest.raises(ValueError, match="no trainable parameter"):
+        build_optimizer(model, OptimConfig(optimizer={"_target_": "torch.optim.AdamW"}))
