@@ -250,6 +250,7 @@ class Trainer:
             "world_size": self.world_size,
             "device": dist_device_name(self.device),
             "model_params": self.flop_params[0],
+            "peft": self.cfg.peft.method,  # none (full fine-tuning) or lora
             "peak_tflops_per_device": self.peak_tflops,
             "peak_tflops_source": self.peak_source,
             "train_examples": len(self.dataset),
