@@ -8,7 +8,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from trainer.config import OptimConfig
+from trainer.config import ConfigError, OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -21,7 +21,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:
-        raise ValueError("the model has no trainable parameter (peft.target_modules matched nothing to train?)")
+        raise ConfigError("the model has no trainable parameter (peft.target_modules matched nothing to train?)")
     decay = [p for p in trainable if p.ndim >= 2]
     no_decay = [p for p in trainable if p.ndim < 2]
     groups = [

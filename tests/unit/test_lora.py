@@ -63,10 +63,10 @@ def test_target_modules_and_modules_to_save():
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert {n.split(".")[-4] for n in trainable if ".lora_" in n} == {"q_proj", "v_proj"}
     assert "model.lm_head.weight" in trainable
-    with pytest.raises(ValueError, match="no module 'nope'"):
+    with pytest.raises(ConfigError, match="no module 'nope'"):
         apply_peft(tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", modules_to_save=["nope"]),
                    ModelConfig(), seed=0)
-    with pytest.raises(ValueError, match="peft.target_modules"):
+    with pytest.raises(ConfigError, match="peft.target_modules"):
         apply_peft(tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", target_modules=["nope"]),
                    ModelConfig(), seed=0)
 
@@ -121,5 +121,5 @@ def test_lora_recipes_are_their_sft_recipes_with_adapters():
 
 def test_optimizer_refuses_a_model_with_nothing_to_train():
     model = tiny_model("gpt2", "sdpa_varlen").requires_grad_(False)
-    with pytest.raises(ValueError, match="no trainable parameter"):
+    with pytest.raises(ConfigError, match="no trainable parameter"):
         build_optimizer(model, OptimConfig(optimizer={"_target_": "torch.optim.AdamW"}))

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from trainer.config import ModelConfig, PeftConfig
+from trainer.config import ConfigError, ModelConfig, PeftConfig
 from trainer.model.wrapper import VarlenCausalLM
 
 log = logging.getLogger(__name__)
@@ -94,18 +94,18 @@ def apply_peft(model: VarlenCausalLM, cfg: PeftConfig, model_cfg: ModelConfig, s
     try:
         inject_adapter_in_model(lora_config(cfg, hf_model), hf_model, adapter_name=ADAPTER_NAME)
     except ValueError as e:  # peft names the target modules it could not find
-        raise ValueError(f"peft.target_modules={list(cfg.target_modules)}: {e}") from None
+        raise ConfigError(f"peft.target_modules={list(cfg.target_modules)}: {e}") from None
     unfreeze(hf_model, cfg.modules_to_save)
     log_trainable(model)
     return model
 
 
 def unfreeze(model: nn.Module, names: list[str]) -> None:
-    """Train the modules named (or ending in) ``names`` fully; an unknown name is an error."""
+    """Train the modules named (or ending in) ``names`` fully; an unknown name is a config error."""
     for wanted in names:
         found = [m for path, m in model.named_modules() if path == wanted or path.endswith(f".{wanted}")]
         if not found:
-            raise ValueError(f"peft.modules_to_save: {type(model).__name__} has no module {wanted!r}")
+            raise ConfigError(f"peft.modules_to_save: {type(model).__name__} has no module {wanted!r}")
         for module in found:
             module.requires_grad_(True)
 
