@@ -287,6 +287,44 @@ class OptimConfig:
             raise ConfigError(f"optim.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
+PEFT_METHODS = ("none", "lora")
+"""``peft.method`` choices: full fine-tuning, or LoRA adapters (``trainer.model.lora``)."""
+
+
+@dataclass
+class PeftConfig:
+    """Parameter-efficient fine-tuning (the ``peft`` group): ``none`` trains every weight; ``lora`` freezes
+    the base model and trains low-rank adapters injected by the ``peft`` library (``trainer.model.lora``)."""
+
+    method: str = "none"
+    """``none`` (full fine-tuning) or ``lora``."""
+    rank: int = 8
+    """LoRA rank r of each adapter (A: r x in, B: out x r)."""
+    alpha: float = 16.0
+    """LoRA scaling numerator: the adapter's update is scaled by ``alpha / rank``."""
+    dropout: float = 0.0
+    """Dropout on the adapters' input (0 keeps training deterministic up to the data order)."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Module names (or name suffixes) that get adapters, e.g. ``[q_proj, v_proj]``; ``[all-linear]``: every
+    linear layer of the blocks (the output head excepted), as ``peft`` defines it."""
+    modules_to_save: list[str] = field(default_factory=list)
+    """Modules trained fully besides the adapters (e.g. ``[lm_head]`` or ``[embed_tokens]``); exported as
+    ``peft``'s ``modules_to_save``."""
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    def validate(self) -> None:
+        _choice("peft.method", self.method, PEFT_METHODS)
+        _positive("peft.rank", self.rank)
+        _positive("peft.alpha", self.alpha)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"peft.dropout must be in [0, 1), got {self.dropout}")
+        if not self.target_modules:
+            raise ConfigError("peft.target_modules must name at least one module (or [all-linear])")
+
+
 @dataclass
 class LoggerConfig:
     log_every: int = 1
@@ -382,6 +420,7 @@ class JobConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
 
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
@@ -415,7 +454,7 @@ class JobConfig:
     def validate(self) -> None:
         for part in (
             self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
-            self.checkpoint, self.guard,
+            self.checkpoint, self.guard, self.peft,
         ):
             part.validate()
         _positive("epochs", self.epochs)
@@ -588,6 +627,7 @@ __all__ = [
     "ModelConfig",
     "OptimConfig",
     "PackingConfig",
+    "PeftConfig",
     "ParallelConfig",
     "compose_job_config",
     "open_mapping_overrides",

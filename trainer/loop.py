@@ -40,6 +40,7 @@ from trainer.metrics import (
     trim_metrics,
 )
 from trainer.model import DTYPES, build_model
+from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import first_microbatch, run_startup_self_check
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.pipeline import build_training_data, resolve_attention
@@ -68,7 +69,7 @@ class Trainer:
         # Resolve the backend first: a backend that cannot run here fails before any heavy work.
         self.backend = resolve_attention(cfg, self.device)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data)
-        model = build_model(cfg.model, self.tokenizer, self.backend, cfg.seed)
+        model = apply_peft(build_model(cfg.model, self.tokenizer, self.backend, cfg.seed), cfg.peft, cfg.model, cfg.seed)
         if cfg.packing.packed:
             log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
         else:
@@ -284,6 +285,7 @@ class Trainer:
             "world_size": self.world_size,
             "device": dist_device_name(self.device),
             "model_params": self.flop_params[0],
+            "peft": self.cfg.peft.method,  # none (full fine-tuning) or lora
             "peak_tflops_per_device": self.peak_tflops,
             "peak_tflops_source": self.peak_source,
             "train_examples": len(self.dataset),

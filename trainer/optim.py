@@ -8,18 +8,22 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from trainer.config import OptimConfig
+from trainer.config import ConfigError, OptimConfig
 
 
 def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer:
     """Weight decay on every parameter of 2 or more dimensions (matrices and embedding tables, position
     embeddings included, as nanoGPT and torchtitan do), none on biases and norm weights.
 
+    Only trainable parameters are handed over: a LoRA run's frozen base gets no optimizer state.
     ``cfg.optimizer`` is instantiated as given: its ``_target_`` was checked against the allowlist by
     ``trainer.config.to_job_config`` (``trainer.safety``), before anything was built.
     """
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        raise ConfigError("the model has no trainable parameter (peft.target_modules matched nothing to train?)")
+    decay = [p for p in trainable if p.ndim >= 2]
+    no_decay = [p for p in trainable if p.ndim < 2]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

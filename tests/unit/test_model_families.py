@@ -99,7 +99,7 @@ def packed_vs_alone(model: VarlenCausalLM, exs: list[torch.Tensor]):
     logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=max(LENGTHS))[0]
     pieces = [logits[s:e] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
     sum(token_loss_sum(p, e) for p, e in zip(pieces, exs)).backward()
-    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     model.zero_grad(set_to_none=True)
     alone = []
@@ -108,7 +108,7 @@ def packed_vs_alone(model: VarlenCausalLM, exs: list[torch.Tensor]):
                     attention_mask=torch.ones_like(e)[None])[0]
         token_loss_sum(out, e).backward()
         alone.append(out.detach())
-    alone_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return [p.detach() for p in pieces], alone, packed_grads, alone_grads
 
 

@@ -20,7 +20,6 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
     get_optimizer_state_dict,
     set_model_state_dict,
     set_optimizer_state_dict,
@@ -46,6 +45,7 @@ from trainer.checkpoint.manifest import file_stamps, fsync_dir, verify_checkpoin
 from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
 from trainer.config import CheckpointConfig, ConfigError
+from trainer.model.lora import TRAINABLE_ONLY, base_mismatch, save_lora_assets, trainable_state_dict
 from trainer.safety import redact_tree
 
 log = logging.getLogger("trainer.checkpoint")
@@ -81,6 +81,7 @@ def save_hf_assets(state: TrainingState, directory: Path) -> None:
     (directory / "config.json").write_text(json.dumps(redact_tree(config.to_dict()), indent=2, sort_keys=True) + "\n")
     if state.tokenizer is not None:
         state.tokenizer.save_pretrained(str(directory))
+    save_lora_assets(state.model, directory)
 
 
 class Checkpointer:
@@ -202,7 +203,7 @@ class Checkpointer:
         for module in state.model.modules():
             if isinstance(module, FSDPModule):
                 module.reshard()
-        model_sd = get_model_state_dict(state.model)
+        model_sd = trainable_state_dict(state.model)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
         try:
             dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
@@ -281,15 +282,17 @@ class Checkpointer:
                 raise CheckpointError(f"{path} is incomplete (no {MANIFEST})")
 
         distributed.on_rank0_then_all(verify)
+        if (mismatch := base_mismatch(state.model, path / HF_DIR)) is not None:
+            raise CheckpointError(f"{path} cannot resume this run: {mismatch}")
 
         saved = json.loads((path / TRAINER_STATE).read_text())
         if saved.get("format") != FORMAT_VERSION:
             raise CheckpointError(f"{path}: checkpoint format {saved.get('format')} is not {FORMAT_VERSION}")
-        model_sd = get_model_state_dict(state.model)
+        model_sd = trainable_state_dict(state.model)
         optim_sd = get_optimizer_state_dict(state.model, state.optimizer)
         tensors = {"model": model_sd, "optim": optim_sd["state"]}
         load_tensors(tensors, path)
-        set_model_state_dict(state.model, tensors["model"])
+        set_model_state_dict(state.model, tensors["model"], options=TRAINABLE_ONLY)
         set_optimizer_state_dict(
             state.model, state.optimizer, {"state": tensors["optim"], "param_groups": saved["optimizer_param_groups"]}
         )

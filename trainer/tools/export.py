@@ -6,6 +6,11 @@ model tensors are consolidated from however many shards were saved (no process g
 written with ``save_pretrained`` as safetensors, next to the transformers config and the tokenizer saved
 in the checkpoint. ``AutoModelForCausalLM.from_pretrained(out)`` loads the result.
 
+A LoRA checkpoint (``peft.method=lora``) holds only the adapters: the exporter rebuilds the frozen base it
+records (``model.name_or_path`` or the seeded random init, checked against the base's SHA-256) and writes
+either the merged model (``format=merged``, the default: plain transformers weights) or the adapter in
+peft's format (``format=adapter``: ``PeftModel.from_pretrained(base, out)`` loads it).
+
 Options: ``dtype=float32|bfloat16|float16`` (default: the dtype the model was trained in, ``model.dtype``),
 ``attn_implementation=sdpa`` (what the exported config asks transformers for; the packed attention
 backends are training-time only).
@@ -18,30 +23,65 @@ import logging
 import sys
 from pathlib import Path
 
+import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from trainer.checkpoint import HF_DIR, TRAINER_STATE, CheckpointError, find_checkpoint, read_full_tensors, verify_checkpoint
 from trainer.model import DTYPES
+from trainer.model.lora import is_lora_checkpoint, peft_model_with, rebuild_base
 
 log = logging.getLogger("trainer.tools.export")
 
-USAGE = "usage: packfsdp export checkpoint=PATH out=DIR [dtype=float32|bfloat16|float16] [attn_implementation=sdpa]"
+FORMATS = ("merged", "adapter")
+USAGE = (
+    "usage: packfsdp export checkpoint=PATH out=DIR [format=merged|adapter] [dtype=float32|bfloat16|float16] "
+    "[attn_implementation=sdpa]"
+)
 MODEL_PREFIX = "model.model."
 """Flat DCP keys of the model: the ``model`` group, then the wrapper's ``model`` attribute (the HF model)."""
 
 
-def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None, attn_implementation: str = "sdpa") -> Path:
+def export(
+    checkpoint: str | Path, out: str | Path, dtype: str | None = None, attn_implementation: str = "sdpa",
+    format: str = "merged",
+) -> Path:
     """Write ``out`` (safetensors weights, config, tokenizer) from ``checkpoint``; returns ``out``."""
     path = find_checkpoint(checkpoint)
     manifest = verify_checkpoint(path)
     hf_dir = path / HF_DIR
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{path} holds no {HF_DIR}/config.json (saved by an older packfsdp?)")
-
-    config = AutoConfig.from_pretrained(hf_dir)
-    config.use_cache = True  # training turned the KV cache off; generation wants it
     tensors = {k[len(MODEL_PREFIX):]: v for k, v in read_full_tensors(path, prefix=MODEL_PREFIX).items()}
-    torch_dtype = DTYPES[dtype] if dtype else next(iter(tensors.values())).dtype
+    if is_lora_checkpoint(hf_dir):
+        model = lora_model(path, tensors, format, attn_implementation)
+    elif format == "adapter":
+        raise CheckpointError(f"{path} trained every weight (no LoRA adapters): export it with format=merged")
+    else:
+        model = full_model(path, tensors, attn_implementation)
+    torch_dtype = DTYPES[dtype] if dtype else next(iter(model.parameters())).dtype
+    model = model.to(torch_dtype).eval()
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
+    state = json.loads((path / TRAINER_STATE).read_text())
+    (out / "packfsdp_export.json").write_text(json.dumps({
+        "checkpoint": str(path.resolve()),
+        "step": state["step"],
+        "tokens_seen": state["tokens_seen"],
+        "format": format,
+        "dtype": str(torch_dtype).removeprefix("torch."),
+        "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
+    }, indent=1))
+    log.info("exported %s (step %d) to %s: %s, %s safetensors", path, state["step"], out, format, torch_dtype)
+    return out
+
+
+def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation: str) -> torch.nn.Module:
+    """The transformers model of a full fine-tuning checkpoint, every weight from ``tensors``."""
+    config = AutoConfig.from_pretrained(path / HF_DIR)
+    config.use_cache = True  # training turned the KV cache off; generation wants it
     # Built on the CPU (not on the meta device) so that buffers computed at init, such as rotary
     # frequencies, are right; the parameters are then replaced by the checkpoint's.
     model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
@@ -55,33 +95,35 @@ def export(checkpoint: str | Path, out: str | Path, dtype: str | None = None, at
         raise CheckpointError(
             f"{path}: the checkpoint does not fit the saved config: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    model = model.to(torch_dtype).eval()
+    return model
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
-    state = json.loads((path / TRAINER_STATE).read_text())
-    (out / "packfsdp_export.json").write_text(json.dumps({
-        "checkpoint": str(path.resolve()),
-        "step": state["step"],
-        "tokens_seen": state["tokens_seen"],
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
-    }, indent=1))
-    log.info("exported %s (step %d) to %s as %s safetensors", path, state["step"], out, torch_dtype)
-    return out
+
+def lora_model(path: Path, tensors: dict[str, torch.Tensor], format: str, attn_implementation: str) -> torch.nn.Module:
+    """A LoRA checkpoint's adapters on its rebuilt, verified base: merged into a transformers model, or as a
+    ``PeftModel`` whose ``save_pretrained`` writes peft's adapter format."""
+    try:
+        base = rebuild_base(path / HF_DIR, attn_implementation)
+        model = peft_model_with(base, path / HF_DIR, tensors, modules_to_save=format == "adapter")
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+    if format == "adapter":
+        return model
+    merged = model.merge_and_unload()
+    merged.config.use_cache = True
+    return merged
 
 
 def parse_args(argv: list[str]) -> dict[str, str]:
     args = {}
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in ("checkpoint", "out", "dtype", "attn_implementation"):
+        if not sep or key not in ("checkpoint", "out", "dtype", "attn_implementation", "format"):
             raise SystemExit(f"packfsdp export: unexpected argument {arg!r}\n{USAGE}")
         args[key] = value
     if "checkpoint" not in args or "out" not in args:
         raise SystemExit(USAGE)
+    if args.get("format") not in (None, *FORMATS):
+        raise SystemExit(f"packfsdp export: format must be one of {', '.join(FORMATS)}")
     if args.get("dtype") not in (None, *DTYPES):
         raise SystemExit(f"packfsdp export: dtype must be one of {', '.join(DTYPES)}")
     return args
@@ -91,7 +133,8 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(levelname)s] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"))
+        export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
+               args.get("format", "merged"))
     except CheckpointError as e:
         print(f"packfsdp export: {e}", file=sys.stderr)
         sys.exit(2)
