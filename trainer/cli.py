@@ -13,7 +13,9 @@ from hydra.core.config_store import ConfigStore
 from trainer.config import CODE_OPTIONS, config_dir, to_job_config
 from trainer.safety import UnsafeTargetError, check_target, check_targets, redact
 
-GROUPS = ("recipe", "model", "data", "packing", "parallel", "optim", "logger")
+def config_groups() -> tuple[str, ...]:
+    """The config groups a ``group=option`` override may name: ``recipe`` and every folder under configs/."""
+    return ("recipe", *sorted(p.name for p in config_dir().iterdir() if p.is_dir()))
 
 
 def group_choices(group: str) -> list[str]:
@@ -31,9 +33,10 @@ def check_group_choices(argv: list[str]) -> None:
     """
     if any(arg.startswith(("hydra.searchpath", "+hydra.searchpath")) for arg in argv):
         return
+    groups = config_groups()
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in GROUPS or value in ("null", ""):
+        if not sep or key not in groups or value in ("null", ""):
             continue
         choices = group_choices(key)
         for option in value.split(","):  # multirun sweeps: -m packing=none,bfd

@@ -592,14 +592,14 @@ def to_job_config(cfg: Any) -> JobConfig:
     return job
 
 
-OPEN_MAPPINGS = ("model.config_overrides.", "model.random_init.")
+OPEN_MAPPINGS = ("model.config_overrides", "model.random_init")
 """Mappings of free-form transformers config fields: any key may be set, whether the preset has it or not."""
 
 
 def open_mapping_overrides(overrides: list[str]) -> list[str]:
     """``model.config_overrides.n_layer=4`` works whether or not the preset sets ``n_layer``: Hydra would want
     ``+`` for a new key and refuse it for an existing one, so these keys are passed as ``++`` (add or set)."""
-    return [f"++{arg}" if arg.startswith(OPEN_MAPPINGS) and "=" in arg else arg for arg in overrides]
+    return [f"++{arg}" if arg.partition("=")[0].startswith(OPEN_MAPPINGS) and "=" in arg else arg for arg in overrides]
 
 
 def compose_job_config(overrides: list[str]) -> JobConfig:

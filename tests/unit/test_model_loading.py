@@ -75,3 +75,11 @@ def test_library_load_relays_warnings_and_keeps_our_own_errors(caplog):
     with pytest.raises(LoadError, match=r"^cannot load the thing: KeyError: 'x'$"), library_load("the thing"):
         raise KeyError("x")
     assert (lib.level, lib.handlers) == before  # the library's logging is left as it was
+
+
+def test_config_overrides_take_any_key_one_by_one_or_as_a_mapping():
+    """A key the preset does not set, or a whole mapping: no ``+``/``++`` for the user to know about."""
+    assert compose_job(["model.config_overrides.n_inner=64"]).model.init_fields()["n_inner"] == 64
+    whole = compose_job(["model.config_overrides={n_layer:3,n_inner:64}"]).model
+    assert whole.config_overrides == {"n_layer": 3, "n_inner": 64} and whole.init_fields()["n_layer"] == 3
+    assert compose_job(["model.random_init.n_layer=1"]).model.init_fields()["n_layer"] == 1
