@@ -192,11 +192,16 @@ def _varlen_bwd_op(
     dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return varlen_bwd(grad_out, q, k, v, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap)
+
+
+def varlen_bwd(grad_out, q, k, v, rng_state, cu_seqlens_q, cu_seqlens_k, *options):
+    """The backward kernel: ``varlen_fwd`` recomputed under autograd with the forward's dropout draws."""
     with autograd_inside_kernel(), torch.random.fork_rng(devices=[]):
         torch.set_rng_state(rng_state)
         inputs = [x.detach().requires_grad_() for x in (q, k, v)]
-        out = varlen_fwd(*inputs, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                         causal, window_size_left, window_size_right, softcap)
+        out = varlen_fwd(*inputs, cu_seqlens_q, cu_seqlens_k, *options)
         return torch.autograd.grad(out, inputs, grad_out)
 
 
