@@ -22,8 +22,13 @@ The double has the real package's two layers:
   documented result in fp32 with plain torch, example by example: ``softcap * tanh(q k^T scale /
   softcap)`` when softcap > 0, query ``i`` sees keys ``[i + sk - sq - left, i + sk - sq + right]``
   (``-1``: unbounded), query head ``h`` uses key/value head ``h // (heads / kv_heads)``, a query with no
-  key gets 0, dropout on the probabilities; the output is cast to q's dtype. Autograd runs through those
-  torch ops, so backward works and gradients come back in the inputs' dtypes.
+  key gets 0, dropout on the probabilities; the output is cast to q's dtype.
+- Between the two, as in flash-attn (``_flash_attn_varlen_forward`` / ``_backward`` are
+  ``torch.library.custom_op``s with fake implementations), the kernel is an opaque op to ``torch.compile``:
+  ``flash_attn_double::varlen_fwd`` / ``varlen_bwd``. Dynamo traces the Python wrapper and stops at the op,
+  so a compiled block sees here what it sees on a GPU (no host sync inside, ``max_seqlen`` a symbolic int).
+  Backward recomputes the forward under autograd with the forward's RNG state (the same dropout mask, as
+  the kernel's saved Philox state gives) and returns gradients in the inputs' dtypes.
 
 Stricter than the real kernel, on purpose: ``cu_seqlens`` must start at 0, never decrease and end at the
 token count, and ``max_seqlen_*`` must cover the longest example. The kernel trusts those and reads or
@@ -38,12 +43,15 @@ checked exactly in fp32, which the real kernel cannot do.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.machinery
 import sys
 import types
+from collections.abc import Iterator
 
 import torch
 
+C = torch._C
 VERSION = "2.8.3"
 HALF = (torch.float16, torch.bfloat16)
 
@@ -146,6 +154,76 @@ def varlen_fwd(
     return torch.cat(outs).to(q.dtype)
 
 
+RNG_STATE_BYTES = torch.get_rng_state().numel()
+
+
+@contextlib.contextmanager
+def autograd_inside_kernel() -> Iterator[None]:
+    """Gradients inside an op's kernel, which runs below autograd (its dispatch keys excluded): lift that
+    exclusion for a kernel that recomputes its forward to differentiate it."""
+    exclude = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality)
+    with torch.enable_grad(), C._ForceDispatchKeyGuard(
+        C._dispatch_tls_local_include_set(), exclude.remove(C.DispatchKey.ADInplaceOrView)
+    ):
+        yield
+
+
+@torch.library.custom_op("flash_attn_double::varlen_fwd", mutates_args=())
+def _varlen_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
+    window_size_left: int, window_size_right: int, softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    rng_state = torch.get_rng_state()  # before the dropout draws: backward replays them
+    out = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                     causal, window_size_left, window_size_right, softcap)
+    return out, rng_state
+
+
+@_varlen_fwd_op.register_fake
+def _(q, k, v, *args):
+    return torch.empty_like(q), q.new_empty(RNG_STATE_BYTES, dtype=torch.uint8)
+
+
+@torch.library.custom_op("flash_attn_double::varlen_bwd", mutates_args=())
+def _varlen_bwd_op(
+    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng_state: torch.Tensor,
+    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
+    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    softcap: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return varlen_bwd(grad_out, q, k, v, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap)
+
+
+def varlen_bwd(grad_out, q, k, v, rng_state, cu_seqlens_q, cu_seqlens_k, *options):
+    """The backward kernel: ``varlen_fwd`` recomputed under autograd with the forward's dropout draws."""
+    with autograd_inside_kernel(), torch.random.fork_rng(devices=[]):
+        torch.set_rng_state(rng_state)
+        inputs = [x.detach().requires_grad_() for x in (q, k, v)]
+        out = varlen_fwd(*inputs, cu_seqlens_q, cu_seqlens_k, *options)
+        return torch.autograd.grad(out, inputs, grad_out)
+
+
+@_varlen_bwd_op.register_fake
+def _(grad_out, q, k, v, *args):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, cu_q, cu_k, *options = inputs
+    ctx.save_for_backward(q, k, v, output[1], cu_q, cu_k)
+    ctx.options = options
+
+
+def _backward(ctx, grad_out, grad_rng_state):
+    grads = _varlen_bwd_op(grad_out, *ctx.saved_tensors, *ctx.options)
+    return (*grads, *[None] * (2 + len(ctx.options)))
+
+
+_varlen_fwd_op.register_autograd(_backward, setup_context=_setup_context)
+
+
 def _python_int(value, name: str) -> int:
     # The wrapper is a torch.library.custom_op with ``int`` in its schema: a tensor does not bind.
     if isinstance(value, bool) or not isinstance(value, int):
@@ -169,9 +247,9 @@ def flash_attn_varlen_func(
     pad = (8 - head_size_og % 8) % 8
     q, k, v = (torch.nn.functional.pad(x, [0, pad]) if pad else x for x in (q, k, v))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out = varlen_fwd(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
-        left, right, softcap,
+    out, _ = _varlen_fwd_op(
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), float(softmax_scale),
+        bool(causal), left, right, float(softcap),
     )
     return out[..., :head_size_og]
 

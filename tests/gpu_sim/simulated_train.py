@@ -6,9 +6,9 @@ Ranks are separate processes, so a monkeypatch in the pytest process never reach
 installs the doubles itself (the flash-attn double, CPU kernels under torch's ``varlen_attn``, the device
 pretence: the same three pieces as the ``simulated_gpu`` fixture) before the entry point runs.
 
-At exit rank 0 prints how often each double ran for a training step (``KERNEL_CALLS_LINE``): flash-attn
-calls made with gradients on (the self-check and eval run without them), and backward passes of torch's
-flash op. A run that resolved a kernel backend but trained through something else shows zero there.
+At exit rank 0 prints how often each double ran for a training step (``KERNEL_CALLS_LINE``): backward
+passes of the flash-attn double and of torch's flash op (the self-check and eval run no backward). A run
+that resolved a kernel backend but trained through something else shows zero there.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import os
 from collections import Counter
 
 import pytest
-import torch
 
 from tests.gpu_sim import flash_attn_double, torch_varlen_double
 from tests.gpu_sim.device import pretend_capable_gpu
@@ -28,10 +27,10 @@ KERNEL_CALLS_LINE = "simulated kernel calls in training steps:"
 training_calls: Counter[str] = Counter()
 
 
-def _counted(backend: str, kernel, only_with_grad: bool):
+def _counted(backend: str, kernel):
     @functools.wraps(kernel)
     def counting(*args, **kwargs):
-        training_calls[backend] += not only_with_grad or torch.is_grad_enabled()
+        training_calls[backend] += 1
         return kernel(*args, **kwargs)
 
     return counting
@@ -39,12 +38,14 @@ def _counted(backend: str, kernel, only_with_grad: bool):
 
 def main() -> None:
     with pytest.MonkeyPatch.context() as mp:
-        flash_attn = flash_attn_double.install(mp)
-        mp.setattr(flash_attn, "flash_attn_varlen_func",
-                   _counted("flash_attn", flash_attn.flash_attn_varlen_func, only_with_grad=True))
-        # Registered as the CPU kernel when ``registered()`` is entered: patched before that.
+        flash_attn_double.install(mp)
+        # Counted in the backward kernels, below torch.compile (parallel.compile=true): a counter in Python
+        # that dynamo traces would be a guard, and every count a recompile. The flash-attn double's backward
+        # op looks ``varlen_bwd`` up at each call; torch's is registered when ``registered()`` is entered.
+        mp.setattr(flash_attn_double, "varlen_bwd",
+                   _counted("flash_attn", flash_attn_double.varlen_bwd))
         mp.setattr(torch_varlen_double, "_backward",
-                   _counted("torch_varlen", torch_varlen_double._backward, only_with_grad=False))
+                   _counted("torch_varlen", torch_varlen_double._backward))
         pretend_capable_gpu(mp)
         with torch_varlen_double.registered():
             try:

@@ -20,9 +20,8 @@ from collections.abc import Iterator
 
 import torch
 
-from tests.gpu_sim.flash_attn_double import varlen_fwd
+from tests.gpu_sim.flash_attn_double import autograd_inside_kernel, varlen_fwd
 
-C = torch._C
 
 
 def _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, left, right):
@@ -46,11 +45,7 @@ def _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, i
 
 def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
               is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
-    # A kernel runs below autograd (its keys are excluded); lift that for the recomputation only.
-    exclude = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality)
-    with torch.enable_grad(), C._ForceDispatchKeyGuard(
-        C._dispatch_tls_local_include_set(), exclude.remove(C.DispatchKey.ADInplaceOrView)
-    ):
+    with autograd_inside_kernel():
         q, k, v = (x.detach().requires_grad_() for x in (query, key, value))
         recomputed = _kernel(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
                              window_size_left, window_size_right)

@@ -180,6 +180,11 @@ def varlen_attn_inputs(
     return (q, k, v), options
 
 
+# Read now, at import: filled inside a compiled block, the dict would change under dynamo's guard on it and
+# recompile the block that runs next.
+varlen_attn_parameters()
+
+
 # --------------------------------------------------------------------------------------------------- flex
 def flex_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
     if device.type == "cpu":

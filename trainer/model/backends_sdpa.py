@@ -48,8 +48,9 @@ def _call_cost_pairs(query: torch.Tensor) -> float:
 
 
 class _PermuteRows(torch.autograd.Function):
-    """``src.index_select(0, index)`` where ``index`` is a permutation padded with dummy rows, and
-    ``inverse`` maps back. Backward is another gather (``grad.index_select(0, inverse)``, rows outside
+    """``src.index_select(dim, index)`` along the token dimension (``dim``: third from last, the ``T`` of
+    ``[T, H, D]`` or ``[1, T, H, D]``) where ``index`` is a permutation padded with dummy rows, and
+    ``inverse`` maps back. Backward is another gather (``grad.index_select(dim, inverse)``, rows outside
     ``keep`` zeroed) instead of autograd's scatter-add, which on CPU costs more than the attention itself.
 
     Exact here because a pad slot's gradient is zero: causal masks keep real queries off pad keys and pad
@@ -59,15 +60,15 @@ class _PermuteRows(torch.autograd.Function):
     @staticmethod
     def forward(ctx, src, index, inverse, keep):
         ctx.save_for_backward(inverse, keep)
-        return src.index_select(0, index)
+        return src.index_select(src.dim() - 3, index)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         inverse, keep = ctx.saved_tensors
-        out = grad.index_select(0, inverse)
+        out = grad.index_select(grad.dim() - 3, inverse)
         if keep.numel():
-            out = out * keep.view(-1, *([1] * (out.dim() - 1)))
+            out = out * keep.view(-1, 1, 1)
         return out, None, None, None
 
 
@@ -76,9 +77,12 @@ def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
 
     ``query`` is ``[1, H, T, D]``, a transposed view of transformers' ``[1, T, H, D]`` projections, so the
     gather works on the token dimension of that memory and the rectangles come out in the same layout.
+
+    The result is never a view: under ``parallel.compile`` it enters the compiled code after attention,
+    which guards on a view's base, so views of different bases would recompile it from pack to pack.
     """
     if plan.identity:
-        return attend(query, key, value, 0).transpose(1, 2)
+        return attend(query, key, value, 0).transpose(1, 2).contiguous()
     none = plan.index.new_empty(0, dtype=torch.bool)
     q, k, v = (_PermuteRows.apply(x[0].transpose(0, 1), plan.index, plan.token_slot, none) for x in (query, key, value))
     # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add.
@@ -90,7 +94,7 @@ def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
         out = attend(*rect, r)  # [rows, H, width, D]
         outs.append(out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return _PermuteRows.apply(out, plan.token_slot, plan.index, plan.valid).unsqueeze(0)
+    return _PermuteRows.apply(out.unsqueeze(0), plan.token_slot, plan.index, plan.valid)
 
 
 def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:

@@ -1,10 +1,19 @@
 """What every packed attention backend needs from transformers' kwargs, computed once per forward.
 
 A packed row ``[1, heads, T, head_dim]`` holds examples back to back; ``cu_seqlens`` (``cu_seq_lens_q`` in
-transformers' kwargs) gives their boundaries. ``packed_args`` checks the call and returns the boundaries,
-the longest example and the sliding window (Mistral, Qwen sliding layers). ``PackedLayout`` derives, once
-per ``cu_seqlens`` tensor (every layer of one forward sees the same tensor object), the host-side lengths
-and the gather plans that let the SDPA backends run a few batched calls instead of one per example.
+transformers' kwargs) gives their boundaries. ``packed_attention_kwargs`` checks them on the host once per
+forward, before the decoder blocks, and returns the kwargs the model hands down to every layer's attention:
+the boundaries and the longest example as a plain ``int``. ``packed_args`` checks each attention call and
+returns the boundaries, the longest example and the sliding window (Mistral, Qwen sliding layers).
+``PackedLayout`` derives, once per ``cu_seqlens`` tensor (every layer of one forward sees the same tensor
+object), the host-side lengths and the gather plans that let the SDPA backends run a few batched calls
+instead of one per example.
+
+Compiled blocks (``parallel.compile=true``): inside a block nothing reads ``cu_seqlens`` on the host. A
+host read there is a graph break, and the Python values it yields (the number of examples, the layout
+cache) become guards that recompile the block for every new pack. So the host work happens once per
+forward in ``packed_attention_kwargs`` (outside the compiled blocks), ``cu_seqlens``' length is marked
+dynamic, and the kernel backends see only tensors and a symbolic ``max_seqlen``.
 
 Sliding window, as transformers defines it: query ``t`` may attend key ``s`` iff ``t - W < s <= t``
 (the last ``W`` tokens, itself included), and the window never leaves the example.
@@ -27,34 +36,60 @@ class PackedArgs:
     cu_seqlens: torch.Tensor
     """int32 offsets of the examples in the row, length ``num_examples + 1``."""
     max_seqlen: int
+    """The longest example: a Python int, symbolic inside a compiled block (never read back from a tensor)."""
     window: int | None
     """Sliding window in tokens (``None``: full causal attention)."""
 
 
+def packed_attention_kwargs(cu_seqlens: torch.Tensor, num_tokens: int) -> dict:
+    """The boundary kwargs of a packed forward (``cu_seq_lens_q/k``, ``max_length_q/k``), checked on the host
+    once, outside the compiled blocks (see the module doc); transformers passes them down to every layer."""
+    layout = check_boundaries(cu_seqlens, cu_seqlens, num_tokens)
+    # Packs differ in their number of examples: a new length of cu_seqlens must not recompile a block.
+    torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
+    return {
+        "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": layout.max_len, "max_length_k": layout.max_len,
+    }
+
+
+def check_boundaries(cu: torch.Tensor, cu_k: torch.Tensor | None, num_tokens: int) -> "PackedLayout":
+    """The layout of ``cu``; raise ``AttentionBackendError`` unless it splits ``num_tokens`` tokens into
+    examples and ``cu_k`` (keys) is the same split."""
+    if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
+        raise AttentionBackendError("cu_seq_lens_k differs from cu_seq_lens_q; packed self-attention needs both equal")
+    layout = PackedLayout.of(cu)
+    if layout.total != num_tokens:
+        raise AttentionBackendError(f"cu_seqlens ends at {layout.total} but the row holds {num_tokens} tokens")
+    return layout
+
+
 def packed_args(module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> PackedArgs:
-    """Validate a packed attention call; raise ``AttentionBackendError`` rather than attend across examples."""
+    """Validate a packed attention call; raise ``AttentionBackendError`` rather than attend across examples.
+
+    Inside a compiled block the host-side checks are skipped: ``packed_attention_kwargs`` made them once for
+    this forward (see the module doc)."""
     cu = kwargs.get("cu_seq_lens_q")
     if cu is None:
         raise AttentionBackendError(
             "packed attention was called without cu_seq_lens_q: the example boundaries did not reach the "
             "attention function, so it cannot keep examples apart (refusing to attend across them)"
         )
-    cu_k = kwargs.get("cu_seq_lens_k")
-    if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
-        raise AttentionBackendError("cu_seq_lens_k differs from cu_seq_lens_q; packed self-attention needs both equal")
     if query.shape[0] != 1:
         raise AttentionBackendError(f"packed attention expects one flat row, got batch size {query.shape[0]}")
     if key.shape[2] != query.shape[2]:
         raise AttentionBackendError("packed attention got keys of another length than queries (a KV cache?)")
     if getattr(module, "is_causal", True) is False:
         raise AttentionBackendError(f"{type(module).__name__} is not causal; packed backends are causal only")
-    layout = PackedLayout.of(cu)
-    if layout.total != query.shape[2]:
-        raise AttentionBackendError(f"cu_seqlens ends at {layout.total} but the row holds {query.shape[2]} tokens")
+    max_len = kwargs.get("max_length_q")
+    if not torch.compiler.is_compiling():
+        layout = check_boundaries(cu, kwargs.get("cu_seq_lens_k"), query.shape[2])
+        max_len = max_len or layout.max_len
+    elif max_len is None:
+        raise AttentionBackendError("a compiled block got no max_length_q; pass packed_attention_kwargs' kwargs")
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None
-    max_len = kwargs.get("max_length_q") or layout.max_len
-    return PackedArgs(cu, int(max_len), window)
+    return PackedArgs(cu, max_len, window)
 
 
 @dataclass

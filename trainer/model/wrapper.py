@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from trainer.model.attention import AttentionBackend
+from trainer.model.packed_layout import packed_attention_kwargs
 
 PADDED_ATTENTION = "sdpa"
 
@@ -51,10 +52,7 @@ class VarlenCausalLM(nn.Module):
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
-                cu_seq_lens_q=cu_seqlens,
-                cu_seq_lens_k=cu_seqlens,
-                max_length_q=max_seqlen,
-                max_length_k=max_seqlen,
+                **packed_attention_kwargs(cu_seqlens, input_ids.shape[-1]),  # host work here, not in the blocks
             )
         else:
             self.model.config._attn_implementation = self.padded_attention
