@@ -230,7 +230,7 @@ class LossConfig:
     torch elsewhere); exact against ``naive`` (the model's logits, then cross-entropy), faster and far smaller
     at large vocabularies. A family whose logits the chunk cannot reproduce runs ``naive`` (logged)."""
     chunk_tokens: int | None = None
-    """Label tokens per chunk (``None``: ``2**23 // vocab``, about 32 MiB of fp32 logits per chunk)."""
+    """Label tokens per chunk (``None``: ``2**25 // vocab``, 128 MiB of fp32 logits per chunk)."""
 
     def validate(self) -> None:
         _choice("loss.impl", self.impl, LOSS_IMPLS)

@@ -28,8 +28,10 @@ import torch.nn.functional as F
 
 from trainer.collate import IGNORE_INDEX, Batch
 
-CHUNK_LOGITS = 2**23
-"""Default logits per chunk (32 MiB in fp32): ``chunk_tokens = CHUNK_LOGITS // vocab``."""
+CHUNK_LOGITS = 2**25
+"""Default logits per chunk (128 MiB in fp32): ``chunk_tokens = CHUNK_LOGITS // vocab``. Smaller chunks save
+little more memory and cost time: each chunk rewrites the whole fp32 head-weight gradient, and on a CPU a
+chunk of 55 tokens at a 152k vocabulary ran 20% slower than one of 880."""
 
 
 def summed_token_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
