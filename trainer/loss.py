@@ -20,6 +20,7 @@ Two implementations of the same sum (``loss.impl``):
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,13 +176,7 @@ def liger_summed_loss(
 
 
 def liger_available(device: torch.device) -> bool:
-    if device.type != "cuda":
-        return False
-    try:
-        import liger_kernel.transformers  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
 
 
 def head_matches_logits(reference: torch.Tensor, ours: torch.Tensor) -> bool:

@@ -33,12 +33,14 @@ GPT2 = dict(n_layer=2, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, em
 
 def train_grads(model, batches, global_labels: float) -> tuple[float, dict[str, torch.Tensor]]:
     """Summed loss and full (gathered) gradients after one accumulated backward over ``batches``."""
-    loss = 0.0
-    for i, batch in enumerate(batches):
-        set_gradient_sync(model, i == len(batches) - 1)
+
+    def accumulate(i: int, batch) -> float:
+        set_gradient_sync(model, i == len(batches) - 1)  # reduce-scatter once, after the last micro-batch
         batch_loss = summed_token_loss(model, batch)
         (batch_loss / global_labels).backward()
-        loss += float(batch_loss)
+        return float(batch_loss)
+
+    loss = sum(accumulate(i, batch) for i, batch in enumerate(batches))
     grads = {n: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for n, p in model.named_parameters()}
     return loss, grads
 

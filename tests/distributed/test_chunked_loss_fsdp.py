@@ -5,21 +5,16 @@ One torchrun launch runs every case (tests/distributed/chunked_loss_worker.py).
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.distributed.conftest import worker_cases
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
 def cases(tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("chunked") / "cases.json"
-    proc = run_torchrun(["-m", "tests.distributed.chunked_loss_worker", str(out), cache_dir])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return worker_cases("tests.distributed.chunked_loss_worker", tmp_path_factory.mktemp("chunked") / "cases.json", cache_dir)
 
 
 @pytest.mark.parametrize("name", ["tied_fp32", "untied_fp32"])

@@ -59,14 +59,7 @@ class VarlenCausalLM(nn.Module):
         head = self.model.get_output_embeddings()
         return self.loss(hidden, head.weight, head.bias, targets)
 
-    def attention_inputs(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-        attention_mask: torch.Tensor | None = None,
-    ) -> dict:
+    def attention_inputs(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask) -> dict:
         """The transformers call's keyword arguments; selects the attention for a packed or padded batch."""
         if cu_seqlens is not None:
             if attention_mask is not None:
@@ -109,7 +102,7 @@ class VarlenCausalLM(nn.Module):
             return f"the output head is a {type(head).__name__}, not a Linear"
         positions = torch.arange(tokens, device=head.weight.device)[None]
         ids = positions % head.out_features
-        inputs = self.attention_inputs(ids, positions, attention_mask=torch.ones_like(ids))
+        inputs = self.attention_inputs(ids, positions, None, None, torch.ones_like(ids))
         was_training = self.training
         self.eval()
         try:
