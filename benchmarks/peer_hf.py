@@ -275,6 +275,11 @@ def report_ratios(results: dict[str, dict]) -> None:
         best = max(peers, key=lambda k: peers[k][key])
         ratio = ours[key] / peers[best][key]
         print(f"vs the fastest peer ({best}), on medians: {ratio:.2f}x -> target 1.3x {'met' if ratio >= 1.3 else 'NOT met'}")
+        # Within a round every system met about the same load: the ratio to that round's fastest peer.
+        rounds = min(len(r["runs"]) for r in (ours, *peers.values()))
+        per_round = [ours["runs"][i] / max(p["runs"][i] for p in peers.values()) for i in range(rounds)]
+        print(f"per round, vs that round's fastest peer: {', '.join(f'{x:.2f}x' for x in per_round)} "
+              f"(median {statistics.median(per_round):.2f}x)")
 
 
 if __name__ == "__main__":
