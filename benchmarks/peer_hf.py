@@ -1,24 +1,37 @@
 """Peer benchmark: packfsdp next to Hugging Face's ways of training on variable-length data.
 
-    python benchmarks/peer_hf.py [--steps 30] [--warmup 3] [--threads 1] [--budget 1024]
+    python benchmarks/peer_hf.py --model gpt2_4x256 [--steps 20] [--warmup 3] [--threads 2] [--rounds 3]
+    python benchmarks/peer_hf.py --model gpt2_30m --steps 8
 
-One run, each system in its own process, one after another, on the same tiny GPT-2 (2 layers, width 128,
-random init, same seed), the same tokenized DailyDialog-like examples (the embedded default, loss on all
-tokens, no held-out split), the same CPU threads, bf16 compute, AdamW, one micro-batch of about ``--budget``
-tokens per optimizer step:
+Each system in its own process, interleaved (round 1 runs every system once, then round 2, ...), on the same
+GPT-2 (``--model``: random init, same seed), the same tokenized DailyDialog-like examples (the embedded default,
+loss on all tokens, no held-out split), the same CPU threads, fp32 (``--dtype bf16`` for bf16 compute), AdamW,
+one micro-batch of about ``--budget`` tokens per optimizer step. Sizes (vocabulary: the local tokenizer's 8,192):
+
+- ``gpt2_2x128``: 2 layers, width 128 (the default recipe's model, ~1.2M parameters);
+- ``gpt2_4x256``: 4 layers, width 256 (~5.5M);
+- ``gpt2_30m``: 8 layers, width 512 (~29M).
+
+Systems:
 
 - ``hf_padded``: transformers ``Trainer``, random batches padded to the longest (``DataCollatorForSeq2Seq``),
   as many examples per batch as a packed micro-batch holds on average;
 - ``hf_flattening``: ``Trainer`` with ``DataCollatorWithFlattening`` (same batches, concatenated, position
   ids restart per example; transformers' SDPA path turns them into a block-diagonal mask);
 - ``trl_sft_bfd``: TRL ``SFTTrainer`` with ``packing=True, packing_strategy="bfd"`` into ``--budget``-token
-  rows (only when ``trl`` is installed: ``pip install trl``);
-- ``packfsdp_padded`` and ``packfsdp_packed``: ``trainer.train`` on one rank (FSDP2 over a world of 1).
+  rows (only when ``trl`` is installed: ``pip install trl``). TRL >= 1.x always computes the loss through its
+  own fused, chunked LM head (no full logits), so this is TRL's fused loss; its plain-loss path no longer
+  exists, and its Liger option needs CUDA;
+- ``packfsdp_padded`` and ``packfsdp_packed``: ``trainer.train`` on one rank (FSDP2 over a world of 1), with
+  the default chunked loss (``loss.impl=chunked``); ``packfsdp_packed_naive`` (opt-in): packed with
+  ``loss.impl=naive``, to see what the fused loss is worth.
 
 Useful tokens = tokens with a label (the first token of each example never has one), counted from the
 batches each system actually trained on. Throughput = useful tokens of the timed steps / their wall time
 (data loading, forward, backward and optimizer step included), after ``--warmup`` steps.
-Prints one line per system and packfsdp packed's ratio to each; the target is >= 1.3x the fastest peer.
+Prints one line per system and run, then each system's median over the rounds and packfsdp packed's ratio of
+medians to each; the target is >= 1.3x the fastest peer. The machine's load comes and goes: interleaving
+exposes every system to it alike, and the median ignores a disturbed run.
 """
 
 from __future__ import annotations
@@ -37,21 +50,33 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PEERS = ("hf_padded", "hf_flattening", "trl_sft_bfd")
-OURS = ("packfsdp_padded", "packfsdp_packed")
+OURS = ("packfsdp_padded", "packfsdp_packed", "packfsdp_packed_naive")
+DEFAULT_SYSTEMS = (*PEERS, "packfsdp_padded", "packfsdp_packed")
 SEED, LR = 1234, 1e-3
-MODEL = dict(n_layer=2, n_embd=128, n_head=4, n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+SIZES = {
+    "gpt2_2x128": dict(n_layer=2, n_embd=128, n_head=4),
+    "gpt2_4x256": dict(n_layer=4, n_embd=256, n_head=4),
+    "gpt2_30m": dict(n_layer=8, n_embd=512, n_head=8),
+}
+"""``--model`` choices: GPT-2 shapes (every size: 1024 positions, no dropout, the local 8,192-token vocabulary)."""
+COMMON = dict(n_positions=1024, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def model_shape(size: str) -> dict:
+    return SIZES[size] | COMMON
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30, help="timed optimizer steps per system")
+    p.add_argument("--model", default="gpt2_4x256", choices=list(SIZES), help="model size (see the docstring)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="compute dtype of every system")
+    p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per system")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
-    p.add_argument("--threads", type=int, default=1, help="torch CPU threads for every system")
+    p.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system")
     p.add_argument("--budget", type=int, default=1024, help="tokens per packed micro-batch / packed row")
-    p.add_argument("--rounds", type=int, default=2,
-                   help="run every system this many times, round-robin, and keep each one's best (load on a shared "
-                        "machine comes and goes; the best run is the least disturbed)")
-    p.add_argument("--systems", nargs="+", default=[*PEERS, *OURS], choices=[*PEERS, *OURS])
+    p.add_argument("--rounds", type=int, default=3,
+                   help="run every system this many times, interleaved; each system's median is compared")
+    p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=[*PEERS, *OURS])
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -96,12 +121,14 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
         labels.append(_labels_for(tok, mask).tolist())
     torch.manual_seed(SEED)
     config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **MODEL)
+                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                                  **model_shape(args.model))
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    bf16 = args.dtype == "bf16"
     steps = args.warmup + args.steps
     out_dir = tempfile.mkdtemp(prefix=f"peer-{system}-")
     common = dict(output_dir=out_dir, max_steps=steps, gradient_accumulation_steps=1, learning_rate=LR,
-                  weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=True, use_cpu=True,
+                  weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=bf16, use_cpu=True,
                   report_to=[], logging_steps=10**6, save_strategy="no", dataloader_num_workers=0, seed=SEED,
                   disable_tqdm=True, remove_unused_columns=False)
 
@@ -149,8 +176,12 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
 def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     """trainer.train on one rank, timed by its own summary (same definition: labels / step wall time)."""
     run_dir = Path(tempfile.mkdtemp(prefix=f"peer-{system}-"))
-    cmd = [sys.executable, "-m", "trainer.train", "recipe=cpu_dailydialog", "grad_accum=1",
-           f"packing={'bfd' if system == 'packfsdp_packed' else 'none'}", f"packing.token_budget={args.budget}",
+    packed = system != "packfsdp_padded"
+    shape = [f"++model.config_overrides.{k}={v}" for k, v in model_shape(args.model).items()]
+    cmd = [sys.executable, "-m", "trainer.train", "recipe=cpu_dailydialog", "grad_accum=1", *shape,
+           f"parallel={'fsdp_fp32' if args.dtype == 'fp32' else 'fsdp'}", "logger.peak_tflops=1",
+           f"loss={'naive' if system == 'packfsdp_packed_naive' else 'chunked'}",
+           f"packing={'bfd' if packed else 'none'}", f"packing.token_budget={args.budget}",
            f"max_steps={args.warmup + args.steps}", f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0",
            f"optim.lr={LR}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}",
            "logger.progress_bar=false", "logger.log_every=1000", f"run_dir={run_dir}"]
@@ -163,7 +194,8 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     per_step = summary["useful_tokens_per_s"] * summary["mean_step_time_s"]
     return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "useful_tokens_per_step": per_step,
             "step_time_s": summary["mean_step_time_s"],
-            "batches": "bfd bins" if system == "packfsdp_packed" else "matched padded batches"}
+            "batches": f"bfd bins, loss {summary.get('loss_impl')}" if packed
+            else f"matched padded batches, loss {summary.get('loss_impl')}"}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -178,7 +210,7 @@ def run_system(system: str, args: argparse.Namespace) -> dict | None:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--budget", str(args.budget)]
+               "--budget", str(args.budget), "--model", args.model, "--dtype", args.dtype]
         env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
                             "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
@@ -196,45 +228,58 @@ def main(argv=None) -> dict:
         return {}
     import torch
 
-    print(f"peer benchmark: tiny GPT-2, {args.steps} timed steps after {args.warmup}, {args.threads} thread(s), "
-          f"~{args.budget} tokens per step, torch {torch.__version__}")
-    results: dict[str, dict] = {}
+    print(f"peer benchmark: GPT-2 {args.model} ({args.dtype}), {args.steps} timed steps after {args.warmup}, "
+          f"{args.threads} thread(s), ~{args.budget} tokens per step, {args.rounds} interleaved rounds, "
+          f"torch {torch.__version__}")
+    runs: dict[str, list[dict]] = {}
     for round_ in range(1, args.rounds + 1):
         for system in args.systems:
             r = run_system(system, args)
             if r is None:
                 continue
-            print(f"round {round_} {system:16s} {r['useful_tokens_per_s']:10,.0f} useful tok/s | "
+            runs.setdefault(system, []).append(r)
+            print(f"round {round_} {system:22s} {r['useful_tokens_per_s']:10,.0f} useful tok/s | "
                   f"{r['useful_tokens_per_step']:6.0f} useful tok/step | {1000 * r['step_time_s']:6.0f} ms/step | "
                   f"{r['batches']}", flush=True)
-            best = results.get(system)
-            r["runs"] = (best["runs"] if best else []) + [r["useful_tokens_per_s"]]
-            if best is None or r["useful_tokens_per_s"] > best["useful_tokens_per_s"]:
-                results[system] = r
-            else:
-                best["runs"] = r["runs"]
-    print("best of each (median in brackets):")
-    for system, r in results.items():
-        r["median_useful_tokens_per_s"] = statistics.median(r["runs"])
-        print(f"{system:16s} {r['useful_tokens_per_s']:10,.0f} useful tok/s  [{r['median_useful_tokens_per_s']:,.0f}]  "
-              f"(runs: {', '.join(f'{x:,.0f}' for x in r['runs'])})")
-    ours = results.get("packfsdp_packed")
-    peers = {k: v for k, v in results.items() if k in PEERS}
-    if ours:
-        for name, r in results.items():
-            if name != "packfsdp_packed":
-                print(f"packfsdp_packed / {name}: {ours['useful_tokens_per_s'] / r['useful_tokens_per_s']:.2f}x")
-        if peers:
-            best = max(peers, key=lambda k: peers[k]["useful_tokens_per_s"])
-            ratio = ours["useful_tokens_per_s"] / peers[best]["useful_tokens_per_s"]
-            print(f"vs the fastest peer ({best}): {ratio:.2f}x -> target 1.3x {'met' if ratio >= 1.3 else 'NOT met'}")
-            key = "median_useful_tokens_per_s"
-            best_median = max(peers, key=lambda k: peers[k][key])
-            print(f"on medians, vs the fastest peer ({best_median}): {ours[key] / peers[best_median][key]:.2f}x")
+    results = summarize(runs)
+    report_ratios(results)
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in ("json", "result")},
                                          "results": results}, indent=2, default=str))
     return results
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
+    """Each system's median useful tokens/s over its runs (and the runs themselves)."""
+    print("median over the rounds:")
+    results = {}
+    for system, rs in runs.items():
+        rates = [r["useful_tokens_per_s"] for r in rs]
+        results[system] = rs[-1] | {"median_useful_tokens_per_s": statistics.median(rates), "runs": rates}
+        print(f"{system:22s} {results[system]['median_useful_tokens_per_s']:10,.0f} useful tok/s  "
+              f"(runs: {', '.join(f'{x:,.0f}' for x in rates)})")
+    return results
+
+
+def report_ratios(results: dict[str, dict]) -> None:
+    """packfsdp packed's ratio of medians to every other system, and the verdict against the fastest peer."""
+    key = "median_useful_tokens_per_s"
+    ours = results.get("packfsdp_packed")
+    if not ours:
+        return
+    for name, r in results.items():
+        if name != "packfsdp_packed":
+            print(f"packfsdp_packed / {name}: {ours[key] / r[key]:.2f}x")
+    peers = {k: v for k, v in results.items() if k in PEERS}
+    if peers:
+        best = max(peers, key=lambda k: peers[k][key])
+        ratio = ours[key] / peers[best][key]
+        print(f"vs the fastest peer ({best}), on medians: {ratio:.2f}x -> target 1.3x {'met' if ratio >= 1.3 else 'NOT met'}")
+        # Within a round every system met about the same load: the ratio to that round's fastest peer.
+        rounds = min(len(r["runs"]) for r in (ours, *peers.values()))
+        per_round = [ours["runs"][i] / max(p["runs"][i] for p in peers.values()) for i in range(rounds)]
+        print(f"per round, vs that round's fastest peer: {', '.join(f'{x:.2f}x' for x in per_round)} "
+              f"(median {statistics.median(per_round):.2f}x)")
 
 
 if __name__ == "__main__":

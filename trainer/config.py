@@ -30,6 +30,10 @@ CODE_OPTIONS = {"data.plugins": "PACKFSDP_PLUGINS", "model.trust_remote_code": "
 command line (a config file may not: ``trainer.cli.check_code_sources``). ``PACKFSDP_PLUGINS`` is a
 comma-separated list added to ``data.plugins``; ``PACKFSDP_TRUST_REMOTE_CODE=1`` sets the flag."""
 
+LOSS_IMPLS = ("chunked", "naive")
+"""``loss.impl`` choices (``trainer.loss``): the LM head fused with the cross-entropy in chunks of tokens, or
+the model's full logits then cross-entropy."""
+
 CONTEXT_KEYS = ("n_positions", "max_position_embeddings")
 """Where a transformers config states the model's context length (GPT-2 names it ``n_positions``)."""
 
@@ -260,6 +264,22 @@ class ParallelConfig:
 
 
 @dataclass
+class LossConfig:
+    impl: str = "chunked"
+    """``chunked``: the LM head and the cross-entropy a chunk of label tokens at a time, so the full
+    ``[tokens, vocab]`` logits never exist (Liger's fused kernel on CUDA when ``liger-kernel`` is installed,
+    torch elsewhere); exact against ``naive`` (the model's logits, then cross-entropy), faster and far smaller
+    at large vocabularies. A family whose logits the chunk cannot reproduce runs ``naive`` (logged)."""
+    chunk_tokens: int | None = None
+    """Label tokens per chunk (``None``: ``2**25 // vocab``, 128 MiB of fp32 logits per chunk)."""
+
+    def validate(self) -> None:
+        _choice("loss.impl", self.impl, LOSS_IMPLS)
+        if self.chunk_tokens is not None:
+            _positive("loss.chunk_tokens", self.chunk_tokens)
+
+
+@dataclass
 class OptimConfig:
     # fused: one kernel over all parameters instead of a loop over tensors; the tiny GPT-2's AdamW step under
     # FSDP2 on one CPU thread went from 41.7 ms to 1.8 ms (a sixth of the whole step). Fused runs on CUDA too.
@@ -416,6 +436,7 @@ class JobConfig:
     packing: PackingConfig = field(default_factory=PackingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
@@ -453,7 +474,7 @@ class JobConfig:
 
     def validate(self) -> None:
         for part in (
-            self.model, self.data, self.packing, self.parallel, self.optim, self.logger, self.eval,
+            self.model, self.data, self.packing, self.parallel, self.optim, self.loss, self.logger, self.eval,
             self.checkpoint, self.guard, self.peft,
         ):
             part.validate()

@@ -79,6 +79,8 @@ class Trainer:
         self.flop_params = flop_params(model)
         self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
         model = model.to(self.device)
+        self.loss_impl = model.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
+        log.info("loss: %s", self.loss_impl)
         if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
             self.startup_self_check(model)
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
@@ -282,6 +284,8 @@ class Trainer:
             "mode": "packed" if self.cfg.packing.packed else "padded",
             "strategy": self.cfg.packing.strategy,
             "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
+            "loss_impl": self.loss_impl,
+            "compile": self.cfg.parallel.compile_backend if self.cfg.parallel.compile else "off",
             "world_size": self.world_size,
             "device": dist_device_name(self.device),
             "model_params": self.flop_params[0],

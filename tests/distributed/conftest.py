@@ -45,3 +45,12 @@ def reference(tmp_path_factory, cache_dir):
     return root
 
 
+
+
+def worker_cases(module: str, out: Path, cache_dir: str) -> dict:
+    """Run ``python -m module OUT CACHE`` on 2 ranks; the JSON record of every case it wrote to ``OUT``."""
+    import json
+
+    proc = run_torchrun(["-m", module, str(out), cache_dir])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())

@@ -24,7 +24,7 @@ def _step(step: int, useful_per_s: float, positions: int, padded_equivalent: int
                 "model_flops": 1e9, "peak_mem_gib": 0.5, "skipped": None, "tokens_seen": 1000 * step}
 
 
-def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: float) -> None:
+def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: float, **extra) -> None:
     path.mkdir(parents=True)
     summary = RunSummary(skip=1)
     records = []
@@ -38,7 +38,7 @@ def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: f
         "mode": mode, "strategy": "bfd" if mode == "packed" else "none", "world_size": 2, "device": "cpu",
         "attention": "sdpa_varlen" if mode == "packed" else "sdpa_padded", "peak_tflops_per_device": 0.5,
         "peak_tflops_source": "test",
-    }
+    } | extra
     (path / "summary.json").write_text(json.dumps(result))
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
     (path / "eval.jsonl").write_text(json.dumps(records[-1]) + "\n")
@@ -63,6 +63,19 @@ def test_report_from_stored_runs(tmp_path):
     for name in ("loss.png", "throughput.png"):
         assert (tmp_path / name).stat().st_size > 5000
         assert (publish / name).is_file()
+
+
+@pytest.mark.parametrize("padded_loss", ["chunked (torch)", "naive"])
+def test_report_states_loss_impl_and_compile_and_warns_when_they_differ(tmp_path, padded_loss):
+    _fake_run(tmp_path / "padded", "padded", 1000.0, 2200, 4.50, loss_impl=padded_loss, compile="off")
+    _fake_run(tmp_path / "packed", "packed", 1600.0, 1100, 4.52, loss_impl="chunked (torch)", compile="off")
+    report = compare.main(["--report-only", str(tmp_path), "recipe=x"])
+    assert report["loss_impl"] == {"packed": "chunked (torch)", "padded": padded_loss}
+    md = (tmp_path / "report.md").read_text()
+    assert f"| loss implementation | `{padded_loss}` | `chunked (torch)` |" in md and "| compile | `off` | `off` |" in md
+    same = padded_loss == "chunked (torch)"
+    assert report["comparison"]["same_per_token_setup"] is same
+    assert ("different loss implementation or compile mode" in md) is not same
 
 
 def test_summarize_prints_the_compare_table_for_any_two_run_dirs(tmp_path, capsys):

@@ -5,7 +5,8 @@
   restarting per example and no ``attention_mask`` (the boundaries travel as ``cu_seq_lens_*`` kwargs);
 - a padded batch (``attention_mask`` given) runs transformers' own SDPA path with the padding mask (eager
   for a family without one, ``padded_attention``).
-The wrapper returns logits; the loss lives in the trainer (summed, normalised by the global label count).
+The wrapper returns logits, or with ``labels`` the summed token loss (``trainer.loss``: naive or chunked); the
+trainer normalises it by the global label count.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainer.loss import HeadLoss, LogitTransform, head_matches_logits, label_positions, liger_available, naive_summed_loss
 from trainer.model.attention import AttentionBackend
 from trainer.model.packed_layout import packed_attention_kwargs
 
@@ -31,6 +33,8 @@ class VarlenCausalLM(nn.Module):
         self.model = model
         self.backend = backend
         self.padded_attention = padded_attention(type(model))
+        self.loss = HeadLoss()
+        """The loss ``forward(..., labels=...)`` runs: naive until ``use_loss`` picks one."""
 
     @property
     def config(self):
@@ -43,23 +47,71 @@ class VarlenCausalLM(nn.Module):
         cu_seqlens: torch.Tensor | None = None,
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``; with ``labels``, the summed token loss (fp32 scalar) instead,
+        through the loss implementation ``use_loss`` picked. The loss runs here, inside the root module's
+        forward, because that is where FSDP2 holds the head's parameters gathered."""
+        inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
+        if labels is None or self.loss.impl == "naive":
+            logits = self.model(**inputs).logits
+            return logits if labels is None else naive_summed_loss(logits, labels)
+        hidden, targets = label_positions(self.model.base_model(**inputs).last_hidden_state, labels)
+        head = self.model.get_output_embeddings()
+        return self.loss(hidden, head.weight, head.bias, targets)
+
+    def attention_inputs(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask) -> dict:
+        """The transformers call's keyword arguments; selects the attention for a packed or padded batch."""
         if cu_seqlens is not None:
             if attention_mask is not None:
                 raise ValueError("a packed batch carries cu_seqlens, not an attention_mask")
             self.model.config._attn_implementation = self.backend.hf_name
-            out = self.model(
+            return dict(
                 input_ids=input_ids,
                 position_ids=position_ids,
                 use_cache=False,
                 **packed_attention_kwargs(cu_seqlens, input_ids.shape[-1]),  # host work here, not in the blocks
             )
-        else:
-            self.model.config._attn_implementation = self.padded_attention
-            out = self.model(
-                input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False
-            )
-        return out.logits
+        self.model.config._attn_implementation = self.padded_attention
+        return dict(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+
+    def use_loss(self, impl: str, chunk_tokens: int | None = None) -> str:
+        """Pick the loss implementation (``loss.impl``) and return its name for the start-up log. ``chunked``
+        runs Liger's kernel on CUDA when installed, else torch's; it falls back to ``naive``, saying why,
+        for a family whose logits are not the (scaled, softcapped) head output, found by a probe forward."""
+        self.loss = HeadLoss()
+        if impl == "naive":
+            return self.loss.describe()
+        transform = LogitTransform.of(self.config)
+        mismatch = self.head_mismatch(transform)
+        if mismatch:
+            return f"naive (chunked refused: {mismatch})"
+        device = self.model.get_output_embeddings().weight.device
+        kernel = "liger" if liger_available(device) else "torch"
+        self.loss = HeadLoss(impl, kernel, transform, chunk_tokens)
+        return self.loss.describe()
+
+    @torch.no_grad()
+    def head_mismatch(self, transform: LogitTransform, tokens: int = 8) -> str | None:
+        """Why the chunked loss cannot reproduce this model's logits, or ``None`` when it can: an 8-token
+        probe compares the model's logits with ``transform(head(base model's hidden states))``."""
+        head = self.model.get_output_embeddings()
+        if not isinstance(head, nn.Linear):
+            return f"the output head is a {type(head).__name__}, not a Linear"
+        positions = torch.arange(tokens, device=head.weight.device)[None]
+        ids = positions % head.out_features
+        inputs = self.attention_inputs(ids, positions, None, None, torch.ones_like(ids))
+        was_training = self.training
+        self.eval()
+        try:
+            reference = self.model(**inputs).logits
+            hidden = self.model.base_model(**inputs).last_hidden_state
+        finally:
+            self.train(was_training)
+        ours, _ = transform.apply(nn.functional.linear(hidden, head.weight, head.bias).float())
+        if head_matches_logits(reference, ours):
+            return None
+        return f"{type(self.model).__name__}'s logits are not its head's output ({transform})"
 
     def decoder_layers(self) -> list[nn.Module]:
         """The repeated transformer blocks (the units FSDP shards and checkpointing wraps)."""

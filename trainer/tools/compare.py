@@ -7,8 +7,9 @@ micro-batch as a packed micro-batch holds on average), then writes into the comp
 
 - ``padded/`` and ``packed/``: each run's ``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``, ``summary.json``;
 - ``report.json`` and ``report.md``: useful tokens/s of each and the ratio, padding, step time, peak
-  memory, final train and eval loss and their difference, model TFLOP/s and MFU, attention backend, world
-  size, versions;
+  memory, final train and eval loss and their difference, model TFLOP/s and MFU, attention backend, loss
+  implementation and compile mode (the same in both runs, so the ratio measures packing alone), world size,
+  versions;
 - ``loss.png`` (both runs' train and eval loss on one axis) and ``throughput.png`` (useful tokens/s).
 
 ``--variability`` also runs ``packfsdp variability`` (speedup against the spread of example
@@ -37,6 +38,9 @@ from trainer.packing import STRATEGIES
 from trainer.tools.plots import plot_loss, plot_throughput
 
 RUNS = {"padded": "none", "packed": None}  # run name -> packing override (None: the recipe's own)
+PER_TOKEN_SETUP = ("loss_impl", "compile")
+"""Summary keys saying how each token is computed (loss implementation, compile mode): the report states them
+and warns when the two runs differ in one."""
 LOSS_PARITY_TOLERANCE = 0.05  # "loss within 0.05 of the padded baseline"
 REPO = Path(__file__).resolve().parents[1]
 
@@ -139,12 +143,15 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
         "world_size": packed.get("world_size", nproc),
         "device": packed.get("device"),
         "attention": {"packed": packed.get("attention"), "padded": padded.get("attention")},
+        **{key: {"packed": packed.get(key), "padded": padded.get(key)} for key in PER_TOKEN_SETUP},
         "runs": summaries,
         "comparison": {
             # Splitting strategies keep examples longer than the budget that the padded run truncates.
             "same_data": packed.get("dataset") == padded.get("dataset")
             and packed.get("train_examples") == padded.get("train_examples"),
             "useful_tokens_per_s_ratio": _ratio(packed.get("useful_tokens_per_s"), padded.get("useful_tokens_per_s")),
+            # The ratio measures packing alone only when both runs compute each token the same way.
+            "same_per_token_setup": all(packed.get(key) == padded.get(key) for key in PER_TOKEN_SETUP),
             "step_time_ratio": _ratio(packed.get("mean_step_time_s"), padded.get("mean_step_time_s")),
             "final_train_loss_diff": _diff(packed.get("final_loss"), padded.get("final_loss")),
             "final_eval_loss_diff": eval_diff,
@@ -181,6 +188,8 @@ def comparison_table(report: dict) -> str:
         ("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), ""),
         ("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), ""),
         ("attention", f"`{p['attention']}`", f"`{q['attention']}`", ""),
+        ("loss implementation", f"`{p.get('loss_impl', 'n/a')}`", f"`{q.get('loss_impl', 'n/a')}`", ""),
+        ("compile", f"`{p.get('compile', 'n/a')}`", f"`{q.get('compile', 'n/a')}`", ""),
     ]
     lines = ["| | padded | packed | packed vs padded |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {a} | {b} | {r} |" for name, a, b, r in rows]
@@ -202,6 +211,9 @@ def render_markdown(report: dict) -> str:
         comparison_table(report),
         "",
         f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
+        *([] if c.get("same_per_token_setup", True) else [
+            "**Warning: the two runs used a different loss implementation or compile mode**, so the ratio "
+            "measures more than packing."]),
         *([] if c.get("same_data", True) else [
             "**Warning: the two runs did not train on the same examples** (dataset statistics differ: a "
             "splitting strategy keeps examples the padded run truncated to the token budget)."]),
