@@ -123,3 +123,12 @@ def test_optimizer_refuses_a_model_with_nothing_to_train():
     model = tiny_model("gpt2", "sdpa_varlen").requires_grad_(False)
     with pytest.raises(ConfigError, match="no trainable parameter"):
         build_optimizer(model, OptimConfig(optimizer={"_target_": "torch.optim.AdamW"}))
+
+
+def test_an_adapter_on_the_head_makes_the_chunked_loss_step_aside():
+    """The chunked loss multiplies by the head's weight itself: with a LoRA adapter on ``lm_head`` it would
+    skip the adapter, so it refuses and the naive loss (through the adapted head) runs, saying why."""
+    model = with_lora(tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", rank=4, target_modules=["q_proj", "lm_head"]))
+    assert model.use_loss("chunked").startswith("naive (chunked refused:")
+    plain = with_lora(tiny_model("llama", "sdpa_varlen"))
+    assert plain.use_loss("chunked").startswith("chunked")
