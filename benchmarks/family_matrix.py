@@ -30,15 +30,39 @@ def causal_lm_families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
+MEMORY_HEADROOM = 4 << 30
+"""Bytes of address space a probe may add to what the parent holds (a family whose "tiny" config still
+allocates gigabytes fails alone, not the machine)."""
+
+
+def _limit_memory() -> None:
+    import os
+    import resource
+
+    try:
+        held = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_HEADROOM, resource.RLIM_INFINITY))
+    except (OSError, ValueError):  # not Linux: no limit
+        pass
+
+
 def _probe_child(family: str, queue) -> None:
     import logging
     import warnings
 
+    _limit_memory()
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
     from trainer.model.family_probe import probe
 
     queue.put(probe(family))
+
+
+def preload() -> None:
+    """Import torch, transformers and the model code once, before the probes fork (each would otherwise)."""
+    import importlib
+
+    importlib.import_module("trainer.model.loading")
 
 
 def probe_isolated(family: str, timeout_s: float):
@@ -95,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainer.model.families import TESTED_WITH, verdict
 
     if args.probe:
-        import trainer.model.loading  # noqa: F401 - torch and transformers once, before the children fork
+        preload()
 
     families = args.families or causal_lm_families()
     rows, records, mismatches = [], [], 0

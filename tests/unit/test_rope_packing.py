@@ -141,3 +141,15 @@ def test_unknown_length_dependent_rotary_is_refused():
     holder.rotary_emb = HomemadeRotary()
     with pytest.raises(RopeError, match="'dynamic' in HomemadeRotary"):
         apply_per_example_rope(holder)
+
+
+def test_a_rotary_that_reads_the_length_its_own_way_is_refused():
+    """Phi-3.5-MoE's longrope picks its mscale from the whole input's length inside its own forward: the
+    per-example frequencies alone would not make it exact, and the check at build says so."""
+    rope = dict(ROPES["phi3-longrope"][1]["rope_parameters"], short_mscale=1.0, long_mscale=1.5)
+    config = AutoConfig.for_model(
+        "phimoe", **TINY, max_position_embeddings=64, original_max_position_embeddings=ORIGINAL, rope_parameters=rope,
+        num_local_experts=2, num_experts_per_tok=1,
+    )
+    with pytest.raises(RopeError, match="phimoe: rope type 'longrope' in PhimoeRotaryEmbedding"):
+        apply_per_example_rope(AutoModelForCausalLM.from_config(config))

@@ -98,10 +98,13 @@ def relay_boundaries(model: torch.nn.Module) -> int:
 
 
 def _calls_attention_interface(cls: type) -> bool:
+    """The module's forward calls transformers' attention interface and takes ``**kwargs`` to pass on."""
     try:
-        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
-    except (OSError, TypeError):  # no source (a builtin module): not an attention layer of transformers
+        source = inspect.getsource(cls.forward)
+        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
+    except (OSError, TypeError, ValueError):  # no source (a builtin module): not an attention layer of transformers
         return False
+    return takes_kwargs and "ALL_ATTENTION_FUNCTIONS" in source
 
 
 def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:

@@ -16,6 +16,7 @@ boundaries come from ``cu_seq_lens_q`` (packed), the ``attention_mask`` (padded)
 
 from __future__ import annotations
 
+import copy
 import inspect
 import logging
 
@@ -149,6 +150,32 @@ def length_dependent_rope_modules(model: nn.Module) -> list[tuple[str, nn.Module
     return found
 
 
+def verify_alone(module: nn.Module, per_example: PerExampleRope, family: str) -> None:
+    """Raise ``RopeError`` unless ``per_example`` gives a lone example the cos/sin transformers' own forward
+    gives it in a fresh module, at lengths on both sides of the rope's threshold (a family whose rotary
+    forward reads the length its own way, e.g. Phi-3.5-MoE's longrope ``mscale``, fails here: refused)."""
+    threshold = int(
+        (getattr(module.config, "rope_parameters", None) or {}).get("original_max_position_embeddings")
+        or getattr(module, "original_max_seq_len", 0)
+        or module.config.max_position_embeddings
+    )
+    x = torch.zeros(1, dtype=torch.float32)
+    lengths = sorted({1, threshold, threshold + 1, 2 * threshold + 3})
+    row = torch.cat([torch.arange(n) for n in lengths])[None]  # one packed row: every length side by side
+    for layer_type, rope_type in rope_types(module).items():
+        extra = (layer_type,) if layer_type is not None else ()
+        got = per_example(x, row, *extra)
+        start = 0
+        for n in lengths:
+            expected = copy.deepcopy(module)(x, torch.arange(n)[None], *extra)  # fresh: dynamic rope keeps state
+            if not all(torch.allclose(e[0], g[0, start : start + n], rtol=1e-5, atol=1e-6) for e, g in zip(expected, got)):
+                raise RopeError(
+                    f"{family}: rope type {rope_type!r} in {type(module).__name__} depends on the sequence length "
+                    f"in a way packfsdp cannot compute per packed example (an example of {n} tokens differs)"
+                )
+            start += n
+
+
 def apply_per_example_rope(model: nn.Module) -> list[str]:
     """Give every length-dependent rotary module of ``model`` (a transformers causal LM) per-example
     frequencies; returns the names of the modules changed (empty for plain rope: nothing is touched)."""
@@ -164,10 +191,13 @@ def apply_per_example_rope(model: nn.Module) -> list[str]:
     def forget(_module, _args, _kwargs, _output):
         boundaries.clear()
 
+    family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
+    for name, module in modules:
+        per_example = PerExampleRope(module, boundaries)
+        verify_alone(module, per_example, family)
+        module.forward = per_example  # an instance attribute: nn.Module calls it
     model.register_forward_pre_hook(remember, with_kwargs=True)
     model.register_forward_hook(forget, with_kwargs=True, always_call=True)
-    for name, module in modules:
-        module.forward = PerExampleRope(module, boundaries)  # an instance attribute: nn.Module calls it
     names = [name for name, _ in modules]
     log.info("rope computed per example (length-dependent rope type) in %s", ", ".join(names))
     return names
