@@ -40,6 +40,10 @@ SHRINK = {
     "eos_token_id": 2, "decoder_start_token_id": 1, "use_cache": False, "tie_word_embeddings": False,
     "decoder_layers": 2, "encoder_layers": 1, "decoder_attention_heads": 4, "encoder_attention_heads": 4,
     "decoder_ffn_dim": 128, "encoder_ffn_dim": 128, "n_embed": 64, "num_decoder_layers": 2,
+    "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "index_head_dim": 16, "index_n_heads": 2,
+    "embedding_dim": 64, "num_blocks": 2, "expert_ffn_hidden_size": 32, "zero_expert_num": 2,
+    "linear_head_dim": 16, "linear_num_heads": 4, "num_expert_group": 1, "attention_hidden_size": 128,
+    "attention_head_dim": 32, "mamba_dt_rank": 8, "model_max_length": 64,
 }
 """Tiny values for the config fields a family has (a field the family lacks is left out)."""
 NO_DROPOUT = (
@@ -75,7 +79,7 @@ def tiny_config(model_type: str, **overrides):
     fields = set(default.to_dict()) | set(vars(default))
     values = {k: v for k, v in SHRINK.items() if k in fields}
     if "qk_rope_head_dim" in fields:  # multi-head latent attention: its head dims are the qk_* ones
-        values.pop("head_dim", None)
+        values["head_dim"] = SHRINK["qk_rope_head_dim"]
     if "rotary_dim" in fields:
         values["rotary_dim"] = 8
     values.update({k: 0.0 for k in NO_DROPOUT if k in fields})
@@ -149,11 +153,14 @@ def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides
     from transformers import AutoModelForCausalLM
 
     from trainer.model.attention import AttentionNeeds, resolve_backend
+    from trainer.model.families import FamilyRefusedError, binding_window_dropped
     from trainer.model.loading import prepare_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = tiny_config(model_type, **overrides)
+        if reason := binding_window_dropped(config):  # the config-dependent refusals of check_family
+            raise FamilyRefusedError(reason)
         resolved = resolve_backend(backend, torch.device("cpu"), torch.float32, AttentionNeeds.of(config))
         torch.manual_seed(0)
         return prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32), counted(resolved))
