@@ -30,7 +30,7 @@ def causal_lm_families() -> list[str]:
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
-MEMORY_HEADROOM = 4 << 30
+MEMORY_HEADROOM = 8 << 30
 """Bytes of address space a probe may add to what the parent holds (a family whose "tiny" config still
 allocates gigabytes fails alone, not the machine)."""
 

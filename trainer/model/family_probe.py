@@ -43,7 +43,8 @@ SHRINK = {
     "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "index_head_dim": 16, "index_n_heads": 2,
     "embedding_dim": 64, "num_blocks": 2, "expert_ffn_hidden_size": 32, "zero_expert_num": 2,
     "linear_head_dim": 16, "linear_num_heads": 4, "num_expert_group": 1, "attention_hidden_size": 128,
-    "attention_head_dim": 32, "mamba_dt_rank": 8, "model_max_length": 64,
+    "attention_head_dim": 32, "mamba_dt_rank": 8, "model_max_length": 64, "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
 }
 """Tiny values for the config fields a family has (a field the family lacks is left out)."""
 NO_DROPOUT = (
