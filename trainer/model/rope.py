@@ -160,7 +160,7 @@ def verify_alone(module: nn.Module, per_example: PerExampleRope, family: str) ->
         or module.config.max_position_embeddings
     )
     x = torch.zeros(1, dtype=torch.float32)
-    lengths = sorted({1, threshold, threshold + 1, 2 * threshold + 3})
+    lengths = sorted({1, threshold, threshold + 1, threshold + 7})
     row = torch.cat([torch.arange(n) for n in lengths])[None]  # one packed row: every length side by side
     for layer_type, rope_type in rope_types(module).items():
         extra = (layer_type,) if layer_type is not None else ()
