@@ -41,7 +41,7 @@ from trainer.metrics import (
 )
 from trainer.model import DTYPES, build_model
 from trainer.model.lora import apply_peft
-from trainer.model.selfcheck import first_microbatch, run_startup_self_check
+from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
@@ -134,8 +134,8 @@ class Trainer:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
     def startup_self_check(self, model: torch.nn.Module) -> None:
-        """This rank's first micro-batch, as built and example by example (``trainer.model.selfcheck``)."""
-        first = first_microbatch(self.sampler, self.sampler.epoch, self.sampler.next_index, self.rank)
+        """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``)."""
+        first = worst_case_microbatch(self.sampler)
         batch = self.collate(self.dataset, first, self.tokenizer.pad_token_id)
         run_startup_self_check(
             model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first

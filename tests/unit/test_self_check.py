@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from tests.conftest import tiny_gpt2_config
 from trainer.collate import collate_packed, collate_padded
 from trainer.model import SelfCheckError, build_model, resolve_backend, self_check
-from trainer.model.selfcheck import run_startup_self_check
+from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
 
 
 def leaky_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -66,3 +66,57 @@ def test_split_pieces_keep_their_offsets(model, small_dataset, tokenizer):
         broken = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
         broken.position_ids[0, 10:25] = torch.arange(15)
         self_check(model, broken, starts=[0, 5, 2])
+
+
+def sampler_for(dataset, strategy: str = "bfd", budget: int = 1024):
+    from trainer.config import PackingConfig
+    from trainer.packing import build_sampler
+
+    return build_sampler(dataset.lengths, PackingConfig(strategy=strategy, token_budget=budget), 0, 1, seed=0)
+
+
+def test_worst_case_batch_holds_the_extremes(small_dataset):
+    lengths = small_dataset.lengths
+    pieces = worst_case_microbatch(sampler_for(small_dataset))
+    sizes = (pieces[:, 2] - pieces[:, 1]).tolist()
+    assert (pieces[:, 1] == 0).all() and sum(sizes) <= 1024
+    assert 1 in sizes and int(lengths.min()) in sizes and int(lengths.max()) in sizes
+    assert len(sizes) > 3  # length quantiles between the extremes, where the budget has room
+    tight = worst_case_microbatch(sampler_for(small_dataset, budget=int(lengths.max())))
+    assert (tight[:, 2] - tight[:, 1]).sum() <= lengths.max()  # the longest is cut to fit beside the short ones
+    padded = worst_case_microbatch(sampler_for(small_dataset, strategy="none"))
+    assert padded.ndim == 1 and {int(lengths.argmax()), int(lengths.argmin())} <= set(padded.tolist())
+
+
+def longrope_phi3(original: int):
+    """A tiny Phi-3 with longrope scaling whose original context is ``original`` tokens."""
+    from trainer.config import ModelConfig
+
+    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.2, 1.3],
+                long_factor=[2.0, 3.0, 4.0, 5.0], original_max_position_embeddings=original)
+    return ModelConfig(family="phi3", config_overrides=dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=2048, original_max_position_embeddings=original, rope_parameters=rope,
+    ))
+
+
+@pytest.mark.parametrize("fixed", [False, True])
+def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkeypatch, small_dataset, tokenizer):
+    """Issue 13: with the per-example rope off, a first micro-batch of long examples only passes (every
+    example takes the long factors, packed or alone); the worst-case batch puts short ones beside the
+    longest and stops the run. With the fix, it passes."""
+    if not fixed:
+        monkeypatch.setattr("trainer.model.loading.apply_per_example_rope", lambda model: [])
+    lengths = small_dataset.lengths
+    original = int(np.median(lengths))
+    model = build_model(longrope_phi3(original), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=0)
+    long_only = np.flatnonzero(lengths > original)[:4]
+    result = self_check(model, collate_packed(small_dataset, long_only, tokenizer.pad_token_id))
+    assert result.ok, result.line()  # the lucky first micro-batch
+    pieces = worst_case_microbatch(sampler_for(small_dataset))
+    batch = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
+    if fixed:
+        run_startup_self_check(model, batch, None, None, pieces)
+    else:
+        with pytest.raises(SelfCheckError, match="over tolerance"):
+            run_startup_self_check(model, batch, None, None, pieces)

@@ -15,7 +15,10 @@ from dataclasses import dataclass
 from trainer.model.packed_layout import AttentionBackendError
 
 SINK_FAMILIES = frozenset(
-    {"gpt_oss", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "hy_v4_vl", "deepseek_v4", "openai_privacy_filter"}
+    {
+        "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "hy_v4_vl", "deepseek_v4", "openai_privacy_filter",
+        "mimo_v2_flash",
+    }
 )
 """Model types whose attention passes ``s_aux`` (transformers 5.x). Their configs carry no field for it: the
 sinks are a parameter of every attention layer, so the family is the only sign before the model is built."""

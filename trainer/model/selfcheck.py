@@ -1,6 +1,7 @@
-"""Startup self-check: one real micro-batch, run as built and example by example, must agree.
+"""Startup self-check: a worst-case micro-batch of the run's data, run as built and example by example, must agree.
 
-Before step 1 the trainer takes this rank's first micro-batch of the plan, runs it through the model as
+Before step 1 the trainer builds a check batch from the run's own examples (``worst_case_microbatch``: the
+longest beside the shortest, a 1-token example, lengths in between), runs it through the model as
 it will be trained (packed through the configured backend, or padded with its mask) and runs each of its
 examples alone through transformers' own SDPA path. Any disagreement above tolerance means examples see
 each other, positions do not restart, or the backend is wrong: the run stops with the numbers.
@@ -132,13 +133,35 @@ def self_check(
     )
 
 
-def first_microbatch(sampler, epoch: int, index: int, rank: int) -> np.ndarray:
-    """This rank's next non-empty micro-batch of the plan, without advancing the sampler."""
-    rounds = sampler.plan(epoch).rounds
-    for k in list(range(index, len(rounds))) + list(range(index)):
-        if len(rounds[k][rank]):
-            return rounds[k][rank]
-    return rounds[index][rank]
+LADDER = (0.25, 0.5, 0.75, 0.9)
+"""Length quantiles of the run's examples added to the check batch, where the token budget has room."""
+
+
+def worst_case_microbatch(sampler) -> np.ndarray:
+    """The self-check's batch, built from the run's own examples so that luck cannot dodge it (the same on
+    every rank): the longest example beside the shortest and a 1-token piece, then examples at the length
+    quantiles of ``LADDER``. Any length threshold the model has between the shortest and the longest
+    example (a sliding window, the original context of a longrope model, a dynamic rope's scaling start)
+    is then crossed by examples side by side. Packed: ``(k, 3)`` pieces within the token budget (the longest
+    is cut to fit); padded: whole examples, at least two rows."""
+    lengths = sampler.lengths
+    order = np.argsort(lengths, kind="stable")
+    quantiles = [order[min(len(order) - 1, int(q * len(order)))] for q in LADDER]
+    longest, shortest = int(order[-1]), int(order[0])
+    if not sampler.cfg.packed:
+        rows = max(2, sampler.padded_batch_size)
+        return np.array(list(dict.fromkeys([longest, shortest, *map(int, quantiles)]))[:rows], dtype=np.int64)
+    budget = int(sampler.params.budget)
+    short = [(shortest, 0, int(lengths[shortest]))] if lengths[longest] > 1 else []
+    short.append((longest, 0, 1))  # a 1-token example (the longest's first token)
+    room = budget - sum(end - start for _, start, end in short)
+    pieces = [short[-1], (longest, 0, int(min(lengths[longest], max(room, 1)))), *short[:-1]]
+    room -= pieces[1][2]
+    for index in map(int, quantiles):
+        if 0 < lengths[index] <= room:
+            pieces.append((index, 0, int(lengths[index])))
+            room -= int(lengths[index])
+    return np.array(pieces, dtype=np.int64)
 
 
 def run_startup_self_check(

@@ -1,0 +1,153 @@
+"""Every causal-LM family of your transformers: exact / refused (why) / skipped (why) / untested.
+
+    python benchmarks/family_matrix.py                 # the table packfsdp applies (no models built, 1 s)
+    python benchmarks/family_matrix.py --probe         # also probe every family on CPU (~10 min, 2 cores)
+    python benchmarks/family_matrix.py --probe llama phi3 falcon   # probe a few
+    python benchmarks/family_matrix.py --markdown      # the summary table for docs/families.md
+
+The table (``trainer.model.families``) was probed with one transformers version; ``--probe`` reruns the probe
+(``trainer.model.family_probe``: a tiny 2-layer model, a packed row against its examples one by one, logits
+and every gradient in fp32 at 1e-5) against yours, each family in its own forked process with a time limit,
+and flags any family whose probe disagrees with the table (``MISMATCH``: tell us). A family transformers
+added after the table was made shows as ``untested``: packfsdp trains it only behind the startup self-check.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def causal_lm_families() -> list[str]:
+    """Every ``model_type`` of the installed transformers' causal-LM auto mapping."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+MEMORY_HEADROOM = 8 << 30
+"""Bytes of address space a probe may add to what the parent holds (a family whose "tiny" config still
+allocates gigabytes fails alone, not the machine)."""
+
+
+def _limit_memory() -> None:
+    import os
+    import resource
+
+    try:
+        held = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_HEADROOM, resource.RLIM_INFINITY))
+    except (OSError, ValueError):  # not Linux: no limit
+        pass
+
+
+def _probe_child(family: str, queue) -> None:
+    import logging
+    import warnings
+
+    _limit_memory()
+    logging.disable(logging.WARNING)
+    warnings.simplefilter("ignore")
+    from trainer.model.family_probe import probe
+
+    queue.put(probe(family))
+
+
+def preload() -> None:
+    """Import torch, transformers and the model code once, before the probes fork (each would otherwise)."""
+    import importlib
+
+    importlib.import_module("trainer.model.loading")
+
+
+def probe_isolated(family: str, timeout_s: float):
+    """``probe(family)`` in a forked child (a family that hangs or eats memory cannot take the run down)."""
+    from trainer.model.family_probe import ProbeResult
+
+    ctx = mp.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_probe_child, args=(family, queue))
+    child.start()
+    child.join(timeout_s)
+    if child.is_alive():
+        child.kill()
+        child.join()
+        return ProbeResult(family, "unbuildable", f"no result within {timeout_s:g} s")
+    return queue.get() if not queue.empty() else ProbeResult(family, "unbuildable", f"exit code {child.exitcode}")
+
+
+def agrees(kind: str, outcome: str) -> bool:
+    """The probe is consistent with the table: a family the table calls exact must probe exact, or be
+    refused by packfsdp for the probe's config (Phi-3.5-MoE with a binding window). A refused family may
+    probe exact: its reason can lie outside the tiny probe, or transformers fixed it since."""
+    return outcome in ("exact", "refused") if kind == "exact" else True
+
+
+def markdown(rows: list[tuple[str, str, str]]) -> str:
+    """A summary table: verdict -> count and names, then the reasons."""
+    from collections import defaultdict
+
+    by_kind: dict[str, list[str]] = defaultdict(list)
+    by_reason: dict[str, list[str]] = defaultdict(list)
+    for family, kind, reason in rows:
+        by_kind[kind].append(family)
+        if reason:
+            by_reason[f"{kind}: {reason}"].append(family)
+    lines = ["| verdict | count | families |", "|---|---|---|"]
+    lines += [f"| {kind} | {len(by_kind[kind])} | {', '.join(by_kind[kind])} |" for kind in
+              ("exact", "refused", "skipped", "untested") if by_kind[kind]]
+    lines += ["", "| why | families |", "|---|---|"]
+    lines += [f"| {reason} | {', '.join(names)} |" for reason, names in sorted(by_reason.items())]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("families", nargs="*", help="only these model types (default: every causal-LM family)")
+    parser.add_argument("--probe", action="store_true", help="build and probe each family (CPU, minutes)")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family probe")
+    parser.add_argument("--markdown", action="store_true", help="print the docs summary table")
+    parser.add_argument("--json", type=Path, help="also write the rows (and probe results) here")
+    args = parser.parse_args(argv)
+
+    import transformers
+
+    from trainer.model.families import TESTED_WITH, verdict
+
+    if args.probe:
+        preload()
+
+    families = args.families or causal_lm_families()
+    rows, records, mismatches = [], [], 0
+    print(f"transformers {transformers.__version__} (table probed with {TESTED_WITH}): {len(families)} families",
+          file=sys.stderr)
+    for family in families:
+        v = verdict(family)
+        rows.append((family, v.kind, v.reason))
+        record = {"family": family, "verdict": v.kind, "reason": v.reason}
+        line = f"{family:28s} {v.kind:9s} {v.reason}"
+        if args.probe:
+            result = probe_isolated(family, args.timeout)
+            record["probe"] = result.line()
+            ok = agrees(v.kind, result.outcome)
+            mismatches += not ok
+            line += f"{'  ' if v.reason else ''}[probe: {result.line().split(': ', 1)[1]}]" + ("" if ok else "  MISMATCH")
+        records.append(record)
+        if not args.markdown:
+            print(line, flush=True)
+    if args.markdown:
+        print(markdown(rows))
+    counts = {k: sum(1 for _, kind, _ in rows if kind == k) for k in ("exact", "refused", "skipped", "untested")}
+    print(", ".join(f"{n} {k}" for k, n in counts.items()), file=sys.stderr)
+    if args.json:
+        args.json.write_text(json.dumps(records, indent=1) + "\n")
+    return 1 if mismatches else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,135 @@
+"""Every causal-LM family of the installed transformers: exact when packed, or refused at build with one line.
+
+The fast lane checks the table (``trainer.model.families``) covers the installed families, that a refused
+family stops ``build_model`` with one line, and probes a representative few (``trainer.model.family_probe``:
+packed vs one by one, logits and every gradient, fp32, 1e-5). The slow test probes them all, as
+``python benchmarks/family_matrix.py --probe`` does.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from trainer.config import ModelConfig
+from trainer.model import build_model, resolve_backend
+from trainer.model import families
+from trainer.model.families import TESTED_WITH, FamilyRefusedError, check_family, verdict
+from trainer.model.family_probe import probe
+from trainer.model.selfcheck import TOLERANCE
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "family_matrix.py"
+REPRESENTATIVE = {
+    "llama": "exact",
+    "gemma2": "exact",  # probed with softcapping off on CPU; flash_attn/flex honour it
+    "stablelm": "exact",  # its layers drop the boundaries: build_model hands them over
+    "falcon": "refused",
+}
+
+
+def matrix_script():
+    spec = importlib.util.spec_from_file_location("family_matrix", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def installed_families() -> list[str]:
+    return matrix_script().causal_lm_families()
+
+
+def test_the_table_covers_the_installed_families():
+    found = {f: verdict(f) for f in installed_families()}
+    untested = sorted(f for f, v in found.items() if v.kind == "untested")
+    if transformers.__version__ == TESTED_WITH:  # untested only where the tiny probe cannot build the family
+        assert set(untested) == families.NOT_PROBED, "run benchmarks/family_matrix.py --probe and update the table"
+    for v in found.values():
+        assert v.kind in ("exact", "untested") or (v.reason and "\n" not in v.reason), v
+    assert sum(v.kind == "exact" for v in found.values()) >= 80
+    assert not families.EXACT & (families.REFUSED.keys() | families.SKIPPED.keys())
+
+
+@pytest.mark.parametrize("family", ["falcon", "bert", "bart", "gpt_oss", "gemma3"])
+def test_a_refused_family_stops_the_build_with_one_line(family, tokenizer):
+    with pytest.raises(FamilyRefusedError) as info:
+        build_model(ModelConfig(family=family), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
+    line = str(info.value)
+    assert "\n" not in line and repr(family) in line and verdict(family).reason in line
+
+
+def test_phimoe_is_refused_only_with_a_window_it_would_lose():
+    """Phi-3.5-MoE's attention does not pass its sliding window on: refused when the window binds (shorter
+    than the context), exact when it never does (the released checkpoint's window equals its context)."""
+    binding = transformers.AutoConfig.for_model("phimoe", sliding_window=6, max_position_embeddings=64)
+    with pytest.raises(FamilyRefusedError, match="'phimoe' .* does not pass its sliding window .*sliding_window=6"):
+        check_family(binding)
+    released = transformers.AutoConfig.for_model("phimoe", sliding_window=131072, max_position_embeddings=131072)
+    assert check_family(released).kind == "exact"
+
+
+def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch, caplog):
+    monkeypatch.setattr(families, "EXACT", families.EXACT - {"llama"})
+    config = transformers.AutoConfig.for_model("llama")
+    with pytest.raises(FamilyRefusedError, match="'llama' is untested.*model.self_check=true"):
+        check_family(config, self_check=False)
+    with caplog.at_level(logging.WARNING, logger="trainer.model.families"):
+        assert check_family(config, self_check=True).kind == "untested"
+    assert "the startup self-check decides" in caplog.text
+
+
+@pytest.mark.parametrize("family", list(REPRESENTATIVE))
+def test_representative_families_probe_as_the_table_says(family):
+    assert verdict(family).kind == REPRESENTATIVE[family]
+    result = probe(family)
+    if REPRESENTATIVE[family] == "exact":
+        assert result.outcome == "exact", result.line()
+    else:  # what the refusal prevents: a crash or a silently wrong packed run
+        assert result.outcome in ("error", "wrong"), result.line()
+
+
+def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch):
+    monkeypatch.setattr("trainer.model.loading.RELAY_BOUNDARIES", frozenset())
+    result = probe("stablelm")
+    assert result.outcome == "error" and "without cu_seq_lens_q" in result.detail, result.line()
+
+
+KINDS = [
+    "qwen3_moe", "deepseek_v3", "nemotron", "gemma4_text",  # exact (MoE, latent attention, relay, float64 rerun)
+    "phimoe", "mpt", "mamba", "qwen3_next", "doge",  # refused (window, no interface, recurrent, linear attn, mask)
+    "bart",  # skipped
+]
+"""A family of every verdict and reason (the slow lane); the whole matrix is the benchmark's ``--probe``."""
+
+
+def probe_against_the_table(names: list[str]) -> list[str]:
+    """What ``benchmarks/family_matrix.py --probe`` flags, plus an untested family wrong by less than the
+    self-check would see: an empty list when every family is exact or refused."""
+    script = matrix_script()
+    script.preload()
+    bad = []
+    for family in names:
+        kind = verdict(family).kind
+        result = script.probe_isolated(family, timeout_s=180)
+        if not script.agrees(kind, result.outcome):
+            bad.append(result.line())
+        elif kind == "untested" and result.outcome == "wrong" and result.logit_diff <= TOLERANCE[torch.float32]:
+            bad.append(f"{result.line()} (the self-check would not see it)")
+    return bad
+
+
+@pytest.mark.slow
+def test_a_family_of_every_kind_probes_as_the_table_says():
+    assert not probe_against_the_table(KINDS)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes 10-30 min: PACKFSDP_FULL_MATRIX=1")
+def test_every_family_is_exact_or_refused():
+    """Every causal-LM family of the installed transformers, as ``benchmarks/family_matrix.py --probe``."""
+    assert not probe_against_the_table(installed_families())

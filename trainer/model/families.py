@@ -1,0 +1,183 @@
+"""Which transformers causal-LM families packfsdp trains packed exactly, which it refuses, and why.
+
+Every ``model_type`` of transformers' causal-LM auto mapping was probed with ``benchmarks/family_matrix.py``
+(``trainer.model.family_probe``: a tiny 2-layer model, a packed row of examples of lengths 9, 1, 14, 5, 11,
+3 against the same examples one by one; logits and every parameter's gradient, fp32, 1e-5). The verdicts:
+
+- ``EXACT``: packed == one by one.
+- ``REFUSED``: would be wrong or crash when packed; ``build_model`` refuses it with one line and the reason.
+- ``SKIPPED``: not a decoder-only causal LM (an encoder-decoder's decoder, a bidirectional encoder, a
+  multimodal model); refused too, with that reason.
+- anything else is *untested* (a family newer than ``TESTED_WITH``): it trains only behind the startup
+  self-check (``trainer.model.selfcheck``, a worst-case batch), which stops it on a mismatch.
+
+One source for the docs table too: ``benchmarks/family_matrix.py --markdown`` prints it from here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from trainer.config import ConfigError
+from trainer.model.attention_needs import SINK_FAMILIES
+
+log = logging.getLogger(__name__)
+
+TESTED_WITH = "5.24.0"
+"""The transformers version the table was probed with."""
+
+
+class FamilyRefusedError(ConfigError):
+    """A model family (or its rope type) that packfsdp cannot train packed exactly."""
+
+
+# Reasons, one per kind of failure the matrix found.
+NO_INTERFACE = "its attention does not go through transformers' attention interface, so the example boundaries never reach it"
+DROPS_KWARGS = "its layers call the attention without the keyword arguments that carry the example boundaries"
+RECURRENT = "a recurrent / state-space layer carries its state across the examples of a packed row"
+LINEAR_ATTENTION = (
+    "its gated delta-rule (linear attention) layers keep packed examples apart only through flash-linear-attention, "
+    "untested here"
+)
+CONVOLUTION = "a short causal convolution runs across the example boundaries of a packed row"
+OWN_MASK = "its attention adds a learned dynamic mask through the attention mask, which packed attention has not"
+SINKS = "attention sinks (s_aux): no packed backend implements them"
+NOT_CAUSAL = "a bidirectional encoder: causal only as an encoder-decoder's decoder, not a decoder-only causal LM"
+ENCODER_DECODER = "the decoder of an encoder-decoder model, not a decoder-only causal LM"
+MULTIMODAL = "a multimodal model: packfsdp trains text-only causal LMs (use its text family)"
+
+WINDOW_DROPPED = frozenset({"phimoe"})
+"""Exact families whose attention does not pass the sliding window on to the attention function (their
+padded path applies it through the mask): refused when the window is shorter than the context (Phi-3.5-MoE
+ships a window as long as its context, which never binds)."""
+WINDOW_DROPPED_REASON = "its attention does not pass its sliding window on to the attention function"
+
+RELAY_BOUNDARIES = frozenset({"stablelm", "nemotron"})
+"""Families whose decoder layers drop the attention keyword arguments: ``build_model`` hands the example
+boundaries to their attention modules directly (``trainer.model.loading.relay_boundaries``); then exact."""
+
+EXACT: frozenset[str] = frozenset(
+    {
+        "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "biogpt", "bitnet",
+        "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2", "deepseek_v3", "diffllama",
+        "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "gemma",
+        "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
+        "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granitemoe",
+        "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
+        "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "llama4_text",
+        "mellum", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
+        "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
+        "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
+        "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "whisper",
+        "youtu"
+    }
+)
+"""Probed exact (transformers ``TESTED_WITH``). Gemma2: with ``flash_attn`` or ``flex`` (softcapping)."""
+
+
+def _reasons(reason: str, *families: str) -> dict[str, str]:
+    return dict.fromkeys(families, reason)
+
+
+REFUSED: dict[str, str] = {
+    **_reasons(NO_INTERFACE, "bloom", "cpmant", "falcon", "gpt_neox_japanese", "mpt", "openai-gpt", "xglm"),
+    **_reasons(DROPS_KWARGS, "inkling2_text", "inkling2_loop_text"),
+    **_reasons(
+        RECURRENT, "bamba", "falcon_h1", "falcon_mamba", "jamba", "mamba", "minimax", "nemotron_h", "recurrent_gemma",
+        "rwkv", "xlstm", "zamba",
+    ),
+    **_reasons(LINEAR_ATTENTION, "lara_mini", "olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
+    **_reasons(CONVOLUTION, "inkling_text", "lfm3"),
+    **_reasons(OWN_MASK, "doge"),
+    **_reasons(SINKS, *SINK_FAMILIES),
+}
+"""Would crash or train wrong when packed: ``build_model`` refuses them with the reason."""
+
+SKIPPED: dict[str, str] = {
+    **_reasons(
+        NOT_CAUSAL, "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
+        "megatron-bert", "reformer", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm",
+        "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod",
+    ),
+    **_reasons(
+        ENCODER_DECODER, "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart",
+        "moss_transcribe_diarize", "musicgen", "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "trocr",
+    ),
+    **_reasons(
+        MULTIMODAL, "dots3_note", "emu3", "fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git",
+        "got_ocr2", "llama4", "mllama", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+    ),
+}
+"""Not decoder-only causal LMs (refused the same way, with the reason)."""
+
+NOT_PROBED = frozenset(
+    {
+        "axk2", "bailing_hybrid", "blt", "cohere_compass_text", "dbrx", "deepseek_v32", "dots3_note_text",
+        "gemma3n_text", "gemma4_assistant", "gemma4_unified_assistant", "glm_moe_dsa", "gpt_neo",
+        "granitemoehybrid", "kimi_linear", "lfm2_moe", "longcat_flash", "mamba2", "qwen4_exp_text", "zamba2", "zaya",
+    }
+)
+"""Families of ``TESTED_WITH`` the tiny probe could not build (sub-configs it does not shrink, head-dim rules,
+no result in time): untested, so they train only behind the startup self-check."""
+
+
+@dataclass(frozen=True)
+class Verdict:
+    family: str
+    kind: str
+    """``exact``, ``refused``, ``skipped`` or ``untested``."""
+    reason: str = ""
+
+
+def verdict(family: str) -> Verdict:
+    """What the table says about ``family`` (a transformers ``model_type``)."""
+    if family in EXACT:
+        return Verdict(family, "exact")
+    if family in REFUSED:
+        return Verdict(family, "refused", REFUSED[family])
+    if family in SKIPPED:
+        return Verdict(family, "skipped", SKIPPED[family])
+    if family in NOT_PROBED:
+        return Verdict(family, "untested", "the tiny probe could not build it: trains only behind the startup self-check")
+    return Verdict(family, "untested")
+
+
+def refusal_line(family: str, reason: str) -> str:
+    return f"model family {family!r} cannot be trained packed exactly: {reason}"
+
+
+def binding_window_dropped(config) -> str | None:
+    """Why a family of ``WINDOW_DROPPED`` cannot be packed with this config (a sliding window shorter than
+    its context, which its attention would lose), or ``None``."""
+    window = getattr(config, "sliding_window", None)
+    context = getattr(config, "max_position_embeddings", None)
+    if getattr(config, "model_type", None) in WINDOW_DROPPED and window and (context is None or window < context):
+        return f"{WINDOW_DROPPED_REASON} (sliding_window={window} is shorter than the context {context})"
+    return None
+
+
+def check_family(config, self_check: bool = True) -> Verdict:
+    """Raise ``FamilyRefusedError`` (one line: the family and the reason) for a refused or skipped family,
+    an exact family whose config asks for what it cannot pack (``binding_window_dropped``), and an untested
+    one when the startup self-check is off (it is then the only guard)."""
+    family = getattr(config, "model_type", None) or "the model"
+    found = verdict(family)
+    if found.kind in ("refused", "skipped"):
+        raise FamilyRefusedError(refusal_line(family, found.reason))
+    if reason := binding_window_dropped(config):
+        raise FamilyRefusedError(refusal_line(family, reason))
+    if found.kind == "untested":
+        if not self_check:
+            raise FamilyRefusedError(
+                f"model family {family!r} is untested with packing (not in packfsdp's table for transformers "
+                f"{TESTED_WITH}); keep model.self_check=true so the startup self-check can vouch for it"
+            )
+        log.warning(
+            "model family %r is untested with packing (table of transformers %s): the startup self-check decides",
+            family, TESTED_WITH,
+        )
+    return found
+
+
+__all__ = ["EXACT", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]
