@@ -84,6 +84,9 @@ class DataConfig:
     """Seed of the synthetic generator (the corpus is a pure function of it)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
     """Where the locally trained tokenizer and tokenized datasets are cached."""
+    num_proc: int | None = None
+    """Processes that render and tokenize a table source (a ``datasets`` map); ``None``: the cores this job
+    may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
 
     def validate(self) -> None:
         _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
@@ -93,6 +96,8 @@ class DataConfig:
         _positive("data.num_dialogs", self.num_dialogs)
         if self.limit is not None:
             _positive("data.limit", self.limit)
+        if self.num_proc is not None:
+            _positive("data.num_proc", self.num_proc)
 
 
 @dataclass

@@ -10,7 +10,8 @@ from pathlib import Path
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
-from trainer.data.dataset import DatasetStats, TokenizedDataset, build_dataset, log_dataset_stats
+from trainer.data.dataset import DatasetStats, TokenizedDataset, log_dataset_stats
+from trainer.data.engine import build_dataset
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, apply_template_setting, template_fingerprint
 from trainer.data.sources import SOURCES, check_source, load_records, plugin_path, register_source
 from trainer.data.tokenizer import local_tokenizer, pretrained_tokenizer
@@ -21,7 +22,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
     """What the records depend on: the config and, for local files and plugin modules, their size and
     modification time (an edited file or source function re-tokenizes)."""
     check_source(cfg)
-    parts = asdict(cfg) | {"cache_dir": None}
+    parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()
@@ -74,11 +75,10 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
 
 
 def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TokenizedDataset:
-    """The tokenized examples (cached; records are read only on a cache miss), with skips logged."""
+    """The tokenized examples, memory-mapped from the cache (sources are read only on a cache miss; see
+    ``trainer.data.engine``), with skips logged."""
     tokenizer_id = json.dumps([tokenizer.name_or_path, len(tokenizer), template_fingerprint(tokenizer)])
-    dataset = build_dataset(
-        lambda: load_records(data_cfg), tokenizer, data_cfg, max_length, source_fingerprint(data_cfg) + tokenizer_id
-    )
+    dataset = build_dataset(tokenizer, data_cfg, max_length, source_fingerprint(data_cfg) + tokenizer_id)
     log_dataset_stats(data_cfg.source, dataset.stats)
     return dataset
 

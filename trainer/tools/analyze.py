@@ -27,16 +27,14 @@ from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_
 
 
 def useful_tokens_counter(dataset):
-    """``bin -> label tokens`` for whole-example bins and piece bins alike (a piece's first token has none)."""
+    """``bin -> label tokens`` for whole-example bins and piece bins alike (a piece's first token has none).
+    Whole examples read only the stored label counts; a piece reads its own slice of the mask."""
     counts = dataset.label_counts()
-    cum = np.concatenate([[0], np.cumsum(dataset.loss_mask, dtype=np.int64)])
-    offsets = dataset.offsets
 
     def useful(bin_: np.ndarray) -> int:
         if bin_.ndim == 1:
             return int(counts[bin_].sum())
-        base = offsets[bin_[:, 0]]
-        return int((cum[base + bin_[:, 2]] - cum[base + bin_[:, 1] + 1]).sum())
+        return sum(int(dataset.example(int(i))[1][lo + 1 : hi].sum()) for i, lo, hi in bin_)
 
     return useful
 

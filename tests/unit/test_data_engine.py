@@ -1,0 +1,89 @@
+"""The Arrow path (``trainer.data.engine``): table files read by ``datasets``, rendered by a ``map``, stored as
+memory-mapped ``.npy`` arrays; the same examples, masks and counts as rendering the records in memory."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+
+import trainer.data.engine as engine
+from trainer.config import DataConfig
+from trainer.data import load_dataset, load_records
+from trainer.data.bad_records import BadRecordError
+from trainer.data.dataset import render_records
+
+CHAT = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you?"}]}
+LONG = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 300}]}
+EMPTY = {"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": ""}]}
+
+
+def write_jsonl(path, rows: list) -> str:
+    path.write_text("".join(r if isinstance(r, str) else json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def chats(n: int) -> list[dict]:
+    return [{"messages": [{"role": "user", "content": f"question {i} about the weather"},
+                          {"role": "assistant", "content": "it is sunny " * (1 + i % 7)}]} for i in range(n)]
+
+
+def same_examples(a, b) -> bool:
+    return len(a) == len(b) and all(
+        np.array_equal(x, y) for i in range(len(a)) for x, y in zip(a.example(i), b.example(i)))
+
+
+def test_table_file_gives_the_records_path_examples_memory_mapped(tmp_path, tokenizer):
+    path = write_jsonl(tmp_path / "chats.jsonl", chats(30) + [LONG, EMPTY, CHAT])
+    cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"), max_length=64)
+    ds = load_dataset(cfg, tokenizer, max_length=64)
+    reference = render_records(load_records(cfg), tokenizer, cfg, max_length=64)
+    assert same_examples(ds, reference)
+    assert ds.stats == reference.stats and ds.stats.truncated == 1 and ds.stats.dropped_empty == 1
+    assert isinstance(ds.tokens, np.memmap) and isinstance(ds.loss_mask, np.memmap)
+    assert np.array_equal(ds.lengths, reference.lengths)
+    assert np.array_equal(ds.label_counts(), reference.label_counts())
+    limited = load_dataset(DataConfig(**{**cfg.__dict__, "limit": 5}), tokenizer, max_length=64)
+    assert limited.stats.records == 5 and same_examples(limited, reference.select(np.arange(5)))
+
+
+def test_select_is_a_view_of_the_same_arrays(small_dataset):
+    picked = small_dataset.select(np.array([5, 2, 9]))
+    again = picked.select(np.array([2, 0]))
+    assert again.tokens is small_dataset.tokens and len(again) == 2
+    assert np.array_equal(again.example(0)[0], small_dataset.example(9)[0])
+    assert np.array_equal(again.lengths, small_dataset.lengths[[9, 5]])
+    assert np.array_equal(again.label_counts(), small_dataset.label_counts()[[9, 5]])
+
+
+@pytest.mark.slow
+def test_map_workers_give_the_same_arrays(tmp_path, tokenizer, monkeypatch):
+    path = write_jsonl(tmp_path / "chats.jsonl", chats(2500))
+    one = load_dataset(DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "a"), num_proc=1), tokenizer, 128)
+    monkeypatch.setattr(engine, "SINGLE_PROCESS_BELOW", 0)
+    two = load_dataset(DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "b"), num_proc=2), tokenizer, 128)
+    assert same_examples(one, two) and one.stats == two.stats
+
+
+def test_a_bad_row_found_in_the_map_names_its_file_and_line(tmp_path, tokenizer, caplog):
+    bad_role = {"messages": [{"role": "asistant", "content": "typo"}]}
+    path = write_jsonl(tmp_path / "chats.jsonl", [CHAT, "\n", CHAT, bad_role, CHAT])
+    cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(BadRecordError, match=f"{path}:4: unknown chat role 'asistant'"):
+        load_dataset(cfg, tokenizer, max_length=64)
+    with caplog.at_level(logging.WARNING):
+        ds = load_dataset(DataConfig(**{**cfg.__dict__, "on_bad_record": "skip"}), tokenizer, max_length=64)
+    assert len(ds) == 3 and ds.stats.dropped_bad == 1 and ds.stats.records == 4
+    assert f"{path}:4" in caplog.text
+
+
+def test_a_file_datasets_refuses_is_read_line_by_line(tmp_path, tokenizer, caplog):
+    path = write_jsonl(tmp_path / "chats.jsonl", [CHAT, '{"messages": [unterminated\n', CHAT])
+    cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(BadRecordError, match=f"{path}:2: not valid JSON"):
+        load_dataset(cfg, tokenizer, max_length=64)
+    with caplog.at_level(logging.WARNING):
+        ds = load_dataset(DataConfig(**{**cfg.__dict__, "on_bad_record": "skip"}), tokenizer, max_length=64)
+    assert len(ds) == 2 and ds.stats.dropped_bad == 1 and f"{path}:2" in caplog.text
