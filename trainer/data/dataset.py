@@ -20,7 +20,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.chat import ChatTemplateError, Segment, chat_segments, check_messages, effective_template
+from trainer.data.chat import ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template
 from trainer.data.pretokenized import token_segments
 from trainer.data.sources import Record
 
@@ -106,10 +106,18 @@ def label_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     return cum[offsets[1:]] - cum[np.minimum(offsets[:-1] + 1, offsets[1:])]
 
 
+@dataclass
+class ChatToRender:
+    """A validated chat whose segments ``_record_segments`` renders together with the others of its batch."""
+
+    messages: list[dict]
+
+
 def record_segments(
     record: Record, tokenizer: PreTrainedTokenizerBase, loss_on: str, template: str, where: str
-) -> list[Segment] | None:
-    """The pieces of one record (``None`` when it has no content). Four kinds of record:
+) -> list[Segment] | ChatToRender | None:
+    """The pieces of one record (``None`` when it has no content; a chat is rendered later, in a batch).
+    Four kinds of record:
 
     - ``{"turns": [...]}`` (a dialog): ``BOS t1 EOS t2 EOS ...``; ``responses`` puts loss on turns 2, 4, ...
       and their EOS, ``all``/``auto`` on every turn;
@@ -127,7 +135,7 @@ def record_segments(
         messages = check_messages(record["messages"], where)
         if not any(m["content"].strip() for m in messages):
             return None
-        return chat_segments(messages, tokenizer, template, loss_on)
+        return ChatToRender(messages)
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
@@ -175,9 +183,20 @@ def render_outcomes(
     """
     per_record = _record_segments(records, tokenizer, cfg, bad)
     texts = [s.text for segs in per_record if isinstance(segs, list) for s in segs if isinstance(s.text, str)]
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
+    encoded = iter(encode_pieces(tokenizer, texts))
     return [_fit_example(segs, encoded, cfg.overlong, max_length) if isinstance(segs, list) else ([], [], segs)
             for segs in per_record]
+
+
+def encode_pieces(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added. A fast tokenizer's backend is called directly: the
+    ``tokenizer(...)`` wrapper builds a dict per text, which costs a third of the encoding itself."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
 
 
 def stats_of(outcomes: np.ndarray) -> DatasetStats:
@@ -225,7 +244,9 @@ def _record_segments(
             bad.bad(where, str(e).removeprefix(f"{where}: "))
             segments = Outcome.BAD
         per_record.append(Outcome.EMPTY if segments is None else segments)
-    return per_record
+    chats = [p for p in per_record if isinstance(p, ChatToRender)]
+    rendered = iter(chat_segments_batch([c.messages for c in chats], tokenizer, template, cfg.loss_on))
+    return [next(rendered) if isinstance(p, ChatToRender) else p for p in per_record]
 
 
 def _fit_example(segments: list[Segment], encoded, overlong: str, max_length: int) -> Rendered:
