@@ -14,6 +14,8 @@ on a sample (timed apart: the figures below exclude it), then runs, each in a fr
 
 For each: wall time, peak RSS of the child process (``wait4``; its largest single process, pool workers
 included once reaped) and the peak summed over the child's process tree (sampled every 0.2 s), and tokens/s.
+Then two ranks open the warm cache at once and read every token: their RSS, PSS (shared pages split between
+the processes that map them) and private memory show that N ranks hold one copy.
 """
 
 from __future__ import annotations
@@ -102,6 +104,33 @@ print(json.dumps({"examples": len(ds), "tokens": int(lengths.to_numpy().sum())})
 """
 
 
+RANK_CHILD = """
+import json, os, sys, time
+from pathlib import Path
+from trainer.config import compose_job_config, register_configs
+from trainer.pipeline import build_training_data
+rank, world, sync = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+register_configs()
+data = build_training_data(compose_job_config(sys.argv[4:]), rank, world)
+checksum = int(data.dataset.tokens.sum(dtype="int64"))  # every page of the token array read, as an epoch would
+(sync / f"ready{rank}").touch()
+while len(list(sync.glob("ready*"))) < world:  # measure while every rank holds its mapping
+    time.sleep(0.1)
+kb = {k: int(v.split()[0]) for k, v in (l.split(":", 1) for l in open("/proc/self/smaps_rollup") if l[0].isupper())}
+time.sleep(1.0)
+print(json.dumps({"rss": kb["Rss"] / 2**20, "pss": kb["Pss"] / 2**20,
+                  "private": (kb["Private_Clean"] + kb["Private_Dirty"]) / 2**20, "checksum": checksum}))
+"""
+
+
+def ranks_sharing(overrides: list[str], env: dict[str, str], world: int, sync: Path) -> list[dict]:
+    """``world`` ranks built from the warm cache at once; each one's RSS, PSS and private memory (GB)."""
+    sync.mkdir(parents=True, exist_ok=True)
+    procs = [subprocess.Popen([sys.executable, "-c", RANK_CHILD, str(r), str(world), str(sync), *overrides],
+                              cwd=ROOT, env=env, stdout=subprocess.PIPE) for r in range(world)]
+    return [json.loads(p.communicate()[0].decode().strip().splitlines()[-1]) for p in procs]
+
+
 def tree_rss(pid: int) -> int:
     """Resident bytes of ``pid`` and its descendants (a snapshot of /proc)."""
     children: dict[int, list[int]] = {}
@@ -180,6 +209,9 @@ def main() -> None:
         r = run_child(code, child_args, env)
         print(f"{name:<24} {r['examples']:>9} {r['tokens']:>11} {r['wall_s']:>8.1f} {r['tokens'] / r['wall_s']:>10.0f} "
               f"{r['peak_rss_gb']:>11.2f} {r['peak_tree_rss_gb']:>11.2f}", flush=True)
+    for rank, r in enumerate(ranks_sharing(overrides, env, 2, cache / "sync")):
+        print(f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "
+              f"private {r['private']:.2f} GB (every token page read)")
     print(textwrap.dedent(f"""\
         peak RSS: the child's largest process (wait4 ru_maxrss); tree RSS: the child's process tree summed
         (sampled every 0.2 s; pages of a shared mapping count once per process). Cache: {cache}"""))
