@@ -87,3 +87,13 @@ def test_a_file_datasets_refuses_is_read_line_by_line(tmp_path, tokenizer, caplo
     with caplog.at_level(logging.WARNING):
         ds = load_dataset(DataConfig(**{**cfg.__dict__, "on_bad_record": "skip"}), tokenizer, max_length=64)
     assert len(ds) == 2 and ds.stats.dropped_bad == 1 and f"{path}:2" in caplog.text
+
+
+def test_batched_chat_rendering_equals_apply_chat_template(tokenizer):
+    from trainer.data.chat import CHATML_TEMPLATE, chat_segments_batch
+
+    conversations = [c["messages"] for c in chats(5)] + [[{"role": "system", "content": "be brief"}] + CHAT["messages"],
+                                                         [{"role": "assistant", "content": "I start."}]]
+    fast = chat_segments_batch(conversations, tokenizer, CHATML_TEMPLATE, "auto")
+    with_extra_key = [[dict(m, name=None) for m in c] for c in conversations]  # not plain: apply_chat_template
+    assert chat_segments_batch(with_extra_key, tokenizer, CHATML_TEMPLATE, "auto") == fast
