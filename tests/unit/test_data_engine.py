@@ -97,3 +97,38 @@ def test_batched_chat_rendering_equals_apply_chat_template(tokenizer):
     fast = chat_segments_batch(conversations, tokenizer, CHATML_TEMPLATE, "auto")
     with_extra_key = [[dict(m, name=None) for m in c] for c in conversations]  # not plain: apply_chat_template
     assert chat_segments_batch(with_extra_key, tokenizer, CHATML_TEMPLATE, "auto") == fast
+
+
+def mix_cfg(tmp_path, by="examples", seed=0) -> DataConfig:
+    return DataConfig(cache_dir=str(tmp_path), mix_by=by, seed=seed, mix=[
+        {"source": "dailydialog_synthetic", "num_dialogs": 40, "weight": 1.0},
+        {"source": "chat_synthetic", "num_dialogs": 120, "weight": 1.0}])
+
+
+def test_mixture_shares_by_examples_and_tokens_deterministic_by_seed(tmp_path, tokenizer):
+    from trainer.evaluate import split_holdout
+
+    ds = load_dataset(mix_cfg(tmp_path), tokenizer, max_length=256)
+    shares = ds.shares()
+    assert [s["examples"] for s in shares] == [80, 80] and shares[0]["unique_examples"] == 40  # 40 repeated twice
+    again = load_dataset(mix_cfg(tmp_path), tokenizer, max_length=256)
+    other_seed = load_dataset(mix_cfg(tmp_path, seed=1), tokenizer, max_length=256)
+    assert np.array_equal(ds.row, again.row) and not np.array_equal(ds.row, other_seed.row)
+    by_tokens = load_dataset(mix_cfg(tmp_path, by="tokens"), tokenizer, max_length=256).shares()
+    assert all(abs(s["token_share"] - 0.5) < 0.05 for s in by_tokens)
+    train, held = split_holdout(ds, 0.2, seed=3)
+    assert len(train) + len(held) == len(ds)
+    sides = [{(int(p), int(r)) for p, r in zip(part.part, part.row)} for part in (train, held)]
+    assert not sides[0] & sides[1]  # a repeated example never straddles the split
+    assert np.array_equal(np.sort(np.concatenate([train.lengths, held.lengths])), np.sort(ds.lengths))
+
+
+def test_analyze_reports_the_mixture(tmp_path, cache_dir):
+    from trainer.tools import analyze
+
+    overrides = ["recipe=cpu_dailydialog", f"data.cache_dir={cache_dir}", f"output_root={tmp_path}",
+                 "data.mix=[{source: dailydialog_synthetic, num_dialogs: 60, weight: 3}, "
+                 "{source: chat_synthetic, num_dialogs: 60, weight: 1}]", "--world-sizes", "2"]
+    figures = analyze.run(overrides)
+    shares = [s["example_share"] for s in figures["mix"]]
+    assert abs(shares[0] - 0.75) < 0.05 and abs(shares[1] - 0.25) < 0.05  # 3:1, the hold-out aside

@@ -17,7 +17,7 @@ folder chunk by chunk, so preparing it never holds more than one chunk of exampl
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, fields
+from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -59,8 +59,7 @@ class ArrayWriter:
 
     def count(self, stats: DatasetStats) -> None:
         """Add a chunk's record counts to the totals."""
-        for f in fields(DatasetStats):
-            setattr(self.stats, f.name, getattr(self.stats, f.name) + getattr(stats, f.name))
+        self.stats.add(stats)
 
     def finish(self) -> DatasetStats:
         """Write the ``.npy`` files and ``stats.json``; the kept-token counts are filled in from the arrays."""

@@ -12,7 +12,7 @@ and examples left with no loss token are counted in ``DatasetStats`` and logged.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import IntEnum
 
 import numpy as np
@@ -45,6 +45,11 @@ class DatasetStats:
 
     def skipped(self) -> int:
         return self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
+
+    def add(self, other: DatasetStats) -> None:
+        """Add ``other``'s counts to these (chunks of one source, sources of a mixture)."""
+        for f in fields(DatasetStats):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass
