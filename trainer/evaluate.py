@@ -14,7 +14,6 @@ examples evaluated one by one (``tests/unit/test_eval.py``).
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import numpy as np
@@ -31,15 +30,9 @@ _HASH_SCALE = float(2**64)
 
 def holdout_mask(dataset: TokenizedDataset, fraction: float, seed: int = 0) -> np.ndarray:
     """Boolean per example: is it held out for eval (see the module docstring)."""
-    held = np.zeros(len(dataset), dtype=bool)
     if fraction <= 0:
-        return held
-    salt = seed.to_bytes(8, "little", signed=True)
-    for i in range(len(dataset)):
-        tokens, _ = dataset.example(i)
-        digest = hashlib.blake2b(np.ascontiguousarray(tokens).tobytes(), digest_size=8, key=salt).digest()
-        held[i] = int.from_bytes(digest, "little") / _HASH_SCALE < fraction
-    return held
+        return np.zeros(len(dataset), dtype=bool)
+    return dataset.content_hashes(seed).astype(np.float64) / _HASH_SCALE < fraction
 
 
 def subset(dataset: TokenizedDataset, indices: np.ndarray) -> TokenizedDataset:

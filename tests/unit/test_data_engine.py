@@ -132,3 +132,18 @@ def test_analyze_reports_the_mixture(tmp_path, cache_dir):
     figures = analyze.run(overrides)
     shares = [s["example_share"] for s in figures["mix"]]
     assert abs(shares[0] - 0.75) < 0.05 and abs(shares[1] - 0.25) < 0.05  # 3:1, the hold-out aside
+
+
+def test_held_out_draw_is_computed_once_per_cache(tmp_path, tokenizer, monkeypatch):
+    import trainer.data.dataset as dataset_module
+    from trainer.evaluate import holdout_mask
+
+    cfg = DataConfig(num_dialogs=60, cache_dir=str(tmp_path))
+    ds = load_dataset(cfg, tokenizer, max_length=256)
+    held = holdout_mask(ds, 0.3, seed=7)
+    assert (ds.folder / "content_hashes_7.npy").is_file() and 0 < held.sum() < len(ds)
+    monkeypatch.setattr(dataset_module, "example_hashes", lambda *a: pytest.fail("hashed again despite the cache"))
+    again = load_dataset(cfg, tokenizer, max_length=256)
+    assert np.array_equal(holdout_mask(again, 0.3, seed=7), held)
+    view = again.select(np.array([3, 1]))
+    assert np.array_equal(holdout_mask(view, 0.3, seed=7), held[[3, 1]])

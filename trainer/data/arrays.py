@@ -98,4 +98,5 @@ def open_arrays(folder: Path) -> TokenizedDataset:
         stats=stats,
         stored_lengths=np.load(folder / "lengths.npy"),
         stored_label_counts=np.load(folder / "label_counts.npy"),
+        folder=folder,
     )

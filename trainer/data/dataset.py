@@ -11,9 +11,12 @@ and examples left with no loss token are counted in ``DatasetStats`` and logged.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
+from pathlib import Path
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
@@ -68,6 +71,10 @@ class TokenizedDataset:
     """Tokens per base example, precomputed (the cache stores it, so lengths never read the tokens)."""
     stored_label_counts: np.ndarray | None = None
     """Loss-carrying tokens per base example, precomputed likewise."""
+    folder: Path | None = None
+    """The cache folder the arrays were mapped from (per-example hashes are kept there); ``None``: in memory."""
+    hashes: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    """``content_hashes`` of the base examples, by seed (shared with every view)."""
 
     def __len__(self) -> int:
         return len(self.offsets) - 1 if self.rows is None else len(self.rows)
@@ -87,6 +94,21 @@ class TokenizedDataset:
             self.stored_label_counts = label_counts(self.loss_mask, self.offsets)
         return self._base(self.stored_label_counts)
 
+    def content_hashes(self, seed: int) -> np.ndarray:
+        """Per example: ``blake2b`` of its tokens keyed by ``seed``, as uint64 (the held-out split's draw,
+        ``trainer.evaluate``). Computed once per cache folder and seed, then read from there."""
+        if seed not in self.hashes:
+            path = self.folder / f"content_hashes_{seed}.npy" if self.folder else None
+            if path is not None and path.is_file():
+                self.hashes[seed] = np.load(path)
+            else:
+                self.hashes[seed] = example_hashes(self.tokens, self.offsets, seed)
+                if path is not None:  # atomic: ranks computing it at once each write a whole file
+                    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+                    np.save(tmp, self.hashes[seed])
+                    os.replace(tmp, path)
+        return self._base(self.hashes[seed])
+
     def example_span(self, i: int) -> tuple[int, int]:
         """Where example ``i`` lies in ``tokens``: ``(start, end)``."""
         j = i if self.rows is None else int(self.rows[i])
@@ -102,7 +124,17 @@ class TokenizedDataset:
         rows = indices if self.rows is None else self.rows[indices]
         self.label_counts(), self.lengths  # noqa: B018 (computed once on the base, shared by every view)
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
-                                self.stored_lengths, self.stored_label_counts)
+                                self.stored_lengths, self.stored_label_counts, self.folder, self.hashes)
+
+
+def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.ndarray:
+    """``blake2b(key=seed)`` of each example's tokens (``offsets``), the first 8 bytes as a little-endian uint64."""
+    salt = seed.to_bytes(8, "little", signed=True)
+    out = np.zeros(len(offsets) - 1, dtype=np.uint64)
+    for i in range(len(out)):
+        piece = np.ascontiguousarray(tokens[offsets[i] : offsets[i + 1]])
+        out[i] = int.from_bytes(hashlib.blake2b(piece.tobytes(), digest_size=8, key=salt).digest(), "little")
+    return out
 
 
 def label_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:

@@ -56,8 +56,8 @@ class MixtureDataset:
     def __len__(self) -> int:
         return len(self.row)
 
-    def _gather(self, per_part: Callable[[TokenizedDataset], np.ndarray]) -> np.ndarray:
-        out = np.zeros(len(self), dtype=np.int64)
+    def _gather(self, per_part: Callable[[TokenizedDataset], np.ndarray], dtype=np.int64) -> np.ndarray:
+        out = np.zeros(len(self), dtype=dtype)
         for p, ds in enumerate(self.parts):
             mine = self.part == p
             out[mine] = per_part(ds)[self.row[mine]]
@@ -69,6 +69,9 @@ class MixtureDataset:
 
     def label_counts(self) -> np.ndarray:
         return self._gather(lambda ds: ds.label_counts())
+
+    def content_hashes(self, seed: int) -> np.ndarray:
+        return self._gather(lambda ds: ds.content_hashes(seed), np.uint64)
 
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.parts[self.part[i]].example(int(self.row[i]))
