@@ -147,3 +147,18 @@ def test_held_out_draw_is_computed_once_per_cache(tmp_path, tokenizer, monkeypat
     assert np.array_equal(holdout_mask(again, 0.3, seed=7), held)
     view = again.select(np.array([3, 1]))
     assert np.array_equal(holdout_mask(view, 0.3, seed=7), held[[3, 1]])
+
+
+@pytest.mark.parametrize("kind", ["parquet", "hf"])
+def test_parquet_and_saved_datasets_take_the_arrow_path(tmp_path, tokenizer, kind):
+    import datasets
+
+    table = datasets.Dataset.from_list([{"conversations": [{"from": "human", "value": f"q{i}"},
+                                                           {"from": "gpt", "value": "an answer " * (i % 5 + 1)}]}
+                                        for i in range(40)])
+    path = tmp_path / ("data.parquet" if kind == "parquet" else "saved")
+    table.to_parquet(str(path)) if kind == "parquet" else table.save_to_disk(str(path))
+    cfg = DataConfig(source=kind, path=str(path), cache_dir=str(tmp_path / "cache"))
+    ds = load_dataset(cfg, tokenizer, max_length=128)
+    reference = render_records(load_records(cfg), tokenizer, cfg, max_length=128)
+    assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
