@@ -63,8 +63,12 @@ def build_dataset(
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
         writer = ArrayWriter(tmp)
-        write_source(cfg, tokenizer, max_length, writer, key)
-        writer.finish()
+        try:
+            write_source(cfg, tokenizer, max_length, writer, key)
+            writer.finish()
+        except BaseException:  # a bad record (or an interrupt) leaves no half-written folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
         shutil.rmtree(folder, ignore_errors=True)
         tmp.rename(folder)  # atomic: a half-written cache is never picked up
 
