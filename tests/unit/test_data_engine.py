@@ -73,6 +73,7 @@ def test_a_bad_row_found_in_the_map_names_its_file_and_line(tmp_path, tokenizer,
     cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
     with pytest.raises(BadRecordError, match=f"{path}:4: unknown chat role 'asistant'"):
         load_dataset(cfg, tokenizer, max_length=64)
+    assert not list((tmp_path / "cache" / "datasets").glob("*"))  # nothing half-written left behind
     with caplog.at_level(logging.WARNING):
         ds = load_dataset(DataConfig(**{**cfg.__dict__, "on_bad_record": "skip"}), tokenizer, max_length=64)
     assert len(ds) == 3 and ds.stats.dropped_bad == 1 and ds.stats.records == 4
