@@ -12,8 +12,8 @@ on a sample (timed apart: the figures below exclude it), then runs, each in a fr
 - ``datasets``: the reference, ``datasets.load_dataset("json")`` + a batched ``map`` (``num_proc=2``) that
   renders each chat with the same template and tokenizes it, into Arrow.
 
-For each: wall time, peak RSS of the child process (``wait4``; its largest single process, pool workers
-included once reaped) and the peak summed over the child's process tree (sampled every 0.2 s), and tokens/s.
+For each: wall time, peak RSS of the child's main process (its VmHWM, sampled every 0.2 s) and the peak
+summed over the child's process tree (map workers included), and tokens/s.
 Then two ranks open the warm cache at once and read every token: their RSS, PSS (shared pages split between
 the processes that map them) and private memory show that N ranks hold one copy.
 """
@@ -157,11 +157,12 @@ def run_child(code: str, args: list[str], env: dict[str, str]) -> dict:
     """Run ``code`` in a fresh interpreter; its JSON answer plus wall seconds and peak RSS (GB)."""
     start = time.perf_counter()
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE)
-    peak_tree, done = [0], threading.Event()
+    peak_tree, main_hwm, done = [0], [0], threading.Event()
 
     def sample() -> None:
         while not done.wait(0.2):
             peak_tree[0] = max(peak_tree[0], tree_rss(proc.pid))
+            main_hwm[0] = max(main_hwm[0], vm_hwm(proc.pid))
 
     sampler = threading.Thread(target=sample, daemon=True)
     sampler.start()
@@ -172,7 +173,19 @@ def run_child(code: str, args: list[str], env: dict[str, str]) -> dict:
     if status != 0:
         raise SystemExit(f"child failed ({status}): {' '.join(args)}")
     answer = json.loads(out.decode().strip().splitlines()[-1])
-    return answer | {"wall_s": wall, "peak_rss_gb": usage.ru_maxrss / 2**20, "peak_tree_rss_gb": peak_tree[0] / 2**30}
+    # ru_maxrss also counts the parent's peak when the child was started by vfork (exec records the old
+    # mm's high-water mark), so the child's own VmHWM is preferred once sampled.
+    peak = main_hwm[0] or usage.ru_maxrss * 1024
+    return answer | {"wall_s": wall, "peak_rss_gb": peak / 2**30, "peak_tree_rss_gb": peak_tree[0] / 2**30}
+
+
+def vm_hwm(pid: int) -> int:
+    """The peak resident bytes of ``pid`` itself (VmHWM), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM")), 0)
+    except OSError:
+        return 0
 
 
 def main() -> None:
@@ -213,7 +226,7 @@ def main() -> None:
         print(f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "
               f"private {r['private']:.2f} GB (every token page read)")
     print(textwrap.dedent(f"""\
-        peak RSS: the child's largest process (wait4 ru_maxrss); tree RSS: the child's process tree summed
+        peak RSS: the child's main process (VmHWM); tree RSS: the child's process tree summed
         (sampled every 0.2 s; pages of a shared mapping count once per process). Cache: {cache}"""))
 
 
