@@ -93,15 +93,27 @@ class DataConfig:
     """Seed of the synthetic generator (the corpus is a pure function of it)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
     """Where the locally trained tokenizer and tokenized datasets are cached."""
+    mix: list[dict[str, Any]] = field(default_factory=list)
+    """Several sources in one training set: each item sets one source's data fields (``source``, ``path``,
+    ``columns``, ...; the others come from ``data``) and its ``weight`` (share of the mixture; see
+    ``trainer.data.mixture``). Empty: the one source above."""
+    mix_by: str = "examples"
+    """What the ``data.mix`` weights share out: ``examples`` or ``tokens``."""
+    num_proc: int | None = None
+    """Processes that render and tokenize a table source (a ``datasets`` map); ``None``: the cores this job
+    may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
 
     def validate(self) -> None:
         _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
         _choice("data.overlong", self.overlong, ("truncate", "drop"))
         _choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
+        _choice("data.mix_by", self.mix_by, ("examples", "tokens"))
         _positive("data.max_length", self.max_length)
         _positive("data.num_dialogs", self.num_dialogs)
         if self.limit is not None:
             _positive("data.limit", self.limit)
+        if self.num_proc is not None:
+            _positive("data.num_proc", self.num_proc)
 
 
 @dataclass

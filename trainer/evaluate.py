@@ -14,7 +14,6 @@ examples evaluated one by one (``tests/unit/test_eval.py``).
 
 from __future__ import annotations
 
-import hashlib
 import time
 
 import numpy as np
@@ -31,28 +30,14 @@ _HASH_SCALE = float(2**64)
 
 def holdout_mask(dataset: TokenizedDataset, fraction: float, seed: int = 0) -> np.ndarray:
     """Boolean per example: is it held out for eval (see the module docstring)."""
-    held = np.zeros(len(dataset), dtype=bool)
     if fraction <= 0:
-        return held
-    salt = seed.to_bytes(8, "little", signed=True)
-    for i in range(len(dataset)):
-        tokens, _ = dataset.example(i)
-        digest = hashlib.blake2b(np.ascontiguousarray(tokens).tobytes(), digest_size=8, key=salt).digest()
-        held[i] = int.from_bytes(digest, "little") / _HASH_SCALE < fraction
-    return held
+        return np.zeros(len(dataset), dtype=bool)
+    return dataset.content_hashes(seed).astype(np.float64) / _HASH_SCALE < fraction
 
 
 def subset(dataset: TokenizedDataset, indices: np.ndarray) -> TokenizedDataset:
-    """A new dataset holding the examples ``indices`` (in that order); stats are carried over unchanged."""
-    indices = np.asarray(indices, dtype=np.int64)
-    lengths = dataset.lengths[indices]
-    offsets = np.zeros(len(indices) + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    if len(indices):
-        gather = np.concatenate([np.arange(dataset.offsets[i], dataset.offsets[i + 1]) for i in indices])
-    else:
-        gather = np.zeros(0, dtype=np.int64)
-    return TokenizedDataset(dataset.tokens[gather], dataset.loss_mask[gather], offsets, dataset.stats)
+    """The examples ``indices`` (in that order): a view of the same arrays, never a copy of the tokens."""
+    return dataset.select(indices)
 
 
 def split_holdout(

@@ -150,7 +150,7 @@ def counting_test_source(cfg):
 def test_tokenize_once_then_reuse_the_cache(tmp_path, tokenizer):
     cfg = DataConfig(source="counting_test_source", cache_dir=str(tmp_path), seed=CALLS["n"])
     first = load_dataset(cfg, tokenizer, max_length=128)
-    assert CALLS["n"] == 1 and len(list((tmp_path / "datasets").glob("*.npz"))) == 1
+    assert CALLS["n"] == 1 and len(list((tmp_path / "datasets").glob("*/stats.json"))) == 1
     second = load_dataset(cfg, tokenizer, max_length=128)  # a second run: served from the cache
     assert CALLS["n"] == 1
     assert (first.tokens == second.tokens).all() and (first.loss_mask == second.loss_mask).all()

@@ -4,24 +4,29 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
-from trainer.data.dataset import DatasetStats, TokenizedDataset, build_dataset, log_dataset_stats
+from trainer.data.dataset import DatasetStats, TokenizedDataset, log_dataset_stats
+from trainer.data.engine import build_dataset
+from trainer.data.mixture import component_name, mix, mix_components
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, DEFAULT_CHAT_TEMPLATE, apply_template_setting, template_fingerprint
 from trainer.data.sources import SOURCES, check_source, load_records, plugin_path, register_source
 from trainer.data.tokenizer import local_tokenizer, pretrained_tokenizer
 from trainer.library_errors import library_load
+
+log = logging.getLogger(__name__)
 
 
 def source_fingerprint(cfg: DataConfig) -> str:
     """What the records depend on: the config and, for local files and plugin modules, their size and
     modification time (an edited file or source function re-tokenizes)."""
     check_source(cfg)
-    parts = asdict(cfg) | {"cache_dir": None}
+    parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()
@@ -60,12 +65,12 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
     """
     name = model_cfg.tokenizer_name()
     if name == "local_bpe":
-        records = functools.cache(lambda: load_records(data_cfg))
-        texts = lambda: [t for r in pretokenized_refused(records()) for t in record_texts(r)]  # noqa: E731
+        components = [c for c, _ in mix_components(data_cfg)]
+        records = functools.cache(lambda: [r for c in components for r in pretokenized_refused(load_records(c))])
+        texts = lambda: [t for r in records() for t in record_texts(r)]  # noqa: E731
         extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
-        tokenizer = local_tokenizer(
-            texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, source_fingerprint(data_cfg), extra
-        )
+        key = "".join(source_fingerprint(c) for c in components)
+        tokenizer = local_tokenizer(texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, key, extra)
     else:
         with library_load(f"the tokenizer {name}"):
             tokenizer = pretrained_tokenizer(name, model_cfg.trust_remote_code)
@@ -74,13 +79,22 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
 
 
 def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TokenizedDataset:
-    """The tokenized examples (cached; records are read only on a cache miss), with skips logged."""
+    """The tokenized examples, memory-mapped from the cache (sources are read only on a cache miss; see
+    ``trainer.data.engine``), with skips logged; with ``data.mix``, the mixture of its sources."""
     tokenizer_id = json.dumps([tokenizer.name_or_path, len(tokenizer), template_fingerprint(tokenizer)])
-    dataset = build_dataset(
-        lambda: load_records(data_cfg), tokenizer, data_cfg, max_length, source_fingerprint(data_cfg) + tokenizer_id
-    )
-    log_dataset_stats(data_cfg.source, dataset.stats)
-    return dataset
+    components = mix_components(data_cfg)
+    datasets = []
+    for cfg, _ in components:
+        datasets.append(build_dataset(tokenizer, cfg, max_length, source_fingerprint(cfg) + tokenizer_id))
+        log_dataset_stats(component_name(cfg) if data_cfg.mix else cfg.source, datasets[-1].stats)
+    if not data_cfg.mix:
+        return datasets[0]
+    mixture = mix(datasets, [w for _, w in components], data_cfg.mix_by, data_cfg.seed,
+                  [component_name(c) for c, _ in components])
+    for share in mixture.shares():
+        log.info("data mix: %s: %d examples (%d unique), %.1f%% of examples, %.1f%% of tokens", share["source"],
+                 share["examples"], share["unique_examples"], 100 * share["example_share"], 100 * share["token_share"])
+    return mixture
 
 
 __all__ = [

@@ -12,9 +12,10 @@ and examples left with no loss token are counted in ``DatasetStats`` and logged.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-from dataclasses import asdict, dataclass, field
+import os
+from dataclasses import dataclass, field, fields
+from enum import IntEnum
 from pathlib import Path
 
 import numpy as np
@@ -22,10 +23,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.chat import ChatTemplateError, Segment, chat_segments, check_messages, effective_template
+from trainer.data.chat import ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template
 from trainer.data.pretokenized import token_segments
 from trainer.data.sources import Record
-from trainer.distributed import on_rank0_then_all
 
 log = logging.getLogger(__name__)
 
@@ -49,39 +49,112 @@ class DatasetStats:
     def skipped(self) -> int:
         return self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
 
+    def add(self, other: DatasetStats) -> None:
+        """Add ``other``'s counts to these (chunks of one source, sources of a mixture)."""
+        for f in fields(DatasetStats):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
 
 @dataclass
 class TokenizedDataset:
     tokens: np.ndarray
-    """All examples' token ids, concatenated (int32)."""
+    """All examples' token ids, concatenated (int32; a read-only memory map when read from the cache)."""
     loss_mask: np.ndarray
     """Per token: does it carry loss (bool, aligned with ``tokens``)."""
     offsets: np.ndarray
-    """Example ``i`` is ``tokens[offsets[i]:offsets[i + 1]]`` (int64, length n + 1)."""
+    """Base example ``j`` is ``tokens[offsets[j]:offsets[j + 1]]`` (int64)."""
     stats: DatasetStats = field(default_factory=DatasetStats)
+    rows: np.ndarray | None = None
+    """The base examples this dataset holds, in order (``None``: all of them); ``select`` sets it, so a
+    subset is a view of the same (memory-mapped) arrays, never a copy of its tokens."""
+    stored_lengths: np.ndarray | None = None
+    """Tokens per base example, precomputed (the cache stores it, so lengths never read the tokens)."""
+    stored_label_counts: np.ndarray | None = None
+    """Loss-carrying tokens per base example, precomputed likewise."""
+    folder: Path | None = None
+    """The cache folder the arrays were mapped from (per-example hashes are kept there); ``None``: in memory."""
+    hashes: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    """``content_hashes`` of the base examples, by seed (shared with every view)."""
 
     def __len__(self) -> int:
-        return len(self.offsets) - 1
+        return len(self.offsets) - 1 if self.rows is None else len(self.rows)
+
+    def _base(self, per_base_example: np.ndarray) -> np.ndarray:
+        return per_base_example if self.rows is None else per_base_example[self.rows]
 
     @property
     def lengths(self) -> np.ndarray:
-        return np.diff(self.offsets)
+        if self.stored_lengths is None:
+            self.stored_lengths = np.diff(self.offsets)
+        return self._base(self.stored_lengths)
 
     def label_counts(self) -> np.ndarray:
         """Loss-carrying tokens per example (the first token of each example never counts)."""
-        cum = np.concatenate([[0], np.cumsum(self.loss_mask, dtype=np.int64)])
-        starts = self.offsets[:-1]
-        return cum[self.offsets[1:]] - cum[starts + 1]
+        if self.stored_label_counts is None:
+            self.stored_label_counts = label_counts(self.loss_mask, self.offsets)
+        return self._base(self.stored_label_counts)
+
+    def content_hashes(self, seed: int) -> np.ndarray:
+        """Per example: ``blake2b`` of its tokens keyed by ``seed``, as uint64 (the held-out split's draw,
+        ``trainer.evaluate``). Computed once per cache folder and seed, then read from there."""
+        if seed not in self.hashes:
+            path = self.folder / f"content_hashes_{seed}.npy" if self.folder else None
+            if path is not None and path.is_file():
+                self.hashes[seed] = np.load(path)
+            else:
+                self.hashes[seed] = example_hashes(self.tokens, self.offsets, seed)
+                if path is not None:  # atomic: ranks computing it at once each write a whole file
+                    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+                    np.save(tmp, self.hashes[seed])
+                    os.replace(tmp, path)
+        return self._base(self.hashes[seed])
+
+    def example_span(self, i: int) -> tuple[int, int]:
+        """Where example ``i`` lies in ``tokens``: ``(start, end)``."""
+        j = i if self.rows is None else int(self.rows[i])
+        return int(self.offsets[j]), int(self.offsets[j + 1])
 
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
-        lo, hi = self.offsets[i], self.offsets[i + 1]
+        lo, hi = self.example_span(i)
         return self.tokens[lo:hi], self.loss_mask[lo:hi]
+
+    def select(self, indices: np.ndarray) -> TokenizedDataset:
+        """The examples ``indices`` (in that order) as a view of the same arrays; stats carried over."""
+        indices = np.asarray(indices, dtype=np.int64)
+        rows = indices if self.rows is None else self.rows[indices]
+        self.label_counts(), self.lengths  # noqa: B018 (computed once on the base, shared by every view)
+        return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
+                                self.stored_lengths, self.stored_label_counts, self.folder, self.hashes)
+
+
+def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.ndarray:
+    """``blake2b(key=seed)`` of each example's tokens (``offsets``), the first 8 bytes as a little-endian uint64."""
+    salt = seed.to_bytes(8, "little", signed=True)
+    out = np.zeros(len(offsets) - 1, dtype=np.uint64)
+    for i in range(len(out)):
+        piece = np.ascontiguousarray(tokens[offsets[i] : offsets[i + 1]])
+        out[i] = int.from_bytes(hashlib.blake2b(piece.tobytes(), digest_size=8, key=salt).digest(), "little")
+    return out
+
+
+def label_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per example of ``offsets``: its loss-carrying tokens, its first token left out."""
+    cum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+    return cum[offsets[1:]] - cum[np.minimum(offsets[:-1] + 1, offsets[1:])]
+
+
+@dataclass
+class ChatToRender:
+    """A validated chat whose segments ``_record_segments`` renders together with the others of its batch."""
+
+    messages: list[dict]
 
 
 def record_segments(
     record: Record, tokenizer: PreTrainedTokenizerBase, loss_on: str, template: str, where: str
-) -> list[Segment] | None:
-    """The pieces of one record (``None`` when it has no content). Four kinds of record:
+) -> list[Segment] | ChatToRender | None:
+    """The pieces of one record (``None`` when it has no content; a chat is rendered later, in a batch).
+    Four kinds of record:
 
     - ``{"turns": [...]}`` (a dialog): ``BOS t1 EOS t2 EOS ...``; ``responses`` puts loss on turns 2, 4, ...
       and their EOS, ``all``/``auto`` on every turn;
@@ -99,7 +172,7 @@ def record_segments(
         messages = check_messages(record["messages"], where)
         if not any(m["content"].strip() for m in messages):
             return None
-        return chat_segments(messages, tokenizer, template, loss_on)
+        return ChatToRender(messages)
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
@@ -123,72 +196,113 @@ def record_segments(
     )
 
 
-def render_records(
-    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int
-) -> TokenizedDataset:
-    """Tokenize records into examples with loss masks, applying the over-length and empty rules.
+class Outcome(IntEnum):
+    """What became of one record (the ``status`` column of the Arrow path, counted into ``DatasetStats``)."""
+
+    KEPT = 0
+    TRUNCATED = 1
+    EMPTY = 2
+    OVERLONG = 3
+    NO_LABELS = 4
+    BAD = 5
+
+
+Rendered = tuple[list[int], list[bool], Outcome]
+"""A record's tokens, loss mask and outcome (empty lists when it was left out)."""
+
+
+def render_outcomes(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int, bad: BadRecords
+) -> list[Rendered]:
+    """Every record rendered and tokenized, or the reason it was left out; bad records go to ``bad``.
 
     Every text piece of every record is tokenized in one batched call (fast tokenizers parallelise it).
     """
-    stats = DatasetStats(records=len(records))
-    per_record, stats.dropped_bad = _record_segments_or_skip(records, tokenizer, cfg)
-    texts = [s.text for segs in per_record if segs for s in segs if isinstance(s.text, str)]
-    encoded = iter(tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else [])
-    examples = []
-    for segments in per_record:
-        if segments is None:
-            stats.dropped_empty += 1
-            continue
-        example = _fit_example(segments, encoded, cfg.overlong, max_length, stats)
-        if example is not None:
-            examples.append(example)
-    return _flat_dataset(examples, stats)
+    per_record = _record_segments(records, tokenizer, cfg, bad)
+    texts = [s.text for segs in per_record if isinstance(segs, list) for s in segs if isinstance(s.text, str)]
+    encoded = iter(encode_pieces(tokenizer, texts))
+    return [_fit_example(segs, encoded, cfg.overlong, max_length) if isinstance(segs, list) else ([], [], segs)
+            for segs in per_record]
 
 
-def _record_segments_or_skip(
-    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig
-) -> tuple[list[list[Segment] | None], int]:
-    """Every good record's segments (``None``: no content) and the number of bad records skipped (under
-    ``on_bad_record=skip``; ``error`` raises naming the record)."""
-    template = effective_template(tokenizer)
+def encode_pieces(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
+    """Token ids of each text, no special tokens added. A fast tokenizer's backend is called directly: the
+    ``tokenizer(...)`` wrapper builds a dict per text, which costs a third of the encoding itself."""
+    if not texts:
+        return []
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+
+
+def stats_of(outcomes: np.ndarray) -> DatasetStats:
+    """The record counts of an array of ``Outcome`` codes (the kept-token counts are filled in later)."""
+    n = np.bincount(np.asarray(outcomes, dtype=np.int64), minlength=len(Outcome))
+    return DatasetStats(
+        records=len(outcomes), examples=int(n[Outcome.KEPT] + n[Outcome.TRUNCATED]), truncated=int(n[Outcome.TRUNCATED]),
+        dropped_empty=int(n[Outcome.EMPTY]), dropped_overlong=int(n[Outcome.OVERLONG]),
+        dropped_no_labels=int(n[Outcome.NO_LABELS]), dropped_bad=int(n[Outcome.BAD]),
+    )
+
+
+def render_records(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int
+) -> TokenizedDataset:
+    """Tokenize records into examples with loss masks, applying the over-length and empty rules (in memory:
+    the cached path is ``trainer.data.engine``)."""
     bad = BadRecords(cfg.on_bad_record, cfg.source)
-    per_record = []
+    rendered = render_outcomes(records, tokenizer, cfg, max_length, bad)
+    bad.finish([])
+    stats = stats_of(np.array([outcome for _, _, outcome in rendered], dtype=np.int8))
+    stats.dropped_bad += getattr(records, "skipped_bad", 0)
+    kept = [(ids, mask) for ids, mask, outcome in rendered if outcome <= Outcome.TRUNCATED]
+    return _flat_dataset(kept, stats)
+
+
+def _record_segments(
+    records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, bad: BadRecords
+) -> list[list[Segment] | Outcome]:
+    """Every record's segments, or ``EMPTY`` (no content) or ``BAD`` (reported to ``bad``: an error naming
+    the record under ``on_bad_record=error``, a counted skip under ``skip``)."""
+    template = effective_template(tokenizer)
+    per_record: list[list[Segment] | Outcome] = []
     for i, record in enumerate(records):
         where = getattr(record, "where", "") or f"data.source={cfg.source} record {i}"
         if not isinstance(record, dict):
             bad.bad(where, f"a {type(record).__name__}, not a dict")
+            per_record.append(Outcome.BAD)
             continue
         try:
-            per_record.append(record_segments(record, tokenizer, cfg.loss_on, template, where))
+            segments = record_segments(record, tokenizer, cfg.loss_on, template, where)
         except ValueError as e:
             if isinstance(e, ChatTemplateError):  # the template, not the record, is wrong: always an error
                 raise
             bad.bad(where, str(e).removeprefix(f"{where}: "))
-    bad.finish([])
-    return per_record, getattr(records, "skipped_bad", 0) + bad.skipped
+            segments = Outcome.BAD
+        per_record.append(Outcome.EMPTY if segments is None else segments)
+    chats = [p for p in per_record if isinstance(p, ChatToRender)]
+    rendered = iter(chat_segments_batch([c.messages for c in chats], tokenizer, template, cfg.loss_on))
+    return [next(rendered) if isinstance(p, ChatToRender) else p for p in per_record]
 
 
-def _fit_example(
-    segments: list[Segment], encoded, overlong: str, max_length: int, stats: DatasetStats
-) -> tuple[list[int], list[bool]] | None:
+def _fit_example(segments: list[Segment], encoded, overlong: str, max_length: int) -> Rendered:
     """One example's tokens and loss mask (text segments take their ids from ``encoded`` in order),
-    truncated to ``max_length`` or dropped per ``overlong``; ``None`` (counted) when dropped."""
+    truncated to ``max_length`` or dropped per ``overlong``."""
     ids: list[int] = []
     mask: list[bool] = []
     for s in segments:
         piece = next(encoded) if isinstance(s.text, str) else s.text
         ids += piece
         mask += [s.loss] * len(piece)
+    outcome = Outcome.KEPT
     if len(ids) > max_length:
         if overlong == "drop":
-            stats.dropped_overlong += 1
-            return None
-        stats.truncated += 1
-        ids, mask = ids[:max_length], mask[:max_length]
+            return [], [], Outcome.OVERLONG
+        outcome, ids, mask = Outcome.TRUNCATED, ids[:max_length], mask[:max_length]
     if not any(mask[1:]):
-        stats.dropped_no_labels += 1
-        return None
-    return ids, mask
+        return [], [], Outcome.NO_LABELS
+    return ids, mask, outcome
 
 
 def _flat_dataset(examples: list[tuple[list[int], list[bool]]], stats: DatasetStats) -> TokenizedDataset:
@@ -219,41 +333,3 @@ def log_dataset_stats(name: str, stats: DatasetStats) -> None:
             name, stats.dropped_empty, stats.dropped_overlong, stats.dropped_no_labels, stats.dropped_bad,
             stats.truncated,
         )
-
-
-def build_dataset(
-    records_fn, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int, cache_key: str
-) -> TokenizedDataset:
-    """Tokenize once (rank 0) into the cache (an ``.npz`` file), then every rank loads its own copy of the
-    arrays from it (``np.load`` of an ``.npz`` reads them into memory; it does not memory-map).
-
-    ``records_fn`` is called only when the cache misses; ``cache_key`` must name everything the result
-    depends on besides ``cfg`` and ``max_length`` (the source's identity, the tokenizer).
-    """
-    key = json.dumps(
-        [RENDER_VERSION, cache_key, asdict(cfg) | {"cache_dir": None}, max_length], sort_keys=True, default=str
-    )
-    path = Path(cfg.cache_dir) / "datasets" / f"{hashlib.sha256(key.encode()).hexdigest()[:20]}.npz"
-
-    def tokenize_into_cache() -> None:
-        if path.is_file():
-            log.info("data %s: tokenized dataset read from the cache %s", cfg.source, path)
-            return
-        log.info("data %s: tokenizing once into %s", cfg.source, path)
-        ds = render_records(records_fn(), tokenizer, cfg, max_length)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=ds.tokens, loss_mask=ds.loss_mask, offsets=ds.offsets,
-                 stats=np.array(json.dumps(asdict(ds.stats))))
-        tmp.rename(path)
-
-    on_rank0_then_all(tokenize_into_cache)
-    with np.load(path) as z:
-        stats = DatasetStats(**json.loads(str(z["stats"])))
-        ds = TokenizedDataset(z["tokens"], z["loss_mask"], z["offsets"], stats)
-    if len(ds) == 0:
-        raise ValueError(
-            f"data.source={cfg.source}: no usable example ({stats.records} records, {stats.dropped_empty} empty, "
-            f"{stats.dropped_overlong} over-long, {stats.dropped_no_labels} without labels)"
-        )
-    return ds

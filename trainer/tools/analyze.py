@@ -27,16 +27,14 @@ from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_
 
 
 def useful_tokens_counter(dataset):
-    """``bin -> label tokens`` for whole-example bins and piece bins alike (a piece's first token has none)."""
+    """``bin -> label tokens`` for whole-example bins and piece bins alike (a piece's first token has none).
+    Whole examples read only the stored label counts; a piece reads its own slice of the mask."""
     counts = dataset.label_counts()
-    cum = np.concatenate([[0], np.cumsum(dataset.loss_mask, dtype=np.int64)])
-    offsets = dataset.offsets
 
     def useful(bin_: np.ndarray) -> int:
         if bin_.ndim == 1:
             return int(counts[bin_].sum())
-        base = offsets[bin_[:, 0]]
-        return int((cum[base + bin_[:, 2]] - cum[base + bin_[:, 1] + 1]).sum())
+        return sum(int(dataset.example(int(i))[1][lo + 1 : hi].sum()) for i, lo, hi in bin_)
 
     return useful
 
@@ -110,7 +108,7 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
         )
         figures["strategies"][name] = s.as_dict() | {"skew": dict(zip(world_sizes, skews)),
                                                      "worst_step_skew": dict(zip(world_sizes, worst))}
-    lines += rows
+    lines += rows + mixture_lines(dataset, cfg, figures)
     figures["max_speedup"] = figures["strategies"]["none"]["positions"] / total
     lines += [
         "",
@@ -125,6 +123,18 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
         f"{figures['strategies']['sorted']['positions'] / total:.2f}x over length-grouped ones.",
     ]
     return lines, figures
+
+
+def mixture_lines(dataset, cfg: JobConfig, figures: dict) -> list[str]:
+    """The shares of a ``data.mix`` mixture (nothing for one source); its figures go to ``figures["mix"]``."""
+    if not hasattr(dataset, "shares"):
+        return []
+    figures["mix"] = dataset.shares()
+    return ["", f"mixture (data.mix_by={cfg.data.mix_by}, seed {cfg.data.seed}):"] + [
+        f"  {s['source']:<40} {s['examples']:>9} examples ({s['unique_examples']} unique) "
+        f"{100 * s['example_share']:>6.2f}% of examples {100 * s['token_share']:>6.2f}% of tokens"
+        for s in figures["mix"]
+    ]
 
 
 def parse_args(argv: list[str]) -> tuple[list[str], Path | None, list[int]]:

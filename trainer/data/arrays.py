@@ -1,0 +1,102 @@
+"""The tokenized cache on disk: one ``.npy`` file per array, memory-mapped by every rank.
+
+A prepared dataset is a folder::
+
+    tokens.npy        int32, every example's token ids, concatenated
+    loss_mask.npy     bool, aligned with tokens
+    offsets.npy       int64, example i is tokens[offsets[i]:offsets[i + 1]]
+    lengths.npy       int64, tokens per example (np.diff(offsets), stored so nothing reads tokens for it)
+    label_counts.npy  int64, loss-carrying tokens per example (its first token never counts)
+    stats.json        DatasetStats
+
+``np.load(mmap_mode="r")`` maps tokens and masks read-only: N ranks on a node share one copy in the page
+cache, and a rank's resident memory holds only the pages its batches touch. ``ArrayWriter`` fills the
+folder chunk by chunk, so preparing it never holds more than one chunk of examples in memory either.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.dataset import DatasetStats, TokenizedDataset, label_counts
+
+COLUMNS = {"tokens": np.int32, "loss_mask": np.bool_, "lengths": np.int64, "label_counts": np.int64}
+"""The arrays written chunk by chunk (``offsets`` is derived from ``lengths`` at the end)."""
+COPY_CHUNK = 1 << 24
+
+
+class ArrayWriter:
+    """Appends examples to a folder's arrays; ``finish`` turns them into ``.npy`` files."""
+
+    def __init__(self, folder: Path) -> None:
+        folder.mkdir(parents=True, exist_ok=True)
+        self.folder = folder
+        self.files = {name: open(folder / f"{name}.raw", "wb") for name in COLUMNS}
+        self.sizes = dict.fromkeys(COLUMNS, 0)
+        self.stats = DatasetStats()
+
+    def add(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray) -> None:
+        """Append examples given flat: their tokens and mask concatenated, and each one's length."""
+        lengths = np.asarray(lengths, dtype=np.int64)
+        offsets = np.concatenate([[0], np.cumsum(lengths)])
+        if offsets[-1] != len(tokens) or len(tokens) != len(loss_mask):
+            raise AssertionError(f"{len(tokens)} tokens, {len(loss_mask)} mask values, lengths sum {offsets[-1]}")
+        arrays = {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths,
+                  "label_counts": label_counts(np.asarray(loss_mask, dtype=bool), offsets)}
+        for name, values in arrays.items():
+            np.ascontiguousarray(values, dtype=COLUMNS[name]).tofile(self.files[name])
+            self.sizes[name] += len(values)
+
+    def add_examples(self, examples: list[tuple[list[int], list[bool]]]) -> None:
+        if examples:
+            self.add(np.fromiter((t for ids, _ in examples for t in ids), np.int32),
+                     np.fromiter((m for _, mask in examples for m in mask), np.bool_),
+                     np.fromiter((len(ids) for ids, _ in examples), np.int64))
+
+    def count(self, stats: DatasetStats) -> None:
+        """Add a chunk's record counts to the totals."""
+        self.stats.add(stats)
+
+    def finish(self) -> DatasetStats:
+        """Write the ``.npy`` files and ``stats.json``; the kept-token counts are filled in from the arrays."""
+        for f in self.files.values():
+            f.close()
+        for name, dtype in COLUMNS.items():
+            raw = self.folder / f"{name}.raw"
+            out = np.lib.format.open_memmap(self.folder / f"{name}.npy", "w+", dtype, (self.sizes[name],))
+            if self.sizes[name]:
+                src = np.memmap(raw, dtype, "r", shape=(self.sizes[name],))
+                for lo in range(0, len(src), COPY_CHUNK):
+                    out[lo : lo + COPY_CHUNK] = src[lo : lo + COPY_CHUNK]
+                del src
+            out.flush()
+            del out
+            raw.unlink()
+        lengths = np.load(self.folder / "lengths.npy")
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=offsets[1:])
+        np.save(self.folder / "offsets.npy", offsets)
+        s = self.stats
+        s.examples, s.tokens = len(lengths), int(offsets[-1])
+        s.label_tokens = int(np.load(self.folder / "label_counts.npy").sum())
+        (self.folder / "stats.json").write_text(json.dumps(asdict(s)))
+        return s
+
+
+def open_arrays(folder: Path) -> TokenizedDataset:
+    """The dataset in ``folder``: tokens and mask memory-mapped, the per-example columns in memory."""
+    stats = DatasetStats(**json.loads((folder / "stats.json").read_text()))
+    mmap = "r" if stats.tokens else None  # an empty file cannot be mapped
+    return TokenizedDataset(
+        tokens=np.load(folder / "tokens.npy", mmap_mode=mmap),
+        loss_mask=np.load(folder / "loss_mask.npy", mmap_mode=mmap),
+        offsets=np.load(folder / "offsets.npy"),
+        stats=stats,
+        stored_lengths=np.load(folder / "lengths.npy"),
+        stored_label_counts=np.load(folder / "label_counts.npy"),
+        folder=folder,
+    )
