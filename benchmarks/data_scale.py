@@ -78,7 +78,7 @@ def train_tokenizer(data: Path, out: Path, sample: int = 20000) -> float:
 
 PACKFSDP_CHILD = """
 import json, sys
-from trainer.config import compose_job_config, register_configs
+from trainer.compose import compose_job_config, register_configs
 from trainer.pipeline import build_training_data
 register_configs()
 cfg = compose_job_config(sys.argv[1:])
@@ -107,7 +107,7 @@ print(json.dumps({"examples": len(ds), "tokens": int(lengths.to_numpy().sum())})
 RANK_CHILD = """
 import json, os, sys, time
 from pathlib import Path
-from trainer.config import compose_job_config, register_configs
+from trainer.compose import compose_job_config, register_configs
 from trainer.pipeline import build_training_data
 rank, world, sync = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 register_configs()

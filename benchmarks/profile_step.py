@@ -34,7 +34,7 @@ def main(argv=None) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     from peer_hf import SIZES, model_shape
-    from trainer.config import config_dir, register_configs, to_job_config
+    from trainer.compose import config_dir, register_configs, to_job_config
     from trainer.loop import Trainer
 
     if args.model not in SIZES:

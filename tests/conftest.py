@@ -64,7 +64,7 @@ def tiny_gpt2_config(**overrides):
 @functools.cache
 def register_configs_once() -> None:
     """``register_configs`` rebuilds every ConfigStore entry (~0.5 s); the store is a process-wide singleton."""
-    from trainer.config import register_configs
+    from trainer.compose import register_configs
 
     register_configs()
 
@@ -73,7 +73,7 @@ def compose_job(overrides: list[str]):
     """The validated ``JobConfig`` a run would get from these command-line overrides (nothing is run)."""
     from hydra import compose, initialize_config_dir
 
-    from trainer.config import config_dir, open_mapping_overrides, to_job_config
+    from trainer.compose import config_dir, open_mapping_overrides, to_job_config
 
     register_configs_once()
     with initialize_config_dir(str(config_dir()), version_base=None):

@@ -10,7 +10,9 @@ import sys
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
-from trainer.config import CODE_OPTIONS, config_dir, to_job_config
+from trainer.config import CODE_OPTIONS
+
+from trainer.compose import config_dir, to_job_config
 from trainer.safety import UnsafeTargetError, check_target, check_targets, redact
 
 def config_groups() -> tuple[str, ...]:

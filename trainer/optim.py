@@ -17,7 +17,7 @@ def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.Optimizer
 
     Only trainable parameters are handed over: a LoRA run's frozen base gets no optimizer state.
     ``cfg.optimizer`` is instantiated as given: its ``_target_`` was checked against the allowlist by
-    ``trainer.config.to_job_config`` (``trainer.safety``), before anything was built.
+    ``trainer.compose.to_job_config`` (``trainer.safety``), before anything was built.
     """
     trainable = [p for p in model.parameters() if p.requires_grad]
     if not trainable:

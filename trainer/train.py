@@ -18,7 +18,9 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError, JobConfig, config_dir, open_mapping_overrides, register_configs, to_job_config
+from trainer.config import ConfigError, JobConfig
+
+from trainer.compose import config_dir, open_mapping_overrides, register_configs, to_job_config
 from trainer.safety import redact
 
 log = logging.getLogger("trainer")

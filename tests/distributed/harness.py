@@ -27,7 +27,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from trainer import distributed
 from trainer.checkpoint import TRAINER_STATE, CheckpointError
 from trainer.collate import collate_packed
-from trainer.config import config_dir, register_configs, to_job_config
+from trainer.compose import config_dir, register_configs, to_job_config
 from trainer.loop import Trainer
 
 

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from tests.conftest import REPO, compose_job, run_torchrun
-from trainer.config import recipe_dirs
+from trainer.compose import recipe_dirs
 
 RECIPES = sorted(p.stem for d in recipe_dirs() for p in d.glob("*.yaml"))
 # Keep CPU runs tiny: few records, a few steps, a fixed peak (measuring this CPU's bf16 matmul rate takes
@@ -204,7 +204,7 @@ def test_installed_package_finds_configs_and_recipes_without_the_source_tree(tmp
     env = os.environ | {"PYTHONPATH": str(site), "OMP_NUM_THREADS": "1"}
     work = tmp_path / "elsewhere"
     work.mkdir()
-    probe = "import trainer.config as c; print(c.__file__); print(c.config_dir()); print(*c.recipe_dirs())"
+    probe = "import trainer.compose as c; print(c.__file__); print(c.config_dir()); print(*c.recipe_dirs())"
     out = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert all(line.startswith(str(site)) for line in out.stdout.split()), out.stdout

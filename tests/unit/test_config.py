@@ -58,7 +58,7 @@ def test_cli_path_imports_no_heavy_library():
         "import sys\n"
         "import trainer.train\n"
         "from trainer.cli import check_group_choices\n"
-        "from trainer.config import register_configs\n"
+        "from trainer.compose import register_configs\n"
         "register_configs()\n"
         "check_group_choices(['recipe=cpu_dailydialog', 'packing=none'])\n"
         "print(*[m for m in ('torch', 'transformers', 'datasets') if m in sys.modules])\n"

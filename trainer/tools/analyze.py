@@ -22,7 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.config import ConfigError, JobConfig, compose_job_config, register_configs
+from trainer.config import ConfigError, JobConfig
+
+from trainer.compose import compose_job_config, register_configs
 from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_size, pack, pack_params
 
 

@@ -32,7 +32,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.cli import check_overrides
-from trainer.config import register_configs
+from trainer.compose import register_configs
 from trainer.metrics import SUMMARY_FILE, read_evals, read_metrics
 from trainer.packing import STRATEGIES
 from trainer.tools.plots import plot_loss, plot_throughput

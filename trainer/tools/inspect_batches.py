@@ -19,7 +19,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.config import ConfigError, compose_job_config, register_configs
+from trainer.config import ConfigError
+
+from trainer.compose import compose_job_config, register_configs
 from trainer.packing import piece_starts
 
 if TYPE_CHECKING:
