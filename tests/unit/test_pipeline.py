@@ -15,9 +15,9 @@ from trainer.config import (
     JobConfig,
     ModelConfig,
     PackingConfig,
-    compose_job_config,
     stated_context,
 )
+from trainer.compose import compose_job_config
 from trainer.packing import STRATEGIES, WORK_MEASURES
 from trainer.packing.strategies import OVERSIZE_RULES
 
