@@ -50,6 +50,12 @@ def _probe_child(family: str, queue) -> None:
     import logging
     import warnings
 
+    import torch
+
+    # A forked child inherits the parent's OpenMP thread pool in a broken state: once the parent has run a
+    # parallel op (a test suite has), the child's first one waits forever on a team barrier. One thread
+    # never forms a team.
+    torch.set_num_threads(1)
     _limit_memory()
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
