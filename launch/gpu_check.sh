@@ -117,7 +117,7 @@ def bundle(wheels_dir):
 
 def compose(runs_file):
     """Every trainer run's config, composed and validated as ``trainer.train`` would."""
-    from trainer.config import compose_job_config
+    from trainer.compose import compose_job_config
     for line in Path(runs_file).read_text().splitlines():
         cfg = compose_job_config(shlex.split(line))
         print(f"composed: attention={cfg.model.attention} device={cfg.parallel.device} "

@@ -125,9 +125,10 @@ print(json.dumps(sorted(keys)))
     keys = set(json.loads(out.stdout.strip().splitlines()[-1]))
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     evals = [json.loads(line) for line in (tmp_path / "eval.jsonl").read_text().splitlines()]
-    # Every number reaches wandb; ``skipped`` is a reason (text or null), like the step and epoch not logged.
-    assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch", "skipped"} <= keys
-    assert "eval_loss" in keys and set(evals[0]) - {"step"} <= keys
+    # Every number reaches wandb; ``skipped`` is a reason (text or null) and ``time`` a timestamp (wandb keeps
+    # its own clock), like the step and epoch not logged.
+    assert len(jsonl) == 1 and set(jsonl[0]) - {"step", "epoch", "skipped", "time"} <= keys
+    assert "eval_loss" in keys and set(evals[0]) - {"step", "time"} <= keys
     assert list(tmp_path.glob("wandb/offline-run-*"))
 
 
