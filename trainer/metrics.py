@@ -246,11 +246,26 @@ class RunSummary:
             "padded_equivalent_positions": padded_equivalent,
             "padding_saved_fraction": padding_saved_fraction(positions, padded_equivalent),
             "model_tflops_per_s": model_tflops_per_s,
-            "mfu": model_tflops_per_s / peak_tflops_total if peak_tflops_total > 0 else float("nan"),
+            "mfu": model_flops_utilization(model_tflops_per_s, peak_tflops_total),
             "final_loss": trained[-1].loss,
             "final_eval_loss": self.evals[-1].eval_loss if self.evals else float("nan"),
             "peak_mem_gib": max(m.peak_mem_gib for m in self.steps),
         }
+
+
+def model_flops_utilization(model_tflops_per_s: float, peak_tflops_total: float) -> float:
+    """Achieved / peak model FLOPs; NaN when the peak is unknown, or below what the run achieved (a peak
+    measured on a busy machine: reporting more than 100% would be a wrong figure, not a fast run)."""
+    if not peak_tflops_total > 0:
+        return float("nan")
+    mfu = model_tflops_per_s / peak_tflops_total
+    if mfu > 1.0:
+        log.warning(
+            "MFU not reported: the run achieved %.3g model TFLOP/s but the peak is %.3g (the measured peak of a "
+            "busy machine? set logger.peak_tflops to the device's real peak)", model_tflops_per_s, peak_tflops_total,
+        )
+        return float("nan")
+    return mfu
 
 
 class MetricsLogger:

@@ -107,3 +107,11 @@ def test_run_summary_ratios_agree_with_the_steps():
     assert result["useful_fraction"] == pytest.approx(350 / 500)
     assert result["useful_tokens_per_s"] == pytest.approx(step.useful_tokens_per_s)
     assert result["final_eval_loss"] == 2.5 and result["mfu"] == pytest.approx(2e9 / 0.25 / 1e12)
+
+
+def test_mfu_over_100_percent_is_not_reported():
+    """A peak measured on a busy machine can fall below what the run achieved: NaN, never 228%."""
+    from trainer.metrics import model_flops_utilization
+
+    assert model_flops_utilization(0.5, 2.0) == 0.25
+    assert math.isnan(model_flops_utilization(0.004, 0.0018)) and math.isnan(model_flops_utilization(1.0, float("nan")))
