@@ -180,7 +180,7 @@ def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
 # ---------------------------------------------------------------------------------------------------------
 
 from trainer.data.tables import (  # noqa: E402
-    detect_columns,
+    mapped_columns_only,
     read_csv,
     read_jsonl,
     read_parquet,
@@ -221,11 +221,7 @@ def hf(cfg: DataConfig) -> list[Record]:
         raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
     with library_load(f"data.path={cfg.path}"):
         ds = open_hf_dataset(cfg)
-    # Only the mapped columns, read column-wise (far faster than iterating rows of a large dataset).
-    columns = dict(cfg.columns) or detect_columns(ds.column_names)
-    keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
-    if keep:
-        ds = ds.select_columns(keep)
+    ds = mapped_columns_only(ds, cfg)  # read column-wise: far faster than iterating rows of a large dataset
     bad = BadRecords(cfg.on_bad_record, cfg.source)
     return bad.finish(rows_to_records(ds.to_list(), cfg, bad))
 

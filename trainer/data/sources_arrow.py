@@ -21,7 +21,7 @@ from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.dataset import Outcome, render_outcomes
 from trainer.data.sources import check_source, open_hf_dataset
-from trainer.data.tables import Row, detect_columns, read_jsonl, read_parquet, rows_to_records, table_files
+from trainer.data.tables import Row, mapped_columns_only, read_jsonl, read_parquet, rows_to_records, table_files
 from trainer.library_errors import library_load
 
 log = logging.getLogger(__name__)
@@ -160,10 +160,7 @@ def map_render(ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokeniz
 
     from trainer.data.engine import MAP_BATCH, SINGLE_PROCESS_BELOW, default_num_proc
 
-    columns = dict(cfg.columns) or detect_columns(ds.column_names)
-    keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
-    if keep:
-        ds = ds.select_columns(keep)
+    ds = mapped_columns_only(ds, cfg)
     if len(ds):  # an undetectable or missing column mapping fails here, once, with the config's message
         rows_to_records([ds[0]], cfg, RowProblems("skip", places))
     procs = 1 if len(ds) < SINGLE_PROCESS_BELOW else max(1, min(cfg.num_proc or default_num_proc(), len(ds) // MAP_BATCH))

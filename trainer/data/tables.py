@@ -140,6 +140,14 @@ def detect_columns(names: Iterable[str]) -> dict[str, str]:
     return {}
 
 
+def mapped_columns_only(ds, cfg: DataConfig):
+    """A ``datasets.Dataset`` cut to the columns ``data.columns`` (or the detected mapping) reads, so rows
+    are read column-wise and unused columns are never loaded; unchanged when none of them is there."""
+    columns = dict(cfg.columns) or detect_columns(ds.column_names)
+    keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
+    return ds.select_columns(keep) if keep else ds
+
+
 def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | None = None) -> list[dict]:
     """Map every row to a record with ``data.columns`` (or the detected mapping). A row that lacks a
     mapped column or holds malformed messages goes to ``bad`` (an error naming its place, or a skip)."""
