@@ -208,7 +208,7 @@ class Trainer:
         metrics = StepMetrics.measure(
             counts, step=self.step, epoch=self.sampler.epoch, loss_sum=verdict.loss_sum, lr=lr, grad_norm=grad_norm,
             skipped=verdict.skip, step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
-            model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, *self.flop_params),
+            model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, self.flop_params),
             tokens_seen_before=self.tokens_seen,
         )
         self.tokens_seen = metrics.tokens_seen
@@ -288,7 +288,7 @@ class Trainer:
             "compile": self.cfg.parallel.compile_backend if self.cfg.parallel.compile else "off",
             "world_size": self.world_size,
             "device": dist_device_name(self.device),
-            "model_params": self.flop_params[0],
+            "model_params": self.flop_params.params,
             "peft": self.cfg.peft.method,  # none (full fine-tuning) or lora
             "peak_tflops_per_device": self.peak_tflops,
             "peak_tflops_source": self.peak_source,

@@ -4,7 +4,8 @@
   examples would compute (examples x longest). A packed run logs it next to ``positions`` so its saving is
   visible without running the baseline; for a padded batch it equals ``positions``.
 - **Model FLOPs** count the work on real tokens only (pads are waste, not model work), forward + backward:
-  ``6 * N`` per token for the matmul parameters ``N`` (everything but the position table), plus causal
+  ``6 * N`` per token for the trainable matmul parameters ``N`` (everything but the position table) and
+  ``4 * N_frozen`` for frozen ones (a LoRA base: forward and the activation gradient, no weight gradient), plus causal
   attention ``6 * n_layer * d_model * len^2`` per example (QK^T and AV, halved by the causal mask, x3 for
   the backward). MFU divides the achieved rate by the peak of the hardware used.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import astuple, dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -79,25 +81,36 @@ class StepCounts:
         return StepCounts(*distributed.all_reduce_sum(list(astuple(self)), device))
 
 
-def flop_params(model: torch.nn.Module) -> tuple[int, int, int]:
-    """(matmul parameters N, layers, model width) of a transformers causal LM (wrapped or not).
+class FlopParams(NamedTuple):
+    """What model FLOPs depend on: matmul parameters (all, and the frozen ones), layers, model width."""
+
+    params: int
+    frozen: int
+    layers: int
+    width: int
+
+
+def flop_params(model: torch.nn.Module) -> FlopParams:
+    """The FLOP-relevant sizes of a transformers causal LM (wrapped or not).
 
     Parameter counts of FSDP2's DTensors are global, so every rank gets the full model's numbers.
     """
     config = model.config
     n_layer = getattr(config, "n_layer", None) or getattr(config, "num_hidden_layers", 0)
     d_model = getattr(config, "n_embd", None) or getattr(config, "hidden_size", 0)
-    n = 0
+    n = frozen = 0
     for name, p in model.named_parameters():
         if "wpe" in name or "position_embedding" in name:
             continue  # a table lookup, no matmul
         n += p.numel()
-    return n, int(n_layer), int(d_model)
+        frozen += 0 if p.requires_grad else p.numel()
+    return FlopParams(n, frozen, int(n_layer), int(d_model))
 
 
-def model_flops(tokens: float, sum_sq_lengths: float, n_params: int, n_layer: int, d_model: int) -> float:
+def model_flops(tokens: float, sum_sq_lengths: float, sizes: FlopParams) -> float:
     """Forward + backward model FLOPs on real tokens (see the module docstring)."""
-    return 6.0 * n_params * tokens + 6.0 * n_layer * d_model * sum_sq_lengths
+    matmul = 6.0 * (sizes.params - sizes.frozen) + 4.0 * sizes.frozen
+    return matmul * tokens + 6.0 * sizes.layers * sizes.width * sum_sq_lengths
 
 
 def peak_tflops(device: torch.device, configured: float | None = None) -> tuple[float, str]:

@@ -7,6 +7,7 @@ from datetime import datetime, timezone
 import math
 
 import pytest
+import torch
 
 from trainer.config import LoggerConfig
 from trainer.metrics import (
@@ -115,3 +116,21 @@ def test_mfu_over_100_percent_is_not_reported():
 
     assert model_flops_utilization(0.5, 2.0) == 0.25
     assert math.isnan(model_flops_utilization(0.004, 0.0018)) and math.isnan(model_flops_utilization(1.0, float("nan")))
+
+
+def test_model_flops_count_frozen_weights_at_4n():
+    """A frozen matmul weight (a LoRA base) costs forward + activation gradient: 4N, not 6N."""
+    from trainer.throughput import flop_params, model_flops
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.config = type("C", (), {"n_layer": 2, "n_embd": 8})()
+            self.wpe = torch.nn.Embedding(16, 8)
+            self.base = torch.nn.Linear(8, 8, bias=False)
+            self.adapter = torch.nn.Linear(8, 2, bias=False)
+            self.base.weight.requires_grad_(False)
+
+    sizes = flop_params(Tiny())
+    assert sizes == (80, 64, 2, 8)  # the position table is no matmul
+    assert model_flops(10, 100, sizes) == 4 * 64 * 10 + 6 * 16 * 10 + 6 * 2 * 8 * 100
