@@ -25,6 +25,7 @@ from __future__ import annotations
 import bisect
 import hashlib
 import json
+import logging
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
@@ -34,6 +35,8 @@ import numpy as np
 if TYPE_CHECKING:
     from trainer.config import PackingConfig
     from trainer.data.dataset import DatasetStats
+
+log = logging.getLogger(__name__)
 
 Example = tuple[np.ndarray, np.ndarray]
 """An example's token ids (int32) and loss mask (bool)."""
@@ -130,7 +133,13 @@ class StreamingSampler:
 
     def fill(self) -> None:
         """Read examples until the window is full."""
+        passes = self.stream.passes
         while not self.packer.full:
+            if self.stream.passes > passes and not self.packer.bins_made:
+                passes = self.stream.passes  # warned once per pass, only while the first window fills
+                log.warning("data.stream_buffer=%d is more than rank %d's share of the stream (%d examples): the "
+                            "window holds repeats of the same examples; lower data.stream_buffer",
+                            self.packer.window, self.rank, self.examples_read // max(passes, 1))
             for example in self.stream.next_chunk():
                 example_id = self.examples_read * self.world_size + self.rank
                 self.waiting[example_id] = example
