@@ -11,6 +11,7 @@ import pytest
 
 from trainer.config import ConfigError, DataConfig, JobConfig, PackingConfig
 from trainer.data.bad_records import BadRecordError
+from trainer.data import streaming
 from trainer.data.streaming import ExampleStream, head_sets
 from trainer.evaluate import holdout_mask
 from trainer.packing.online import OnlineBestFit, StreamingSampler
@@ -57,8 +58,8 @@ def write_jsonl(path, rows):
     return path
 
 
-def stream_cfg(tmp_path, **extra) -> DataConfig:
-    rows = [{"text": " ".join(["word"] * (3 + (7 * k) % 40))} for k in range(7)]
+def stream_cfg(tmp_path, rows: int = 7, **extra) -> DataConfig:
+    rows = [{"text": " ".join(["word"] * (3 + (7 * k) % 40))} for k in range(rows)]
     return DataConfig(source="jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", rows)), streaming=True, **extra)
 
 
@@ -88,10 +89,13 @@ def test_uneven_shards_still_give_every_rank_the_same_number_of_micro_batches(tm
 
 
 @pytest.mark.parametrize("source", ["jsonl", "dailydialog_synthetic"])
-def test_state_round_trip_continues_with_identical_micro_batches(tmp_path, tokenizer, source):
-    cfg = stream_cfg(tmp_path) if source == "jsonl" else DataConfig(num_dialogs=60, streaming=True)
+def test_state_round_trip_continues_with_identical_micro_batches(tmp_path, tokenizer, source, monkeypatch):
+    monkeypatch.setattr(streaming, "STREAM_CHUNK", 4)  # positions inside a file, not only at its end
+    cfg = stream_cfg(tmp_path, rows=41) if source == "jsonl" else DataConfig(num_dialogs=60, streaming=True)
     first = sampler_for(cfg, tokenizer, 1, 2, window=5)
-    bins_of(first, 7)
+    while first.stream.passes == 0:  # save inside the second pass: a pass boundary was crossed
+        bins_of(first, 1)
+    bins_of(first, 2)
     first.save_rank_state(tmp_path / "rank.safetensors")
     saved = first.state_dict()
     expected = bins_of(first, 9)
@@ -164,3 +168,14 @@ def test_impossible_streaming_configs_are_refused_in_one_line(change, message):
     with pytest.raises(ConfigError, match=message) as e:
         cfg.validate()
     assert "\n" not in str(e.value)
+
+
+def test_the_chat_recipe_streams_with_one_override_and_analyze_refuses_a_stream(capsys):
+    from tests.conftest import compose_job
+    from trainer.tools import analyze
+
+    cfg = compose_job(["recipe=cpu_chat_sft", "data.streaming=true"])
+    assert cfg.data.streaming and cfg.max_steps and cfg.data.stream_buffer == 2048
+    with pytest.raises(SystemExit):
+        analyze.main(["recipe=cpu_chat_sft", "data.streaming=true"])
+    assert capsys.readouterr().err.startswith("packfsdp: config error: analyze reports on the whole dataset")
