@@ -49,6 +49,11 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 """A ``name_or_path`` starting so is a local folder (a hub id never does), checked to exist at once."""
 
 
+GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic")
+"""The sources ``trainer.data.sources`` generates offline (small: the local BPE may train on them even when
+they are streamed)."""
+
+
 class ConfigError(ValueError):
     """A configuration value is wrong. The message says which key and what to change."""
 
@@ -523,6 +528,11 @@ class JobConfig:
                                  "online by best fit within data.stream_buffer examples: packing.strategy=bfd)"),
             "data.mix": (bool(self.data.mix), " (mixtures are not streamed yet: stream one source)"),
             "data.limit": (self.data.limit is not None, " (a stream has no head to cut: set max_steps)"),
+            "model.tokenizer": (
+                self.model.tokenizer_name() == "local_bpe" and self.data.source not in GENERATED_SOURCES,
+                "=local_bpe (it trains on the whole data, which a stream never holds; name a pretrained "
+                "tokenizer, model.tokenizer=DIR_OR_HUB_ID, or load a model: model=hf model.name_or_path=...)",
+            ),
         }
         for key, (bad, why) in refused.items():
             if bad:

@@ -162,6 +162,7 @@ def test_held_out_examples_never_train_and_form_the_eval_set(tokenizer):
     ({"packing": PackingConfig(strategy="wrapped")}, "packing.strategy=wrapped"),
     ({"data": DataConfig(streaming=True, mix=[{"source": "chat_synthetic"}])}, "data.mix"),
     ({"data": DataConfig(streaming=True, limit=10)}, "data.limit"),
+    ({"data": DataConfig(streaming=True, source="hf", path="some/dataset")}, "model.tokenizer=local_bpe"),
 ])
 def test_impossible_streaming_configs_are_refused_in_one_line(change, message):
     cfg = replace(JobConfig(data=DataConfig(streaming=True), max_steps=5), **change)
@@ -179,3 +180,20 @@ def test_the_chat_recipe_streams_with_one_override_and_analyze_refuses_a_stream(
     with pytest.raises(SystemExit):
         analyze.main(["recipe=cpu_chat_sft", "data.streaming=true"])
     assert capsys.readouterr().err.startswith("packfsdp: config error: analyze reports on the whole dataset")
+
+
+def test_a_datasets_source_is_split_between_ranks_by_node(tmp_path, tokenizer):
+    """``hf`` (here a ``save_to_disk`` folder, as a hub id would be): ``split_dataset_by_node`` deals the
+    rows; the two ranks' first passes are disjoint and cover every row."""
+    import datasets
+
+    texts = [f"row {k} " + "word " * (k % 9) for k in range(30)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
+    cfg = DataConfig(source="hf", path=str(tmp_path / "saved"), streaming=True)
+    passes = []
+    for rank in range(2):
+        stream, seen = ExampleStream(cfg, tokenizer, 256, rank, 2), []
+        while stream.passes == 0:
+            seen += [tuple(t.tolist()) for t, _ in stream.next_chunk()]
+        passes.append(set(seen))
+    assert not passes[0] & passes[1] and len(passes[0] | passes[1]) == 30
