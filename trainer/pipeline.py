@@ -2,7 +2,8 @@
 
 ``build_training_data`` runs stages 1-2 of the data flow for a config: tokenizer -> tokenized dataset
 (examples clamped to the model's context and, unless the strategy splits them, to the token budget) ->
-held-out split (eval) -> this rank's sampler. ``trainer.loop.Trainer``, ``packfsdp analyze`` and
+held-out split (eval) -> this rank's sampler; with ``data.streaming=true``, this rank's share of the stream
+packed online instead (``streaming_training_data``). ``trainer.loop.Trainer``, ``packfsdp analyze`` and
 ``packfsdp inspect`` all call it, so they see the same examples.
 
 ``model_context`` and ``resolve_attention`` read the facts the data and the model depend on from the model's
@@ -39,11 +40,12 @@ class TrainingData:
     tokenizer: Any
     """The tokenizer (a transformers ``PreTrainedTokenizerBase``)."""
     dataset: TokenizedDataset
-    """The examples training sees: the held-out ones removed."""
+    """The examples training sees: the held-out ones removed (streaming: ``ServedExamples``, those of the
+    micro-batch just served)."""
     eval_dataset: TokenizedDataset | None
     """The held-out examples (``None`` when ``eval.holdout_fraction`` is 0)."""
     sampler: MicroBatchSampler
-    """This rank's micro-batches of ``dataset``."""
+    """This rank's micro-batches of ``dataset`` (streaming: a ``StreamingSampler``)."""
     collate: Callable
     """``collate_packed`` or ``collate_padded``, as the strategy needs."""
     max_length: int
