@@ -1,15 +1,16 @@
 """Streaming on 2 gloo ranks (``recipe=cpu_chat_sft data.streaming=true``): a run resumed from its step-2
 checkpoint trains steps 3-4 on the same micro-batches with the same losses as the uninterrupted run, and
-both ranks take every step. (Most of its ~45 s is two torchrun start-ups.)"""
+both ranks take every step. (Most of its time is two torchrun start-ups.)"""
 
 from __future__ import annotations
 
 import json
 
 import pytest
+from safetensors.torch import load_file
 
 from tests.distributed.conftest import launch
-from tests.distributed.test_resume import losses
+from tests.distributed.test_resume import assert_tensors_equal, losses
 from trainer.checkpoint import complete_checkpoints
 
 pytestmark = pytest.mark.slow
@@ -36,9 +37,11 @@ def test_streaming_run_resumed_at_step_2_equals_the_uninterrupted_run(tmp_path, 
 
     expected, got = losses(whole), losses(resumed)
     assert sorted(got) == [3, 4] and all(got[s] == expected[s] for s in got), (got, expected)
-    examples = [json.loads((tmp_path / out / "result.json").read_text())["examples"] for out in ("out_whole", "out_resumed")]
-    assert {s: examples[0][s] for s in ("3", "4")} == examples[1]
     results = [json.loads((tmp_path / out / "result.json").read_text()) for out in ("out_whole", "out_resumed")]
+    examples = [r["examples"] for r in results]
+    assert {s: examples[0][s] for s in ("3", "4")} == examples[1]
     assert results[0]["final_eval_loss"] == results[1]["final_eval_loss"] and results[0]["eval_examples"] > 0
+    assert_tensors_equal(load_file(tmp_path / "out_resumed" / "final.safetensors"),
+                         load_file(tmp_path / "out_whole" / "final.safetensors"))
     # ids are k * world + rank: every step holds examples of both ranks
     assert all({i % 2 for i in ids} == {0, 1} for ids in examples[0].values())

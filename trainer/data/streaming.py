@@ -49,7 +49,9 @@ STREAM_CHUNK = 256
 """Rows rendered at a time (one batched tokenizer call)."""
 PROBE_EXAMPLES = 256
 """Training examples of the stream's head kept for the start-up self-check."""
-FILE_BUILDERS = {"jsonl": ("json", (".jsonl", ".json")), "parquet": ("parquet", (".parquet",)), "csv": ("csv", (".csv",))}
+FILE_BUILDERS = {
+    "jsonl": ("json", (".jsonl", ".json")), "parquet": ("parquet", (".parquet",)), "csv": ("csv", (".csv",)),
+}
 """Local file sources: the ``datasets`` builder that streams them and the file suffixes."""
 
 Example = tuple[np.ndarray, np.ndarray]
@@ -245,7 +247,8 @@ class ExampleStream:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        self.part, self.passes, self.pass_examples = int(state["part"]), int(state["passes"]), int(state["pass_examples"])
+        self.part, self.passes = int(state["part"]), int(state["passes"])
+        self.pass_examples = int(state["pass_examples"])
         self.rows, self._rows_state = None, state["rows"]  # reopened at the saved position on the next read
         self.stats, self.held_out = DatasetStats(**state["stats"]), int(state["held_out"])
         self.bad.skipped = int(state["bad_skipped"])
@@ -273,8 +276,8 @@ def head_sets(
 
     def scan() -> None:
         stream = ExampleStream(cfg, tokenizer, max_length, holdout=holdout, label="eval scan")
-        train, held, read = [], [], 0
-        while read < cfg.stream_eval_records and (rows := stream.next_rows(min(STREAM_CHUNK, cfg.stream_eval_records - read))):
+        train, held, read, wanted = [], [], 0, cfg.stream_eval_records
+        while read < wanted and (rows := stream.next_rows(min(STREAM_CHUNK, wanted - read))):
             read += len(rows)
             more_train, more_held = stream.examples(rows)
             train += more_train[: PROBE_EXAMPLES - len(train)]
