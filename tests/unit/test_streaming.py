@@ -88,10 +88,19 @@ def test_uneven_shards_still_give_every_rank_the_same_number_of_micro_batches(tm
     assert len(rows[0]) == 4 and len(rows[1]) == 3 and not rows[0] & rows[1]
 
 
-@pytest.mark.parametrize("source", ["jsonl", "dailydialog_synthetic"])
+def saved_dataset(path, rows: int):
+    import datasets
+
+    texts = [f"row {k} " + "word " * (k % 9) for k in range(rows)]
+    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
+    return DataConfig(source="hf", path=str(path), streaming=True)
+
+
+@pytest.mark.parametrize("source", ["jsonl", "hf", "dailydialog_synthetic"])
 def test_state_round_trip_continues_with_identical_micro_batches(tmp_path, tokenizer, source, monkeypatch):
     monkeypatch.setattr(streaming, "STREAM_CHUNK", 4)  # positions inside a file, not only at its end
-    cfg = stream_cfg(tmp_path, rows=41) if source == "jsonl" else DataConfig(num_dialogs=60, streaming=True)
+    cfg = {"jsonl": lambda: stream_cfg(tmp_path, rows=41), "hf": lambda: saved_dataset(tmp_path / "saved", 41),
+           "dailydialog_synthetic": lambda: DataConfig(num_dialogs=60, streaming=True)}[source]()
     first = sampler_for(cfg, tokenizer, 1, 2, window=5)
     while first.stream.passes == 0:  # save inside the second pass: a pass boundary was crossed
         bins_of(first, 1)
@@ -185,11 +194,7 @@ def test_the_chat_recipe_streams_with_one_override_and_analyze_refuses_a_stream(
 def test_a_datasets_source_is_split_between_ranks_by_node(tmp_path, tokenizer):
     """``hf`` (here a ``save_to_disk`` folder, as a hub id would be): ``split_dataset_by_node`` deals the
     rows; the two ranks' first passes are disjoint and cover every row."""
-    import datasets
-
-    texts = [f"row {k} " + "word " * (k % 9) for k in range(30)]
-    datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(tmp_path / "saved"))
-    cfg = DataConfig(source="hf", path=str(tmp_path / "saved"), streaming=True)
+    cfg = saved_dataset(tmp_path / "saved", 30)
     passes = []
     for rank in range(2):
         stream, seen = ExampleStream(cfg, tokenizer, 256, rank, 2), []
