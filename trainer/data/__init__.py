@@ -22,6 +22,7 @@ from trainer.library_errors import library_load
 log = logging.getLogger(__name__)
 
 STREAM_SETTINGS = ("streaming", "stream_buffer", "stream_eval_records")
+"""``DataConfig`` fields that say how records are read (``trainer.data.streaming``), not which."""
 
 
 def source_fingerprint(cfg: DataConfig) -> str:
