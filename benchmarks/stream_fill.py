@@ -1,6 +1,6 @@
 """Fill of online buffered best fit (``data.streaming=true``) against global best-fit decreasing.
 
-    python benchmarks/stream_fill.py [--budgets 1024 2048] [--windows 64 256 1024 4096]
+    python benchmarks/stream_fill.py [--budgets 512 1024 2048] [--windows 64 256 1024 4096]
 
 Tokenizes the DailyDialog-like synthetic set (13,118 dialogs, the local BPE tokenizer, cached) as the
 trainer does, then packs its lengths in stream order two ways: global BFD over the whole set
@@ -37,7 +37,7 @@ def online_fill(lengths: np.ndarray, budget: int, window: int) -> tuple[int, flo
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048])
+    parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--windows", type=int, nargs="+", default=[64, 256, 1024, 4096])
     args = parser.parse_args()
     data_cfg = DataConfig()
