@@ -132,7 +132,8 @@ class StreamingSampler:
         return self.stream.passes
 
     def fill(self) -> None:
-        """Read examples until the window is full."""
+        """Read examples until the window is full (it may then hold up to one chunk more than ``window``:
+        the stream renders rows a chunk at a time)."""
         passes = self.stream.passes
         while not self.packer.full:
             if self.stream.passes > passes and not self.packer.bins_made:
