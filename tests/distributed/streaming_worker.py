@@ -1,7 +1,7 @@
 """Worker for tests/distributed/test_streaming_resume.py, run under torchrun with 2 gloo ranks on CPU.
 
 Two streaming runs of ``recipe=cpu_chat_sft data.streaming=true`` in one launch (a second torchrun start-up
-would double the test's time): the whole run (4 steps, checkpoints at 2 and 4), then a run resumed from its
+would double the test's time): the whole run (5 steps, checkpoints at 2, 4 and 5), then a run resumed from its
 step-2 checkpoint in another run dir. Rank 0 writes, per run, the example ids of every step (all ranks),
 the final eval loss and whether the final parameters and optimizer state are equal, to ``argv[1]``.
 """
@@ -18,13 +18,14 @@ from hydra import compose, initialize_config_dir
 from tests.distributed.harness import HarnessTrainer, full_tensors
 from trainer import distributed
 from trainer.compose import config_dir, register_configs, to_job_config
+from trainer.data import streaming
 
 
 def streaming_overrides(cache_dir: str, **extra) -> list[str]:
     base = {
-        "recipe": "cpu_chat_sft", "data.streaming": "true", "data.num_dialogs": 300, "data.stream_buffer": 32,
+        "recipe": "cpu_chat_sft", "data.streaming": "true", "data.num_dialogs": 300, "data.stream_buffer": 4,
         "data.stream_eval_records": 100, "eval.holdout_fraction": 0.1, "data.cache_dir": cache_dir,
-        "data.max_length": 256, "packing.token_budget": 256, "max_steps": 4, "checkpoint.every_steps": 2,
+        "data.max_length": 256, "packing.token_budget": 256, "max_steps": 5, "checkpoint.every_steps": 2,
         "checkpoint.keep_last": 0, "eval.every": 0, "model.self_check": "false", "logger.peak_tflops": 1,
     }
     return [f"{k}={v}" for k, v in (base | extra).items()]
@@ -41,6 +42,9 @@ def run(overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def main(out: Path, cache_dir: str) -> None:
+    # 4 rows at a time into a window of 4: every step reads the stream, so the resumed run's steps read it from
+    # the saved position (with 256 rows a chunk, one chunk would hold a rank's whole share of 300 records).
+    streaming.STREAM_CHUNK = 4
     register_configs()
     whole, whole_tensors = run(streaming_overrides(cache_dir, run_dir=out.parent / "whole"))
     step2 = out.parent / "whole" / "checkpoints" / "step_00000002"

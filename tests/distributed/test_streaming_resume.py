@@ -1,5 +1,5 @@
 """Streaming on 2 gloo ranks (``recipe=cpu_chat_sft data.streaming=true``, ``streaming_worker.py``): a run
-resumed from its step-2 checkpoint trains steps 3-4 on the same micro-batches, with the same losses, eval
+resumed from its step-2 checkpoint trains steps 3-5 on the same micro-batches, with the same losses, eval
 loss and final parameters as the uninterrupted run, and both ranks take every step."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def test_streaming_run_resumed_at_step_2_equals_the_uninterrupted_run(tmp_path, 
         "rank_00000.safetensors", "rank_00001.safetensors"]
 
     expected, got = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
-    assert sorted(got) == [3, 4] and all(got[s] == expected[s] for s in got), (got, expected)
-    assert {s: whole["examples"][s] for s in ("3", "4")} == resumed["examples"]
+    assert sorted(got) == [3, 4, 5] and all(got[s] == expected[s] for s in got), (got, expected)
+    assert {s: whole["examples"][s] for s in ("3", "4", "5")} == resumed["examples"]
     assert whole["final_eval_loss"] == resumed["final_eval_loss"] and whole["eval_examples"] > 0
     assert record["same_final_state"]
     # ids are k * world + rank: every step holds examples of both ranks
