@@ -49,6 +49,11 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 """A ``name_or_path`` starting so is a local folder (a hub id never does), checked to exist at once."""
 
 
+GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic")
+"""The sources ``trainer.data.sources`` generates offline (small: the local BPE may train on them even when
+they are streamed)."""
+
+
 class ConfigError(ValueError):
     """A configuration value is wrong. The message says which key and what to change."""
 
@@ -99,6 +104,15 @@ class DataConfig:
     num_proc: int | None = None
     """Processes that render and tokenize a table source (a ``datasets`` map); ``None``: the cores this job
     may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
+    streaming: bool = False
+    """Read the source as a stream (``datasets`` ``streaming=True``), rendered on the fly and packed online
+    (``trainer.data.streaming``, ``trainer.packing.online``): for data larger than memory or disk. Nothing is
+    cached; needs ``max_steps`` (a stream has no known length; each rank's share is read again when it ends)."""
+    stream_buffer: int = 2048
+    """Streaming: examples the online packer chooses each bin from (more: fuller bins, more memory)."""
+    stream_eval_records: int = 2000
+    """Streaming: the eval set is the held-out examples (``eval.holdout_fraction``) among the stream's first
+    this many records."""
 
     def validate(self) -> None:
         _choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
@@ -111,6 +125,8 @@ class DataConfig:
             _positive("data.limit", self.limit)
         if self.num_proc is not None:
             _positive("data.num_proc", self.num_proc)
+        _positive("data.stream_buffer", self.stream_buffer)
+        _positive("data.stream_eval_records", self.stream_eval_records)
 
 
 @dataclass
@@ -496,6 +512,31 @@ class JobConfig:
         if self.summary_skip_steps < 0:
             raise ConfigError("summary_skip_steps must be >= 0")
         self.validate_budget()
+        self.validate_streaming()
+
+    def validate_streaming(self) -> None:
+        """``data.streaming=true`` needs a run length and packs online by best fit, one source at a time."""
+        if not self.data.streaming:
+            return
+        if self.max_steps is None:
+            raise ConfigError(
+                "data.streaming=true: a stream has no known length, so epochs cannot size the run; set max_steps "
+                "(each rank's share of the stream is read again from its start when it runs out)"
+            )
+        refused = {
+            "packing.strategy": (self.packing.strategy != "bfd", f"={self.packing.strategy} (streaming packs "
+                                 "online by best fit within data.stream_buffer examples: packing.strategy=bfd)"),
+            "data.mix": (bool(self.data.mix), " (mixtures are not streamed yet: stream one source)"),
+            "data.limit": (self.data.limit is not None, " (a stream has no head to cut: set max_steps)"),
+            "model.tokenizer": (
+                self.model.tokenizer_name() == "local_bpe" and self.data.source not in GENERATED_SOURCES,
+                "=local_bpe (it trains on the whole data, which a stream never holds; name a pretrained "
+                "tokenizer, model.tokenizer=DIR_OR_HUB_ID, or load a model: model=hf model.name_or_path=...)",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"data.streaming=true cannot be combined with {key}{why}")
 
     def validate_budget(self, context: int | None = None) -> None:
         """Under a strategy that packs whole examples, one example of the longest allowed length must fit

@@ -43,6 +43,7 @@ from trainer.model import DTYPES, build_model
 from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
 from trainer.optim import build_optimizer, build_scheduler
+from trainer.packing import build_sampler
 from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
@@ -86,10 +87,10 @@ class Trainer:
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
-        distributed.check_same_on_all_ranks(
-            {"the number of examples": len(self.dataset), "the number of optimizer steps": self.total_steps},
-            self.device,
-        )
+        same = {"the number of optimizer steps": self.total_steps}
+        if not cfg.data.streaming:  # a stream's examples are dealt as read: each rank counts its own
+            same["the number of examples"] = len(self.dataset)
+        distributed.check_same_on_all_ranks(same, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         saved_config = redact_tree(asdict(cfg))  # what checkpoints and wandb keep of the config
         self.checkpointer = Checkpointer(
@@ -99,10 +100,11 @@ class Trainer:
         self.resume()
         self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
-        log.info(
-            "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
-            len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
-        )
+        if not cfg.data.streaming:  # a stream's length is unknown (pipeline logs its window instead)
+            log.info(
+                "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
+                len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
+            )
 
     def start_distributed(self) -> None:
         """Device, process group, logging, the step guard and the run directory every rank agrees on."""
@@ -125,8 +127,8 @@ class Trainer:
         """The examples, held-out set and sampler (``trainer.pipeline``: the tools see the same ones)."""
         cfg = self.cfg
         data = build_training_data(cfg, self.rank, self.world_size, tokenizer=self.tokenizer, context=context)
-        self.dataset, self.eval_dataset, self.sampler, self.collate = (
-            data.dataset, data.eval_dataset, data.sampler, data.collate
+        self.dataset, self.eval_dataset, self.sampler, self.collate, self.probe = (
+            data.dataset, data.eval_dataset, data.sampler, data.collate, data.probe
         )
         log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
                  f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
@@ -135,8 +137,12 @@ class Trainer:
 
     def startup_self_check(self, model: torch.nn.Module) -> None:
         """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``)."""
-        first = worst_case_microbatch(self.sampler)
-        batch = self.collate(self.dataset, first, self.tokenizer.pad_token_id)
+        dataset, sampler = self.dataset, self.sampler
+        if self.probe is not None:  # streaming: the stream's first examples stand in for the dataset
+            dataset = self.probe
+            sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed)
+        first = worst_case_microbatch(sampler)
+        batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
         run_startup_self_check(
             model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first
         )

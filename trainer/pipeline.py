@@ -2,7 +2,8 @@
 
 ``build_training_data`` runs stages 1-2 of the data flow for a config: tokenizer -> tokenized dataset
 (examples clamped to the model's context and, unless the strategy splits them, to the token budget) ->
-held-out split (eval) -> this rank's sampler. ``trainer.loop.Trainer``, ``packfsdp analyze`` and
+held-out split (eval) -> this rank's sampler; with ``data.streaming=true``, this rank's share of the stream
+packed online instead (``streaming_training_data``). ``trainer.loop.Trainer``, ``packfsdp analyze`` and
 ``packfsdp inspect`` all call it, so they see the same examples.
 
 ``model_context`` and ``resolve_attention`` read the facts the data and the model depend on from the model's
@@ -39,15 +40,18 @@ class TrainingData:
     tokenizer: Any
     """The tokenizer (a transformers ``PreTrainedTokenizerBase``)."""
     dataset: TokenizedDataset
-    """The examples training sees: the held-out ones removed."""
+    """The examples training sees: the held-out ones removed (streaming: ``ServedExamples``, those of the
+    micro-batch just served)."""
     eval_dataset: TokenizedDataset | None
     """The held-out examples (``None`` when ``eval.holdout_fraction`` is 0)."""
     sampler: MicroBatchSampler
-    """This rank's micro-batches of ``dataset``."""
+    """This rank's micro-batches of ``dataset`` (streaming: a ``StreamingSampler``)."""
     collate: Callable
     """``collate_packed`` or ``collate_padded``, as the strategy needs."""
     max_length: int
     """The longest example kept (``JobConfig.max_example_length``)."""
+    probe: TokenizedDataset | None = None
+    """Streaming only: the stream's first training examples (the start-up self-check draws its batch there)."""
 
 
 def build_training_data(
@@ -77,6 +81,8 @@ def build_training_data(
         context = model_context(cfg.model)
     cfg.validate_budget(context)
     max_length = cfg.max_example_length(context)
+    if cfg.data.streaming:
+        return streaming_training_data(cfg, tokenizer, max_length, rank, world_size)
     dataset, eval_dataset = split_holdout(
         load_dataset(cfg.data, tokenizer, max_length),
         cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
@@ -84,6 +90,24 @@ def build_training_data(
     sampler = build_sampler(dataset.lengths, cfg.packing, rank, world_size, cfg.seed, grad_accum=cfg.grad_accum)
     collate = collate_packed if cfg.packing.packed else collate_padded
     return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
+
+
+def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int) -> TrainingData:
+    """``data.streaming=true``: this rank's share of the stream (``trainer.data.streaming``), packed online
+    (``trainer.packing.online``); the eval set and the self-check's examples come from the stream's head."""
+    from trainer.collate import collate_packed
+    from trainer.data import source_fingerprint
+    from trainer.data.streaming import ExampleStream, head_sets
+    from trainer.packing.online import ServedExamples, StreamingSampler
+
+    holdout = (cfg.eval.holdout_fraction, cfg.eval.holdout_seed)
+    eval_dataset, probe = head_sets(cfg.data, tokenizer, max_length, holdout, cfg.eval.max_examples)
+    stream = ExampleStream(cfg.data, tokenizer, max_length, rank, world_size, holdout)
+    sampler = StreamingSampler(stream, cfg.packing, cfg.data.stream_buffer, rank, world_size,
+                               fingerprint=source_fingerprint(cfg.data))
+    log.info("streaming %s: packed online from a window of %d examples per rank; the run is max_steps=%d steps",
+             cfg.data.source, cfg.data.stream_buffer, cfg.max_steps)
+    return TrainingData(tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe)
 
 
 def model_context(cfg: ModelConfig) -> int | None:
@@ -112,4 +136,4 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
 
 
-__all__ = ["TrainingData", "build_training_data", "model_context", "resolve_attention"]
+__all__ = ["TrainingData", "build_training_data", "model_context", "resolve_attention", "streaming_training_data"]

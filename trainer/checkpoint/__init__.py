@@ -6,6 +6,7 @@ Layout of one checkpoint (``<run_dir>/checkpoints/step_00000100/``)::
     hf/                            the model's transformers config and the tokenizer (for export)
     trainer_state.json             step, tokens seen, sampler position, scheduler, optimizer hyper-parameters
     rng/rank_00000.safetensors     each rank's RNG states (torch, CUDA, numpy, python)
+    data/rank_00000.safetensors    streaming only: each rank's stream position and packing buffer
     manifest.json                  size and SHA-256 of every file above; written last
 
 A checkpoint is written to ``step_XXXXXXXX.tmp/`` and renamed to its final name only after every rank has

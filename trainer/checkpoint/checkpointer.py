@@ -50,6 +50,9 @@ from trainer.safety import redact_tree
 
 log = logging.getLogger("trainer.checkpoint")
 
+DATA_DIR = "data"
+"""Per-rank data state (``data/rank_XXXXX.safetensors``) of samplers that have one (streaming)."""
+
 
 @dataclass
 class TrainingState:
@@ -210,6 +213,8 @@ class Checkpointer:
         except CheckpointException as e:  # a BaseException (a full disk, a lost mount): one line, not a trace
             raise dcp_failure(e, f"saving checkpoint {final}") from None
         save_file(rng_tensors(), str(tmp / "rng" / f"rank_{self.rank:05d}.safetensors"))
+        if hasattr(state.sampler, "save_rank_state"):  # a stream's position and buffer differ per rank
+            state.sampler.save_rank_state(tmp / DATA_DIR / f"rank_{self.rank:05d}.safetensors")
         if distributed.is_rank0():
             scheduler = {k: v for k, v in state.scheduler.state_dict().items() if k != "lr_lambdas"}
             trainer_state = {
@@ -299,6 +304,8 @@ class Checkpointer:
         state.scheduler.load_state_dict(saved["scheduler"] | {"lr_lambdas": [None] * len(state.optimizer.param_groups)})
         try:
             state.sampler.load_state_dict(saved["sampler"])
+            if hasattr(state.sampler, "load_rank_state"):
+                state.sampler.load_rank_state(path / DATA_DIR / f"rank_{self.rank:05d}.safetensors")
         except ValueError as e:
             raise CheckpointError(f"{path}: the data sampler cannot resume here: {e}") from e
         self._restore_rng(path, saved["world_size"], saved["step"])

@@ -21,12 +21,17 @@ from trainer.library_errors import library_load
 
 log = logging.getLogger(__name__)
 
+STREAM_SETTINGS = ("streaming", "stream_buffer", "stream_eval_records")
+"""``DataConfig`` fields that say how records are read (``trainer.data.streaming``), not which."""
+
 
 def source_fingerprint(cfg: DataConfig) -> str:
     """What the records depend on: the config and, for local files and plugin modules, their size and
     modification time (an edited file or source function re-tokenizes)."""
     check_source(cfg)
     parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
+    for key in STREAM_SETTINGS:  # how the records are read, not which: cached datasets keep their key
+        parts.pop(key)
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()

@@ -162,6 +162,9 @@ def run(argv: list[str]) -> dict:
     setup_logging(0)
     logging.getLogger("trainer.packing").setLevel(logging.WARNING)  # the report prints its own figures
     cfg = compose_job_config(overrides)
+    if cfg.data.streaming:
+        raise ConfigError("analyze reports on the whole dataset, which a stream never holds; run it without "
+                          "data.streaming (benchmarks/stream_fill.py measures the online packing's fill)")
     dataset = build_training_data(cfg).dataset
     lines, figures = packing_report(dataset, cfg, worlds)
     png = png or Path(cfg.output_root) / "analyze" / f"{cfg.name}_lengths.png"

@@ -1,0 +1,295 @@
+"""Streamed sources (``data.streaming=true``): records read, rendered and tokenized on the fly, never cached.
+
+A source is read as a list of parts, in order, each a ``datasets.IterableDataset`` (or a list of records):
+
+- ``jsonl`` / ``parquet`` / ``csv``: one part per file (``load_dataset(builder, data_files=file,
+  streaming=True)``). Every rank reads the file and keeps rows ``rank, rank + world, ...``, so a bad row
+  is named ``file:line`` (``file row i`` for Parquet and CSV);
+- ``hf``: the hub dataset streamed (a local dataset folder as ``to_iterable_dataset``), split by
+  ``datasets.distributed.split_dataset_by_node`` (whole shards per rank when they divide evenly, else every
+  world-th row): no rank downloads another's shards; rows are named by the rank's shard;
+- a plugin may return an ``IterableDataset`` (split the same way) or a ``Dataset``; every other source,
+  the synthetic ones included, returns its records, dealt round-robin like a file's rows.
+
+Records are rendered, masked and truncated by ``trainer.data.dataset.render_outcomes`` (the rules of the
+cached path), ``STREAM_CHUNK`` rows at a time; bad rows follow ``data.on_bad_record`` and every count goes
+to this rank's ``DatasetStats``. The held-out split is the cached path's hash
+(``trainer.evaluate.holdout_mask``): a held-out example is left out of training wherever it appears, and
+the eval set is the held-out examples among the stream's first ``data.stream_eval_records`` records (rank
+0 reads them once and shares them). A stream cannot be shuffled exactly on resume, so it is read in order.
+
+A rank's share never ends: when it runs out, the next pass starts from its beginning (``passes``), so a
+streaming run's length is ``max_steps``. A pass that yields no training example is an error.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+from transformers import PreTrainedTokenizerBase
+
+from trainer import distributed
+from trainer.config import ConfigError, DataConfig
+from trainer.data.bad_records import BadRecords
+from trainer.data.dataset import DatasetStats, Outcome, TokenizedDataset, log_dataset_stats, render_outcomes, stats_of
+from trainer.data.sources import check_source, open_hf_dataset
+from trainer.data.sources_arrow import Places
+from trainer.data.tables import Row, rows_to_records, table_files
+from trainer.library_errors import library_load
+
+log = logging.getLogger(__name__)
+
+STREAM_CHUNK = 256
+"""Rows rendered at a time (one batched tokenizer call)."""
+PROBE_EXAMPLES = 256
+"""Training examples of the stream's head kept for the start-up self-check."""
+FILE_BUILDERS = {
+    "jsonl": ("json", (".jsonl", ".json")), "parquet": ("parquet", (".parquet",)), "csv": ("csv", (".csv",)),
+}
+"""Local file sources: the ``datasets`` builder that streams them and the file suffixes."""
+
+Example = tuple[np.ndarray, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a source: ``open()`` gives a list of records or a ``datasets`` (Iterable)Dataset of rows."""
+
+    name: str
+    open: Callable[[], object]
+    jsonl: bool = False
+    """Rows are the non-blank lines of the file ``name`` (so a row is named ``file:line``)."""
+    split_by_node: bool = False
+    """Ranks get disjoint shards from ``split_dataset_by_node`` (else every rank reads all rows, keeps its own)."""
+
+
+def stream_parts(cfg: DataConfig) -> list[Part]:
+    """``cfg``'s source as parts, in reading order."""
+    if cfg.source in FILE_BUILDERS:
+        builder, suffixes = FILE_BUILDERS[cfg.source]
+        return [Part(str(f), functools.partial(_stream_file, builder, f), jsonl=builder == "json")
+                for f in table_files(cfg, suffixes)]
+    if cfg.source == "hf":
+        if not cfg.path:
+            raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
+        return [Part(f"data.path={cfg.path}", functools.partial(_stream_hf, cfg), split_by_node=True)]
+    source = check_source(cfg)
+    return [Part(f"data.source={cfg.source}", lambda: _iterable(source(cfg)), split_by_node=True)]
+
+
+def _stream_file(builder: str, file: Path):
+    import datasets
+
+    with library_load(f"data.path={file}"):
+        return datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True)
+
+
+def _stream_hf(cfg: DataConfig):
+    import datasets
+
+    with library_load(f"data.path={cfg.path}"):
+        if Path(cfg.path).expanduser().exists():
+            return open_hf_dataset(cfg).to_iterable_dataset()
+        return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True)
+
+
+def _iterable(result: object) -> object:
+    """A source's result as something to stream: an ``IterableDataset`` or a list of records as they are,
+    a ``Dataset`` as its ``to_iterable_dataset()``."""
+    import datasets
+
+    if isinstance(result, datasets.Dataset):
+        return result.to_iterable_dataset()
+    return result if isinstance(result, (list, datasets.IterableDataset)) else list(result)
+
+
+class RowStream:
+    """This rank's rows of one part, resumable: ``state_dict`` holds the rows read and, for a ``datasets``
+    stream, its own position (``IterableDataset.state_dict``), so a resume skips whole shards unread."""
+
+    def __init__(self, part: Part, rank: int, world_size: int, state: dict | None = None) -> None:
+        source = part.open()
+        self.index = int(state["index"]) if state else 0
+        """Rows of the part (of the rank's shard when split by node) read so far."""
+        self.table = not isinstance(source, list)
+        self.dataset = None
+        split = part.split_by_node and self.table
+        if not self.table:  # records in memory: jump straight to the position
+            self._rows = itertools.islice(iter(source), self.index, None)
+        else:
+            from datasets.distributed import split_dataset_by_node
+
+            self.dataset = split_dataset_by_node(source, rank, world_size) if split else source
+            if state and state.get("datasets"):
+                self.dataset.load_state_dict(state["datasets"])
+            self._rows = iter(self.dataset)
+        self.places = Places(f"{part.name} (shard of rank {rank})" if split else part.name, part.jsonl and not split)
+        self.keep = (lambda i: True) if split else (lambda i: i % world_size == rank)
+        self.name = part.name
+
+    def read(self, n: int, bad: BadRecords) -> list:
+        """Up to ``n`` of this rank's rows (fewer only at the part's end). A part ``datasets`` cannot read
+        further is an error naming it, or, under ``data.on_bad_record=skip``, ends here (counted, logged)."""
+        rows = []
+        while len(rows) < n:
+            try:
+                value = next(self._rows)
+            except StopIteration:
+                break
+            except Exception as e:  # noqa: BLE001 - any parse failure of the stream: named, never a trace
+                self._rows = iter(())
+                bad.bad(self.name, f"not readable as a stream after row {self.index} ({str(e).splitlines()[0][:200]})",
+                        "file")
+                break
+            i, self.index = self.index, self.index + 1
+            if self.keep(i):
+                rows.append(_placed(value, self.places.lazy(i)))
+        return rows
+
+    def state_dict(self) -> dict:
+        return {"index": self.index, "datasets": self.dataset.state_dict() if self.dataset is not None else None}
+
+
+def _placed(value: object, where: str) -> object:
+    if not isinstance(value, dict):
+        return value  # the renderer reports it as a bad record
+    row = Row(value)
+    row.where = where
+    return row
+
+
+class ExampleStream:
+    """This rank's training examples of a source, rendered on the fly, pass after pass (see the module
+    docstring). ``next_chunk`` gives the next examples; ``state_dict`` says where the stream stands."""
+
+    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, rank: int = 0,
+                 world_size: int = 1, holdout: tuple[float, int] = (0.0, 0), label: str = "stream") -> None:
+        self.cfg, self.tokenizer, self.max_length = cfg, tokenizer, max_length
+        self.rank, self.world_size, self.holdout, self.label = rank, world_size, holdout, label
+        self.parts = stream_parts(cfg)
+        self.bad = BadRecords(cfg.on_bad_record, cfg.source)
+        self.stats = DatasetStats()
+        """This rank's counts so far: ``examples`` are training examples (held-out ones are in ``held_out``)."""
+        self.held_out = 0
+        self.part, self.passes, self.pass_examples = 0, 0, 0
+        self.rows: RowStream | None = None
+        self._rows_state: dict | None = None
+
+    def next_chunk(self) -> list[Example]:
+        """The next training examples (at least one; a new pass starts when this rank's share ends)."""
+        while True:
+            rows = self.next_rows(STREAM_CHUNK)
+            if rows and (examples := self.examples(rows)[0]):
+                return examples
+
+    def next_rows(self, n: int) -> list:
+        """Up to ``n`` rows of the current part; ``[]`` when the pass ended (the next call starts another)."""
+        while self.part < len(self.parts):
+            if self.rows is None:
+                self.rows = RowStream(self.parts[self.part], self.rank, self.world_size, self._rows_state)
+                self._rows_state = None
+            if rows := self.rows.read(n, self.bad):
+                return rows
+            self.part, self.rows = self.part + 1, None
+        self._end_pass()
+        return []
+
+    def _end_pass(self) -> None:
+        if self.pass_examples == 0:
+            s = self.stats
+            raise ValueError(
+                f"data.source={self.cfg.source}: rank {self.rank}'s share of the stream holds no training example "
+                f"({s.records} records: {s.dropped_empty} empty, {s.dropped_overlong} over-long, {s.dropped_no_labels} "
+                f"without labels, {s.dropped_bad} bad, {self.held_out} held out for eval)"
+            )
+        self.part, self.passes, self.pass_examples = 0, self.passes + 1, 0
+        log_dataset_stats(f"{self.cfg.source} ({self.label} of rank {self.rank}, after pass {self.passes})", self.stats)
+
+    def examples(self, rows: list) -> tuple[list[Example], list[Example]]:
+        """``rows`` of the current part rendered: (training examples, held-out examples); counts updated."""
+        records = rows_to_records(rows, self.cfg, self.bad) if self.rows.table else rows
+        rendered = render_outcomes(records, self.tokenizer, self.cfg, self.max_length, self.bad)
+        counts = stats_of(np.array([outcome for *_, outcome in rendered], dtype=np.int8))
+        kept = [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+                for ids, mask, outcome in rendered if outcome <= Outcome.TRUNCATED]
+        held = self.held_out_mask(kept)
+        train = [e for e, h in zip(kept, held) if not h]
+        counts.records, counts.examples = len(rows), len(train)
+        counts.tokens = sum(len(ids) for ids, _ in train)
+        counts.label_tokens = sum(int(mask[1:].sum()) for _, mask in train)
+        self.stats.add(counts)
+        self.stats.dropped_bad = self.bad.skipped  # every bad row, whichever step noticed it
+        self.held_out += len(kept) - len(train)
+        self.pass_examples += len(train)
+        return train, [e for e, h in zip(kept, held) if h]
+
+    def held_out_mask(self, examples: list[Example]) -> np.ndarray:
+        """The cached path's held-out rule, per example (``trainer.evaluate.holdout_mask``)."""
+        from trainer.evaluate import holdout_mask
+
+        fraction, seed = self.holdout
+        if not examples or fraction <= 0:
+            return np.zeros(len(examples), dtype=bool)
+        return holdout_mask(as_dataset(examples), fraction, seed)
+
+    # ------------------------------------------------------------------------------------------- resume
+    def state_dict(self) -> dict:
+        return {
+            "part": self.part, "passes": self.passes, "pass_examples": self.pass_examples,
+            "rows": self.rows.state_dict() if self.rows is not None else self._rows_state,
+            "stats": asdict(self.stats), "held_out": self.held_out, "bad_skipped": self.bad.skipped,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.part, self.passes = int(state["part"]), int(state["passes"])
+        self.pass_examples = int(state["pass_examples"])
+        self.rows, self._rows_state = None, state["rows"]  # reopened at the saved position on the next read
+        self.stats, self.held_out = DatasetStats(**state["stats"]), int(state["held_out"])
+        self.bad.skipped = int(state["bad_skipped"])
+
+
+def as_dataset(examples: list[Example]) -> TokenizedDataset:
+    """Examples as an in-memory ``TokenizedDataset`` (the eval set, the self-check's examples)."""
+    offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+    np.cumsum([len(ids) for ids, _ in examples], out=offsets[1:])
+    return TokenizedDataset(
+        tokens=np.concatenate([ids for ids, _ in examples] or [np.zeros(0, np.int32)]),
+        loss_mask=np.concatenate([mask for _, mask in examples] or [np.zeros(0, bool)]),
+        offsets=offsets,
+    )
+
+
+def head_sets(
+    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, holdout: tuple[float, int],
+    max_eval: int | None,
+) -> tuple[TokenizedDataset | None, TokenizedDataset]:
+    """(eval set, self-check examples) from the stream's first ``data.stream_eval_records`` records, read once
+    on rank 0 and shared: the held-out ones (at most ``max_eval``; ``None`` when there is none) and the first
+    ``PROBE_EXAMPLES`` training ones."""
+    found: dict = {}
+
+    def scan() -> None:
+        stream = ExampleStream(cfg, tokenizer, max_length, holdout=holdout, label="eval scan")
+        train, held, read, wanted = [], [], 0, cfg.stream_eval_records
+        while read < wanted and (rows := stream.next_rows(min(STREAM_CHUNK, wanted - read))):
+            read += len(rows)
+            more_train, more_held = stream.examples(rows)
+            train += more_train[: PROBE_EXAMPLES - len(train)]
+            held += more_held
+        held = held[:max_eval] if max_eval is not None else held
+        if holdout[0] > 0 and not held:
+            log.warning("no held-out example among the stream's first %d records: eval is off "
+                        "(raise data.stream_eval_records or eval.holdout_fraction)", read)
+        found["sets"] = (as_dataset(held) if held else None, as_dataset(train or held))
+
+    distributed.on_rank0_then_all(scan)
+    return distributed.broadcast_object(found.get("sets"))
+
+
+__all__ = ["ExampleStream", "Part", "RowStream", "as_dataset", "head_sets", "stream_parts"]
