@@ -223,7 +223,6 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     from trainer.train import run
 
     torch.set_num_threads(args.threads)
-    packed = system != "packfsdp_padded"
     shape = [f"++model.config_overrides.{k}={v}" for k, v in model_shape(args.model).items()]
     overrides = ["recipe=cpu_dailydialog", "grad_accum=1", *shape,
                  f"parallel={'fsdp_fp32' if args.dtype == 'fp32' else 'fsdp'}", "logger.peak_tflops=1",
