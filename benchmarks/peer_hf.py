@@ -240,10 +240,11 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     summary = run(cfg)
     per_step = summary["useful_tokens_per_s"] * summary["mean_step_time_s"]
     untimed = time.perf_counter() - start - args.steps * summary["mean_step_time_s"]
-    layout = {"packfsdp_padded": "matched padded batches", "packfsdp_contiguous": "bfd bins as contiguous rows"}
+    layout = ("matched padded batches" if "padded" in system
+              else "bfd bins as contiguous rows" if system == "packfsdp_contiguous" else "bfd bins")
     return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "useful_tokens_per_step": per_step,
             "step_time_s": summary["mean_step_time_s"],
-            "batches": f"{layout.get(system, 'bfd bins')}, loss {summary.get('loss_impl')}, "
+            "batches": f"{layout}, loss {summary.get('loss_impl')}, "
                        f"compile {summary.get('compile', 'off')}, setup + warm-up {untimed:.0f} s"}
 
 
