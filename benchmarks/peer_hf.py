@@ -22,9 +22,17 @@ Systems:
   rows (only when ``trl`` is installed: ``pip install trl``). TRL >= 1.x always computes the loss through its
   own fused, chunked LM head (no full logits), so this is TRL's fused loss; its plain-loss path no longer
   exists, and its Liger option needs CUDA;
-- ``packfsdp_padded`` and ``packfsdp_packed``: ``trainer.train`` on one rank (FSDP2 over a world of 1), with
-  the default chunked loss (``loss.impl=chunked``); ``packfsdp_packed_naive`` (opt-in): packed with
-  ``loss.impl=naive``, to see what the fused loss is worth.
+- ``packfsdp_padded`` and ``packfsdp_packed``: ``trainer.train`` on one rank (in the worker process), with the
+  default chunked loss (``loss.impl=chunked``); ``packfsdp_contiguous``: the same bins, each turned into one
+  boundary-free row (positions 0..T-1, plain causal attention over the whole row: the layout of pretraining on
+  concatenated text, the "padding-free limit" packed is held to). Opt-in: ``packfsdp_packed_compiled`` and
+  ``packfsdp_padded_compiled`` (``parallel.compile=true``, Inductor; compile time lands in the warm-up, which
+  the rate excludes; the arm prints setup + warm-up seconds), ``packfsdp_packed_naive`` (``loss.impl=naive``).
+
+Every system runs under ``OMP_WAIT_POLICY=passive`` (``--omp-wait-policy``): on a machine with more runnable
+threads than cores, OpenMP's default spin-waiting makes every parallel region wait for a descheduled thread
+while its partner burns the core, and a step took 5-10x longer with a swing that buried every difference
+between the systems. On a quiet machine ``active`` is a little faster; it applies to every system alike.
 
 Useful tokens = tokens with a label (the first token of each example never has one), counted from the
 batches each system actually trained on. Throughput = useful tokens of the timed steps / their wall time
@@ -50,8 +58,20 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 PEERS = ("hf_padded", "hf_flattening", "trl_sft_bfd")
-OURS = ("packfsdp_padded", "packfsdp_packed", "packfsdp_packed_naive")
-DEFAULT_SYSTEMS = (*PEERS, "packfsdp_padded", "packfsdp_packed")
+PACKFSDP_ARMS = {
+    "packfsdp_padded": ["packing=none"],
+    "packfsdp_padded_compiled": ["packing=none", "parallel.compile=true"],
+    "packfsdp_packed": [],
+    "packfsdp_packed_compiled": ["parallel.compile=true"],
+    "packfsdp_packed_naive": ["loss=naive"],
+    "packfsdp_contiguous": [],
+}
+"""Each packfsdp system's Hydra overrides on top of the shared ones (``packfsdp_contiguous`` also rewrites
+its batches: ``contiguous_rows``)."""
+
+
+OURS = tuple(PACKFSDP_ARMS)
+DEFAULT_SYSTEMS = (*PEERS, "packfsdp_padded", "packfsdp_contiguous", "packfsdp_packed")
 SEED, LR = 1234, 1e-3
 SIZES = {
     "gpt2_2x128": dict(n_layer=2, n_embd=128, n_head=4),
@@ -73,6 +93,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per system")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system")
+    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"],
+                   help="OMP_WAIT_POLICY of every system (see the docstring)")
     p.add_argument("--budget", type=int, default=1024, help="tokens per packed micro-batch / packed row")
     p.add_argument("--rounds", type=int, default=3,
                    help="run every system this many times, interleaved; each system's median is compared")
@@ -173,29 +195,57 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
 
 
 # --------------------------------------------------------------------------------------------- packfsdp
+def contiguous_rows(collate):
+    """``collate`` with every packed row turned into one boundary-free sequence: the same tokens and labels,
+    positions 0..T-1 and plain causal attention over the whole row (the layout of pretraining on
+    concatenated text; what packing's per-example attention is compared with)."""
+    import torch
+
+    def collate_contiguous(dataset, indices, pad_id=0):
+        batch = collate(dataset, indices, pad_id)
+        n = batch.num_tokens
+        batch.cu_seqlens = torch.tensor([0, n], dtype=torch.int32)
+        batch.position_ids = torch.arange(n)[None]
+        batch.max_seqlen = n
+        return batch
+
+    return collate_contiguous
+
+
 def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
-    """trainer.train on one rank, timed by its own summary (same definition: labels / step wall time)."""
-    run_dir = Path(tempfile.mkdtemp(prefix=f"peer-{system}-"))
-    packed = system != "packfsdp_padded"
+    """trainer.train on one rank, in this process, timed by its own summary (same definition: labels / step
+    wall time, after the warm-up steps, so a compiled arm's compile time is not in its rate)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import trainer.collate
+    from trainer.compose import config_dir, register_configs, to_job_config
+    from trainer.train import run
+
+    torch.set_num_threads(args.threads)
     shape = [f"++model.config_overrides.{k}={v}" for k, v in model_shape(args.model).items()]
-    cmd = [sys.executable, "-m", "trainer.train", "recipe=cpu_dailydialog", "grad_accum=1", *shape,
-           f"parallel={'fsdp_fp32' if args.dtype == 'fp32' else 'fsdp'}", "logger.peak_tflops=1",
-           f"loss={'naive' if system == 'packfsdp_packed_naive' else 'chunked'}",
-           f"packing={'bfd' if packed else 'none'}", f"packing.token_budget={args.budget}",
-           f"max_steps={args.warmup + args.steps}", f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0",
-           f"optim.lr={LR}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}",
-           "logger.progress_bar=false", "logger.log_every=1000", f"run_dir={run_dir}"]
-    env = os.environ | {"OMP_NUM_THREADS": str(args.threads)}
-    env.pop("RANK", None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{system} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    summary = json.loads((run_dir / "summary.json").read_text())
+    overrides = ["recipe=cpu_dailydialog", "grad_accum=1", *shape,
+                 f"parallel={'fsdp_fp32' if args.dtype == 'fp32' else 'fsdp'}", "logger.peak_tflops=1",
+                 "packing=bfd", f"packing.token_budget={args.budget}", f"max_steps={args.warmup + args.steps}",
+                 f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0", f"optim.lr={LR}",
+                 "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}", "logger.progress_bar=false",
+                 "logger.log_every=1000", f"run_dir={tempfile.mkdtemp(prefix=f'peer-{system}-')}",
+                 *PACKFSDP_ARMS[system]]
+    if system == "packfsdp_contiguous":
+        trainer.collate.collate_packed = contiguous_rows(trainer.collate.collate_packed)
+    register_configs()
+    with initialize_config_dir(str(config_dir()), version_base=None):
+        cfg = to_job_config(compose("config", overrides=overrides))
+    start = time.perf_counter()
+    summary = run(cfg)
     per_step = summary["useful_tokens_per_s"] * summary["mean_step_time_s"]
+    untimed = time.perf_counter() - start - args.steps * summary["mean_step_time_s"]
+    layout = ("matched padded batches" if "padded" in system
+              else "bfd bins as contiguous rows" if system == "packfsdp_contiguous" else "bfd bins")
     return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "useful_tokens_per_step": per_step,
             "step_time_s": summary["mean_step_time_s"],
-            "batches": f"bfd bins, loss {summary.get('loss_impl')}" if packed
-            else f"matched padded batches, loss {summary.get('loss_impl')}"}
+            "batches": f"{layout}, loss {summary.get('loss_impl')}, "
+                       f"compile {summary.get('compile', 'off')}, setup + warm-up {untimed:.0f} s"}
 
 
 # ------------------------------------------------------------------------------------------------ driver
@@ -210,8 +260,10 @@ def run_system(system: str, args: argparse.Namespace) -> dict | None:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
                "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--budget", str(args.budget), "--model", args.model, "--dtype", args.dtype]
-        env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "TOKENIZERS_PARALLELISM": "false",
+               "--budget", str(args.budget), "--model", args.model, "--dtype", args.dtype,
+               "--omp-wait-policy", args.omp_wait_policy]
+        env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy,
+                            "TOKENIZERS_PARALLELISM": "false",
                             "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
@@ -230,7 +282,7 @@ def main(argv=None) -> dict:
 
     print(f"peer benchmark: GPT-2 {args.model} ({args.dtype}), {args.steps} timed steps after {args.warmup}, "
           f"{args.threads} thread(s), ~{args.budget} tokens per step, {args.rounds} interleaved rounds, "
-          f"torch {torch.__version__}")
+          f"OMP_WAIT_POLICY={args.omp_wait_policy}, torch {torch.__version__}, load average {load_average()}")
     runs: dict[str, list[dict]] = {}
     for round_ in range(1, args.rounds + 1):
         for system in args.systems:
@@ -241,12 +293,18 @@ def main(argv=None) -> dict:
             print(f"round {round_} {system:22s} {r['useful_tokens_per_s']:10,.0f} useful tok/s | "
                   f"{r['useful_tokens_per_step']:6.0f} useful tok/step | {1000 * r['step_time_s']:6.0f} ms/step | "
                   f"{r['batches']}", flush=True)
+    print(f"load average at the end: {load_average()}")
     results = summarize(runs)
     report_ratios(results)
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in ("json", "result")},
                                          "results": results}, indent=2, default=str))
     return results
+
+
+def load_average() -> str:
+    """The 1/5/15-minute load averages (on a shared machine, what the figures were measured under)."""
+    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -270,6 +328,10 @@ def report_ratios(results: dict[str, dict]) -> None:
     for name, r in results.items():
         if name != "packfsdp_packed":
             print(f"packfsdp_packed / {name}: {ours[key] / r[key]:.2f}x")
+    if rows := results.get("packfsdp_contiguous"):
+        ratio = ours[key] / rows[key]
+        print(f"vs the same model on boundary-free contiguous rows: {ratio:.2f}x -> target 1.0x "
+              f"{'met' if ratio >= 1.0 else 'NOT met'}")
     peers = {k: v for k, v in results.items() if k in PEERS}
     if peers:
         best = max(peers, key=lambda k: peers[k][key])

@@ -84,10 +84,14 @@ def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
     if plan.identity:
         return attend(query, key, value, 0).transpose(1, 2).contiguous()
     none = plan.index.new_empty(0, dtype=torch.bool)
-    q, k, v = (_PermuteRows.apply(x[0].transpose(0, 1), plan.index, plan.token_slot, none) for x in (query, key, value))
-    # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add.
+    # squeeze, not x[0]: a select's backward writes a zero-filled copy of the whole input, a squeeze's is a view.
+    q, k, v = (
+        _PermuteRows.apply(x.squeeze(0).transpose(0, 1), plan.index, plan.token_slot, none) for x in (query, key, value)
+    )
+    # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add;
+    # and no split at all for a single rectangle (its backward would still copy the whole gradient).
     sizes = [rows * width for rows, width in plan.shapes]
-    parts = [torch.split(x, sizes) for x in (q, k, v)]
+    parts = [torch.split(x, sizes) if len(sizes) > 1 else (x,) for x in (q, k, v)]
     outs = []
     for r, (rows, width) in enumerate(plan.shapes):
         rect = [p[r].view(rows, width, p[r].shape[1], p[r].shape[2]).transpose(1, 2) for p in parts]
