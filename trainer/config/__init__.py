@@ -1,0 +1,64 @@
+"""Typed configuration: one dataclass per component (every field, its type, its meaning, its checks).
+
+YAML files under ``configs/`` only set values; the schema, defaults and docs live here. ``trainer.compose``
+registers it in Hydra's ConfigStore and turns the composed ``DictConfig`` into a ``JobConfig`` once
+(``to_job_config``); nothing below ``main()`` sees a ``DictConfig``.
+
+- ``sections``: what is trained on what (``data``, ``model``, ``packing``, ``parallel``);
+- ``training``: how a run trains and keeps its work (``loss``, ``optim``, ``peft``, ``logger``, ``eval``,
+  ``checkpoint``, ``guard``);
+- ``job``: ``JobConfig``, the run-level fields and the checks that span sections;
+- ``common``: the shared choice lists, ``ConfigError`` and the field checks.
+"""
+
+from __future__ import annotations
+
+from omegaconf import MISSING
+
+from trainer.config.common import (
+    ATTENTION_BACKENDS,
+    CODE_OPTIONS,
+    CONTEXT_KEYS,
+    GENERATED_SOURCES,
+    LOCAL_PATH_PREFIXES,
+    LOSS_IMPLS,
+    ConfigError,
+    stated_context,
+)
+from trainer.config.job import JobConfig
+from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
+from trainer.config.training import (
+    PEFT_METHODS,
+    CheckpointConfig,
+    EvalConfig,
+    GuardConfig,
+    LoggerConfig,
+    LossConfig,
+    OptimConfig,
+    PeftConfig,
+)
+
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "CODE_OPTIONS",
+    "CONTEXT_KEYS",
+    "GENERATED_SOURCES",
+    "LOCAL_PATH_PREFIXES",
+    "LOSS_IMPLS",
+    "MISSING",
+    "PEFT_METHODS",
+    "CheckpointConfig",
+    "ConfigError",
+    "DataConfig",
+    "EvalConfig",
+    "GuardConfig",
+    "JobConfig",
+    "LoggerConfig",
+    "LossConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "PackingConfig",
+    "ParallelConfig",
+    "PeftConfig",
+    "stated_context",
+]

@@ -1,0 +1,146 @@
+"""``JobConfig``: every section, the run-level fields, and the checks that span sections."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from trainer.config.common import GENERATED_SOURCES, ConfigError, check_positive, stated_context
+from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
+from trainer.config.training import (
+    CheckpointConfig,
+    EvalConfig,
+    GuardConfig,
+    LoggerConfig,
+    LossConfig,
+    OptimConfig,
+    PeftConfig,
+)
+
+
+@dataclass
+class JobConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    packing: PackingConfig = field(default_factory=PackingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    guard: GuardConfig = field(default_factory=GuardConfig)
+    peft: PeftConfig = field(default_factory=PeftConfig)
+
+    name: str = "run"
+    """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
+    output_root: str = "outputs"
+    run_dir: str | None = None
+    """Explicit run directory (all ranks use it as is). Without it, a torchrun restart (same rendezvous id)
+    reuses the directory of the attempt it restarts, so ``resume=auto`` finds that attempt's checkpoints."""
+    resume: str = "none"
+    """``none``; ``auto`` (the latest complete checkpoint of this run under the checkpoint dir, or a fresh
+    start when there is none); or the path of a checkpoint (``.../step_00000100``) or of a run / checkpoints
+    dir. A new run (``none``) into a run dir that already holds a run is refused."""
+    resume_allow_changes: list[str] = field(default_factory=list)
+    """Keys (``data.loss_on``, ``grad_accum``, or a section such as ``optim``) whose change from the
+    checkpoint's config a resume accepts; any other change that alters the math is refused, naming the keys
+    (see ``trainer.checkpoint.config_check``). A flat key, not ``resume.allow_changes``: ``resume=auto``
+    must stay a plain value."""
+    stop_after_steps: int | None = None
+    """Leave the loop after this many steps (checkpointing first) while the schedule still spans
+    ``max_steps``/``epochs``: a planned stop, e.g. before a job's time limit, to resume later."""
+    seed: int = 1234
+    """Seeds model init, data order and dropout."""
+    epochs: int = 1
+    """Epochs over the data when ``max_steps`` is not set."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (wins over ``epochs``)."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step on each rank."""
+    summary_skip_steps: int = 2
+    """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
+
+    def validate(self) -> None:
+        for part in (
+            self.model, self.data, self.packing, self.parallel, self.optim, self.loss, self.logger, self.eval,
+            self.checkpoint, self.guard, self.peft,
+        ):
+            part.validate()
+        check_positive("epochs", self.epochs)
+        check_positive("grad_accum", self.grad_accum)
+        if self.max_steps is not None:
+            check_positive("max_steps", self.max_steps)
+        if self.stop_after_steps is not None:
+            check_positive("stop_after_steps", self.stop_after_steps)
+        if self.summary_skip_steps < 0:
+            raise ConfigError("summary_skip_steps must be >= 0")
+        self.validate_budget()
+        self.validate_streaming()
+
+    def validate_streaming(self) -> None:
+        """``data.streaming=true`` needs a run length and packs online by best fit, one source at a time."""
+        if not self.data.streaming:
+            return
+        if self.max_steps is None:
+            raise ConfigError(
+                "data.streaming=true: a stream has no known length, so epochs cannot size the run; set max_steps "
+                "(each rank's share of the stream is read again from its start when it runs out)"
+            )
+        refused = {
+            "packing.strategy": (self.packing.strategy != "bfd", f"={self.packing.strategy} (streaming packs "
+                                 "online by best fit within data.stream_buffer examples: packing.strategy=bfd)"),
+            "data.mix": (bool(self.data.mix), " (mixtures are not streamed yet: stream one source)"),
+            "data.limit": (self.data.limit is not None, " (a stream has no head to cut: set max_steps)"),
+            "model.tokenizer": (
+                self.model.tokenizer_name() == "local_bpe" and self.data.source not in GENERATED_SOURCES,
+                "=local_bpe (it trains on the whole data, which a stream never holds; name a pretrained "
+                "tokenizer, model.tokenizer=DIR_OR_HUB_ID, or load a model: model=hf model.name_or_path=...)",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"data.streaming=true cannot be combined with {key}{why}")
+
+    def validate_budget(self, context: int | None = None) -> None:
+        """Under a strategy that packs whole examples, one example of the longest allowed length must fit
+        one micro-batch; otherwise examples would be cut to the budget behind the user's back.
+
+        Args:
+            context: the model's context length when known (``trainer.pipeline`` checks again with it);
+                before the model exists, the size set in ``model.random_init``/``config_overrides`` if any.
+        """
+        if not self.packing.packed or self.packing.splits_examples:
+            return
+        if context is None:
+            context = stated_context(self.model.init_fields())
+        longest = self.longest_in_context(context)
+        if self.packing.token_budget < longest:
+            raise ConfigError(
+                f"packing.token_budget={self.packing.token_budget} cannot hold one example of {longest} tokens "
+                f"(data.max_length={self.data.max_length}, model context {context or 'unknown'}) and strategy "
+                f"{self.packing.strategy} does not split examples; set packing.token_budget>={longest} "
+                f"or data.max_length<={self.packing.token_budget}"
+            )
+
+    def longest_in_context(self, context: int | None) -> int:
+        """``data.max_length`` clamped to the model's ``context`` (when known)."""
+        return min(self.data.max_length, context) if context else self.data.max_length
+
+    def max_example_length(self, context: int | None) -> int:
+        """The longest example training keeps: ``longest_in_context``, and, unless the strategy splits
+        examples, at most one micro-batch's ``packing.token_budget``. So every example fits the model and one
+        micro-batch, in packed and padded runs alike."""
+        longest = self.longest_in_context(context)
+        return longest if self.packing.splits_examples else min(longest, self.packing.token_budget)
+
+    def validate_world(self, world_size: int) -> None:
+        """The launch fits the config: checked from ``WORLD_SIZE`` before the process group starts (the one
+        check of the mesh shape; ``parallel.build_mesh`` relies on it)."""
+        replicas = self.parallel.dp_replicate
+        if replicas is not None and world_size % replicas != 0:
+            raise ConfigError(
+                f"parallel.dp_replicate={replicas} does not divide the world size {world_size}; "
+                f"launch a multiple of {replicas} ranks or change parallel.dp_replicate (the number of nodes: "
+                "one replica per node)"
+            )
+
