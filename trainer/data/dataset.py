@@ -29,8 +29,9 @@ from trainer.data.sources import Record
 
 log = logging.getLogger(__name__)
 
-RENDER_VERSION = 2
-"""Bumped whenever rendering changes, so stale cached datasets are never reused."""
+RENDER_VERSION = 3
+"""Bumped whenever rendering changes, so stale cached datasets are never reused (3: a chat is tokenized
+whole, its mask taken from character spans, no longer piece by piece)."""
 
 
 @dataclass
