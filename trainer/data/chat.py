@@ -253,8 +253,7 @@ def _token_segments(encoding, spans: list[Span]) -> list[Segment]:
     span (the rule of ``return_assistant_tokens_mask``: a token across a span's edge is the reply's)."""
     ids, segments, done = encoding.ids, [], 0
     for a, b in spans:
-        first = next((t for c in range(a, b) if (t := encoding.char_to_token(c)) is not None), None)
-        last = next((t for c in range(b - 1, a - 1, -1) if (t := encoding.char_to_token(c)) is not None), None)
+        first, last = _token_at(encoding, range(a, b)), _token_at(encoding, range(b - 1, a - 1, -1))
         if first is None or last is None:
             continue
         first = max(first, done)
@@ -262,6 +261,16 @@ def _token_segments(encoding, spans: list[Span]) -> list[Segment]:
         done = max(done, last + 1)
     segments.append(Segment(ids[done:], False))
     return [s for s in segments if s.text]
+
+
+def _token_at(encoding, chars: range) -> int | None:
+    """The token of the first of ``chars`` that has one (a character may belong to none, e.g. one the
+    normalizer removed)."""
+    for c in chars:
+        token = encoding.char_to_token(c)
+        if token is not None:
+            return token
+    return None
 
 
 def _text_segments(text: str, spans: list[Span]) -> list[Segment]:

@@ -167,13 +167,13 @@ def record_segments(
     """
     if "input_ids" in record:
         return token_segments(record, len(tokenizer), loss_on, where)
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
     if "messages" in record:
         messages = check_messages(record["messages"], where)
         if not any(m["content"].strip() for m in messages):
             return None
         return ChatToRender(messages)
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):
