@@ -163,3 +163,30 @@ def test_parquet_and_saved_datasets_take_the_arrow_path(tmp_path, tokenizer, kin
     ds = load_dataset(cfg, tokenizer, max_length=128)
     reference = render_records(load_records(cfg), tokenizer, cfg, max_length=128)
     assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
+
+
+def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
+    import trainer.data as data_module
+    import trainer.data.tokenizer as tokenizer_module
+    from trainer.config import ModelConfig
+    from trainer.data import load_tokenizer
+    from trainer.data.sources_arrow import sample_records
+
+    path = write_jsonl(tmp_path / "chats.jsonl", chats(50))
+    cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
+    picked = [r["messages"][0]["content"] for r in sample_records(cfg, 5)]
+    assert picked == [f"question {i} about the weather" for i in (0, 12, 24, 36, 49)]  # spread evenly, in order
+    limited = [r["messages"][0]["content"] for r in sample_records(DataConfig(**{**cfg.__dict__, "limit": 10}), 3)]
+    assert limited == [f"question {i} about the weather" for i in (0, 4, 9)]
+    seen = []
+    real_train = tokenizer_module.train_bpe_tokenizer
+
+    def train(texts, *args):
+        assert not isinstance(texts, list)  # streamed into the trainer, never held together
+        seen.append(list(texts))
+        return real_train(seen[-1], *args)
+
+    monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer", train)
+    monkeypatch.setattr(data_module, "BPE_SAMPLE_RECORDS", 5)
+    load_tokenizer(ModelConfig(tokenizer_vocab_size=300), cfg)
+    assert len(seen) == 1 and len(seen[0]) == 5 * 4  # 5 records x (role, content) of 2 messages

@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
@@ -175,3 +177,26 @@ def map_render(ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokeniz
         fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "max_length": max_length, "places": places},
         desc=f"packfsdp: rendering {cfg.source}",
     )
+
+
+def sample_records(cfg: DataConfig, n: int) -> Iterator[dict]:
+    """Up to ``n`` records spread evenly over the source (its first ``data.limit``), in order: what the local
+    BPE tokenizer is trained on. Table files are read through ``datasets`` (memory-mapped; the later
+    ``map`` reuses that copy), so only the sampled rows become Python records."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    parts = list(source_parts(cfg, bad))
+    sizes = np.array([len(p.dataset) if isinstance(p, ArrowPart) else len(p) for p in parts], dtype=np.int64)
+    if cfg.limit is not None:  # the first ``limit`` records of the parts, in order
+        sizes = np.diff(np.minimum(np.concatenate([[0], np.cumsum(sizes)]), cfg.limit))
+    total = int(sizes.sum())
+    picked = np.unique(np.linspace(0, total - 1, min(n, total)).astype(np.int64)) if total else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for k, part in enumerate(parts):
+        rows = (picked[(picked >= starts[k]) & (picked < starts[k + 1])] - starts[k]).tolist()
+        if not rows:
+            continue
+        if isinstance(part, ArrowPart):
+            ds = mapped_columns_only(part.dataset, cfg).select(rows)
+            yield from rows_to_records([Row(r) for r in ds], cfg, bad)
+        else:
+            yield from (part[i] for i in rows)
