@@ -1,6 +1,7 @@
 """Data preparation at the scale users fine-tune on (a script, not a test).
 
     python benchmarks/data_scale.py [--records 200000] [--workdir /tmp/packfsdp_data_scale] [--skip-reference]
+    python benchmarks/data_scale.py --records 1000000 --skip-reference   # 1M chats (1.6 GB of JSONL)
 
 Generates N ChatML-style multi-turn chats (an optional system prompt, then user/assistant turns; ~1.3 kB of
 JSON each, like UltraChat) into a JSONL file, trains a byte-level BPE tokenizer with the ChatML markers once
@@ -79,6 +80,8 @@ def train_tokenizer(data: Path, out: Path, sample: int = 20000) -> float:
 
 PACKFSDP_CHILD = """
 import json, sys, time
+import trainer.collate, trainer.data, trainer.model, trainer.packing  # what build_training_data imports
+imports_done_at = time.time()
 from trainer.compose import compose_job_config, register_configs
 from trainer.pipeline import build_training_data
 register_configs()
@@ -93,7 +96,8 @@ first_microbatch_at = time.time()
 ds = data.dataset
 n = len(ds) + (len(data.eval_dataset) if data.eval_dataset is not None else 0)
 print(json.dumps({"examples": n, "tokens": ds.stats.tokens, "microbatches": plan.microbatches_per_rank,
-                  "packed_examples": len(ds), "plan_s": plan_s, "first_microbatch_at": first_microbatch_at}))
+                  "packed_examples": len(ds), "plan_s": plan_s, "first_microbatch_at": first_microbatch_at,
+                  "imports_done_at": imports_done_at}))
 """
 
 DATASETS_CHILD = """
@@ -186,6 +190,7 @@ def run_child(code: str, args: list[str], env: dict[str, str]) -> dict:
     peak = main_hwm[0] or usage.ru_maxrss * 1024
     if "first_microbatch_at" in answer:  # from the child's start (interpreter and imports included)
         answer["first_microbatch_s"] = answer["first_microbatch_at"] - started_at
+        answer["imports_s"] = answer["imports_done_at"] - started_at
     return answer | {"wall_s": wall, "peak_rss_gb": peak / 2**30, "peak_tree_rss_gb": peak_tree[0] / 2**30}
 
 
@@ -209,6 +214,8 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/packfsdp_data_scale"))
     parser.add_argument("--num-proc", type=int, default=2, help="workers of the datasets reference's map")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--warm-only", type=Path, metavar="CACHE",
+                        help="only the warm run, on the data.cache_dir of an earlier run (e.g. after a code change)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the packfsdp runs")
     args = parser.parse_args()
 
@@ -223,12 +230,14 @@ def main() -> None:
     if not (tok_dir / "tokenizer.json").is_file():
         print(f"BPE training on 20000 chats (excluded below): {train_tokenizer(data, tok_dir):.1f} s")
 
-    cache = work / f"cache-{time.time_ns()}"
+    cache = args.warm_only or work / f"cache-{time.time_ns()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     overrides = ["recipe=cpu_chat_sft", "data=jsonl", f"data.path={data}", f"model.tokenizer={tok_dir}",
                  f"data.cache_dir={cache}", "logger.peak_tflops=1", *args.overrides]
     runs = {"packfsdp cold": (PACKFSDP_CHILD, overrides), "packfsdp warm": (PACKFSDP_CHILD, overrides)}
-    if not args.skip_reference:
+    if args.warm_only:
+        del runs["packfsdp cold"]
+    if not (args.skip_reference or args.warm_only):
         runs[f"datasets map num_proc={args.num_proc}"] = (
             DATASETS_CHILD, [str(data), str(tok_dir), str(cache / "hf-reference"), str(args.num_proc)])
     print(f"{'run':<24} {'examples':>9} {'tokens':>11} {'wall s':>8} {'tokens/s':>10} {'peak RSS GB':>11} "
@@ -240,8 +249,9 @@ def main() -> None:
               f"{r['peak_rss_gb']:>11.2f} {r['peak_tree_rss_gb']:>11.2f}", flush=True)
     warm = results["packfsdp warm"]
     print(f"warm cache: packing {warm['packed_examples']} examples into {warm['microbatches']} micro-batches "
-          f"(the epoch plan) {warm['plan_s']:.2f} s; process start to first micro-batch {warm['first_microbatch_s']:.1f} s")
-    for rank, r in enumerate(ranks_sharing(overrides, env, 2, cache / "sync")):
+          f"(the epoch plan) {warm['plan_s']:.2f} s; process start to first micro-batch {warm['first_microbatch_s']:.1f} s "
+          f"(of which interpreter start and imports of torch/transformers/datasets {warm['imports_s']:.1f} s)")
+    for rank, r in enumerate([] if args.warm_only else ranks_sharing(overrides, env, 2, cache / "sync")):
         print(f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "
               f"private {r['private']:.2f} GB (every token page read)")
     print(f"load average at the end {load_average()}")
