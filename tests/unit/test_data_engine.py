@@ -190,3 +190,26 @@ def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
     monkeypatch.setattr(data_module, "BPE_SAMPLE_RECORDS", 5)
     load_tokenizer(ModelConfig(tokenizer_vocab_size=300), cfg)
     assert len(seen) == 1 and len(seen[0]) == 5 * 4  # 5 records x (role, content) of 2 messages
+
+
+def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenizer):
+    import csv as csv_module
+
+    path = tmp_path / "qa.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv_module.writer(f)
+        writer.writerow(["prompt", "response", "id"])
+        writer.writerow(["a question\nover two lines", "an answer", "1"])
+        writer.writerow(["", "", "2"])  # empty cells stay "" (an empty chat), not NaN
+        writer.writerow(["007", "a number-like cell stays text", "3"])
+        writer.writerow(["why?", "because", "4"])
+    cfg = DataConfig(source="csv", path=str(path), cache_dir=str(tmp_path / "cache"))
+    ds = load_dataset(cfg, tokenizer, max_length=64)
+    reference = render_records(load_records(cfg), tokenizer, cfg, max_length=64)
+    assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
+    assert ds.stats.dropped_empty == 1 and len(ds) == 3
+    bad = tmp_path / "chats.csv"
+    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n{""role"": ""assistant"", ""content"": ""yo""}]"\n'
+                   '"[{""role"": ""asistant"", ""content"": ""x""}]"\n')  # row 1 spans lines 2-3
+    with pytest.raises(BadRecordError, match=f"{bad}:4: unknown chat role 'asistant'"):
+        load_dataset(DataConfig(source="csv", path=str(bad), cache_dir=str(tmp_path / "cache")), tokenizer, max_length=64)

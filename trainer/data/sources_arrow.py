@@ -1,6 +1,6 @@
 """Sources as ``datasets`` tables, and the ``map`` that renders them (the Arrow path of ``trainer.data.engine``).
 
-``source_parts`` splits a source into parts: a ``datasets.Dataset`` per local JSON Lines or Parquet file (so
+``source_parts`` splits a source into parts: a ``datasets.Dataset`` per local JSON Lines, CSV or Parquet file (so
 every row knows its file), the ``hf`` source's dataset, a plugin's ``datasets.Dataset``, or a list of
 records for everything else. ``map_render`` renders a part with ``trainer.data.dataset.render_outcomes``
 inside a batched ``map``: one output row per input row with its tokens, mask, ``Outcome`` and, for a
@@ -9,6 +9,7 @@ skipped bad row, the reason.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import logging
 from collections.abc import Iterator
@@ -23,7 +24,7 @@ from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.dataset import Outcome, render_outcomes
 from trainer.data.sources import check_source, open_hf_dataset
-from trainer.data.tables import Row, mapped_columns_only, read_jsonl, read_parquet, rows_to_records, table_files
+from trainer.data.tables import Row, mapped_columns_only, read_csv, read_jsonl, read_parquet, rows_to_records, table_files
 from trainer.library_errors import library_load
 
 log = logging.getLogger(__name__)
@@ -31,24 +32,42 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Places:
-    """How row ``i`` of a part is named for the user: ``file:line`` of a JSON Lines file, else ``NAME row i``."""
+    """How row ``i`` of a part is named for the user: ``file:line`` of a JSON Lines or CSV file (the line the
+    row ends on, as the line readers say), else ``NAME row i``."""
 
     name: str
-    jsonl: bool = False
+    lines: str = ""
+    """``json`` or ``csv``: the part is that file, whose rows are named by line."""
 
     def where(self, index: int) -> str:
-        if not self.jsonl:
-            return f"{self.name} row {index}"
-        with open(self.name, "rb") as f:  # the index-th non-blank line (datasets skips blank ones)
-            rows = -1
-            for n, line in enumerate(f, 1):
-                rows += bool(line.strip())
-                if rows == index:
-                    return f"{self.name}:{n}"
-        return f"{self.name} row {index}"
+        line = _json_line(self.name, index) if self.lines == "json" else _csv_line(self.name, index) if self.lines else None
+        return f"{self.name}:{line}" if line is not None else f"{self.name} row {index}"
 
     def lazy(self, index: int) -> _LazyPlace:
         return _LazyPlace(self, index)
+
+
+def _json_line(file: str, index: int) -> int | None:
+    """The line of the ``index``-th non-blank line (``datasets`` skips blank ones)."""
+    with open(file, "rb") as f:
+        rows = -1
+        for n, line in enumerate(f, 1):
+            rows += bool(line.strip())
+            if rows == index:
+                return n
+    return None
+
+
+def _csv_line(file: str, index: int) -> int | None:
+    """The line the ``index``-th data row ends on (a quoted cell may span lines; blank lines hold no row)."""
+    with open(file, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader = csv.reader(f)
+        rows = -1  # the header row
+        for row in reader:
+            rows += bool(row)
+            if rows == index + 1:
+                return reader.line_num
+    return None
 
 
 class _LazyPlace(str):
@@ -76,7 +95,8 @@ class ArrowPart:
 def source_parts(cfg: DataConfig, bad: BadRecords) -> Iterator[ArrowPart | list]:
     """The source as parts, in order. A file ``datasets`` cannot read goes to the line reader (which names
     the bad line, or skips it) and comes back as records."""
-    readers = {"jsonl": ("json", (".jsonl", ".json"), read_jsonl), "parquet": ("parquet", (".parquet",), read_parquet)}
+    readers = {"jsonl": ("json", (".jsonl", ".json"), read_jsonl), "parquet": ("parquet", (".parquet",), read_parquet),
+               "csv": ("csv", (".csv",), read_csv)}
     if cfg.source in readers:
         builder, suffixes, reader = readers[cfg.source]
         for file in table_files(cfg, suffixes):
@@ -86,7 +106,7 @@ def source_parts(cfg: DataConfig, bad: BadRecords) -> Iterator[ArrowPart | list]
                 continue
             check_not_empty(file, len(ds), bad)
             if len(ds):
-                yield ArrowPart(ds, Places(str(file), jsonl=builder == "json"))
+                yield ArrowPart(ds, Places(str(file), lines=builder if builder in ("json", "csv") else ""))
         return
     if cfg.source == "hf":
         with library_load(f"data.path={cfg.path}"):
@@ -109,9 +129,11 @@ def _load_file(builder: str, file: Path, cfg: DataConfig):
     """``file`` read by ``datasets`` into Arrow (cached under ``data.cache_dir``), or ``None`` if it refuses it."""
     import datasets
 
+    # CSV cells stay strings, an empty one "", as Python's csv module reads them (pandas would infer numbers and NaN)
+    options = {"dtype": str, "keep_default_na": False, "na_filter": False} if builder == "csv" else {}
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train",
-                                     cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"))
+                                     cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"), **options)
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
         log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
         return None
