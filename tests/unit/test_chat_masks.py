@@ -9,18 +9,8 @@ import pytest
 import trainer.data.chat as chat
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, DEFAULT_CHAT_TEMPLATE, chat_segments_batch
 from trainer.data.tokenizer import train_bpe_tokenizer
+from tests.unit.test_chat_sources import LLAMA3_LIKE, QWEN_STYLE
 
-LLAMA3_LIKE = (
-    "{{ bos_token }}{% for m in messages %}<|start|>{{ m['role'] }}<|end|>\n\n{{ m['content'] }}<|eot|>{% endfor %}"
-    "{% if add_generation_prompt %}<|start|>assistant<|end|>\n\n{% endif %}"
-)
-QWEN_STYLE = (
-    "{% if messages[0]['role'] == 'system' %}<|im_start|>system\n{{ messages[0]['content'] }}<|im_end|>\n"
-    "{% else %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "{% for m in messages %}{% if not (loop.first and m['role'] == 'system') %}"
-    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 # Rewrites contents (trims them): the skeleton's check fails and each conversation is split by its prefixes.
 TRIMMING = "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] | trim }}\n{% endfor %}" \
            "{% if add_generation_prompt %}### assistant\n{% endif %}"
