@@ -96,7 +96,8 @@ first_microbatch_at = time.time()
 ds = data.dataset
 n = len(ds) + (len(data.eval_dataset) if data.eval_dataset is not None else 0)
 print(json.dumps({"examples": n, "tokens": ds.stats.tokens, "microbatches": plan.microbatches_per_rank,
-                  "packed_examples": len(ds), "plan_s": plan_s, "plan_cpu_s": plan_cpu_s, "first_microbatch_at": first_microbatch_at,
+                  "packed_examples": len(ds), "plan_s": plan_s, "plan_cpu_s": plan_cpu_s,
+                  "first_microbatch_at": first_microbatch_at,
                   "imports_done_at": imports_done_at}))
 """
 
@@ -249,7 +250,8 @@ def main() -> None:
               f"{r['peak_rss_gb']:>11.2f} {r['peak_tree_rss_gb']:>11.2f}", flush=True)
     warm = results["packfsdp warm"]
     print(f"warm cache: packing {warm['packed_examples']} examples into {warm['microbatches']} micro-batches "
-          f"(the epoch plan) {warm['plan_s']:.2f} s ({warm['plan_cpu_s']:.2f} s of CPU); process start to first micro-batch {warm['first_microbatch_s']:.1f} s "
+          f"(the epoch plan) {warm['plan_s']:.2f} s ({warm['plan_cpu_s']:.2f} s of CPU); "
+          f"process start to first micro-batch {warm['first_microbatch_s']:.1f} s "
           f"(of which interpreter start and imports of torch/transformers/datasets {warm['imports_s']:.1f} s)")
     for rank, r in enumerate([] if args.warm_only else ranks_sharing(overrides, env, 2, cache / "sync")):
         print(f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "

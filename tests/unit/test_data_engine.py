@@ -209,7 +209,8 @@ def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenize
     assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
     assert ds.stats.dropped_empty == 1 and len(ds) == 3
     bad = tmp_path / "chats.csv"
-    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n{""role"": ""assistant"", ""content"": ""yo""}]"\n'
-                   '"[{""role"": ""asistant"", ""content"": ""x""}]"\n')  # row 1 spans lines 2-3
+    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
+                   '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""asistant"", ""content"": ""x""}]"\n')
+    bad_cfg = DataConfig(source="csv", path=str(bad), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(BadRecordError, match=f"{bad}:4: unknown chat role 'asistant'"):
-        load_dataset(DataConfig(source="csv", path=str(bad), cache_dir=str(tmp_path / "cache")), tokenizer, max_length=64)
+        load_dataset(bad_cfg, tokenizer, max_length=64)

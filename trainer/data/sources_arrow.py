@@ -24,7 +24,9 @@ from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.dataset import Outcome, render_outcomes
 from trainer.data.sources import check_source, open_hf_dataset
-from trainer.data.tables import Row, mapped_columns_only, read_csv, read_jsonl, read_parquet, rows_to_records, table_files
+from trainer.data.tables import (
+    Row, mapped_columns_only, read_csv, read_jsonl, read_parquet, rows_to_records, table_files,
+)
 from trainer.library_errors import library_load
 
 log = logging.getLogger(__name__)
@@ -40,7 +42,8 @@ class Places:
     """``json`` or ``csv``: the part is that file, whose rows are named by line."""
 
     def where(self, index: int) -> str:
-        line = _json_line(self.name, index) if self.lines == "json" else _csv_line(self.name, index) if self.lines else None
+        find_line = {"json": _json_line, "csv": _csv_line}.get(self.lines)
+        line = find_line(self.name, index) if find_line else None
         return f"{self.name}:{line}" if line is not None else f"{self.name} row {index}"
 
     def lazy(self, index: int) -> _LazyPlace:

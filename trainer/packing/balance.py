@@ -71,7 +71,8 @@ def deal_bins(
     balance: str = "tokens",
 ) -> list[list[np.ndarray]]:
     """Rounds of ``world_size`` bins of similar weight (snake order), shuffled when ``rng`` is given."""
-    return [list(map(bins.__getitem__, row)) for row in deal_order(bin_weights(bins, lengths, balance), world_size, rng)]
+    order = deal_order(bin_weights(bins, lengths, balance), world_size, rng)
+    return [list(map(bins.__getitem__, row)) for row in order]
 
 
 def deal_order(weights: np.ndarray, world_size: int, rng: np.random.Generator | None) -> list[list[int]]:
