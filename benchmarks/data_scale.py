@@ -1,6 +1,7 @@
 """Data preparation at the scale users fine-tune on (a script, not a test).
 
     python benchmarks/data_scale.py [--records 200000] [--workdir /tmp/packfsdp_data_scale] [--skip-reference]
+    python benchmarks/data_scale.py --records 1000000 --skip-reference   # 1M chats (1.6 GB of JSONL)
 
 Generates N ChatML-style multi-turn chats (an optional system prompt, then user/assistant turns; ~1.3 kB of
 JSON each, like UltraChat) into a JSONL file, trains a byte-level BPE tokenizer with the ChatML markers once
@@ -9,6 +10,7 @@ on a sample (timed apart: the figures below exclude it), then runs, each in a fr
 - ``packfsdp cold``: ``trainer.pipeline.build_training_data`` for ``recipe=cpu_chat_sft data=jsonl`` on that
   file (tokenize into an empty cache, held-out split, sampler), as the trainer and ``trainer.analyze`` do;
 - ``packfsdp warm``: the same again, the tokenized cache now present;
+  it also times the epoch plan (packing every example) and the first micro-batch from the process start;
 - ``datasets``: the reference, ``datasets.load_dataset("json")`` + a batched ``map`` (``num_proc=2``) that
   renders each chat with the same template and tokenizes it, into Arrow.
 
@@ -77,15 +79,26 @@ def train_tokenizer(data: Path, out: Path, sample: int = 20000) -> float:
 
 
 PACKFSDP_CHILD = """
-import json, sys
+import json, sys, time
+import trainer.collate, trainer.data, trainer.model, trainer.packing  # what build_training_data imports
+imports_done_at = time.time()
 from trainer.compose import compose_job_config, register_configs
 from trainer.pipeline import build_training_data
 register_configs()
 cfg = compose_job_config(sys.argv[1:])
 data = build_training_data(cfg)
+start, cpu = time.perf_counter(), time.process_time()
+plan = data.sampler.plan(0)  # packing every example into bins, evening out and dealing them
+plan_s, plan_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+_, first, _ = data.sampler.next_microbatch()
+batch = data.collate(data.dataset, first, data.tokenizer.pad_token_id)
+first_microbatch_at = time.time()
 ds = data.dataset
 n = len(ds) + (len(data.eval_dataset) if data.eval_dataset is not None else 0)
-print(json.dumps({"examples": n, "tokens": ds.stats.tokens, "microbatches": data.sampler.microbatches_per_rank(0)}))
+print(json.dumps({"examples": n, "tokens": ds.stats.tokens, "microbatches": plan.microbatches_per_rank,
+                  "packed_examples": len(ds), "plan_s": plan_s, "plan_cpu_s": plan_cpu_s,
+                  "first_microbatch_at": first_microbatch_at,
+                  "imports_done_at": imports_done_at}))
 """
 
 DATASETS_CHILD = """
@@ -155,7 +168,7 @@ def tree_rss(pid: int) -> int:
 
 def run_child(code: str, args: list[str], env: dict[str, str]) -> dict:
     """Run ``code`` in a fresh interpreter; its JSON answer plus wall seconds and peak RSS (GB)."""
-    start = time.perf_counter()
+    start, started_at = time.perf_counter(), time.time()
     proc = subprocess.Popen([sys.executable, "-c", code, *args], cwd=ROOT, env=env, stdout=subprocess.PIPE)
     peak_tree, main_hwm, done = [0], [0], threading.Event()
 
@@ -176,6 +189,9 @@ def run_child(code: str, args: list[str], env: dict[str, str]) -> dict:
     # ru_maxrss also counts the parent's peak when the child was started by vfork (exec records the old
     # mm's high-water mark), so the child's own VmHWM is preferred once sampled.
     peak = main_hwm[0] or usage.ru_maxrss * 1024
+    if "first_microbatch_at" in answer:  # from the child's start (interpreter and imports included)
+        answer["first_microbatch_s"] = answer["first_microbatch_at"] - started_at
+        answer["imports_s"] = answer["imports_done_at"] - started_at
     return answer | {"wall_s": wall, "peak_rss_gb": peak / 2**30, "peak_tree_rss_gb": peak_tree[0] / 2**30}
 
 
@@ -188,12 +204,19 @@ def vm_hwm(pid: int) -> int:
         return 0
 
 
+def load_average() -> str:
+    """The 1, 5 and 15 minute load averages (the machine is shared: figures swing with it)."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=200_000)
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/packfsdp_data_scale"))
     parser.add_argument("--num-proc", type=int, default=2, help="workers of the datasets reference's map")
     parser.add_argument("--skip-reference", action="store_true")
+    parser.add_argument("--warm-only", type=Path, metavar="CACHE",
+                        help="only the warm run, on the data.cache_dir of an earlier run (e.g. after a code change)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the packfsdp runs")
     args = parser.parse_args()
 
@@ -204,27 +227,36 @@ def main() -> None:
         start = time.perf_counter()
         write_chats(data, args.records)
         print(f"generated {args.records} chats in {time.perf_counter() - start:.1f} s")
-    print(f"data: {data} ({data.stat().st_size / 1e6:.0f} MB)")
+    print(f"data: {data} ({data.stat().st_size / 1e6:.0f} MB); load average {load_average()}")
     if not (tok_dir / "tokenizer.json").is_file():
         print(f"BPE training on 20000 chats (excluded below): {train_tokenizer(data, tok_dir):.1f} s")
 
-    cache = work / f"cache-{time.time_ns()}"
+    cache = args.warm_only or work / f"cache-{time.time_ns()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
     overrides = ["recipe=cpu_chat_sft", "data=jsonl", f"data.path={data}", f"model.tokenizer={tok_dir}",
                  f"data.cache_dir={cache}", "logger.peak_tflops=1", *args.overrides]
     runs = {"packfsdp cold": (PACKFSDP_CHILD, overrides), "packfsdp warm": (PACKFSDP_CHILD, overrides)}
-    if not args.skip_reference:
+    if args.warm_only:
+        del runs["packfsdp cold"]
+    if not (args.skip_reference or args.warm_only):
         runs[f"datasets map num_proc={args.num_proc}"] = (
             DATASETS_CHILD, [str(data), str(tok_dir), str(cache / "hf-reference"), str(args.num_proc)])
     print(f"{'run':<24} {'examples':>9} {'tokens':>11} {'wall s':>8} {'tokens/s':>10} {'peak RSS GB':>11} "
           f"{'tree RSS GB':>11}")
+    results = {}
     for name, (code, child_args) in runs.items():
-        r = run_child(code, child_args, env)
+        r = results[name] = run_child(code, child_args, env)
         print(f"{name:<24} {r['examples']:>9} {r['tokens']:>11} {r['wall_s']:>8.1f} {r['tokens'] / r['wall_s']:>10.0f} "
               f"{r['peak_rss_gb']:>11.2f} {r['peak_tree_rss_gb']:>11.2f}", flush=True)
-    for rank, r in enumerate(ranks_sharing(overrides, env, 2, cache / "sync")):
+    warm = results["packfsdp warm"]
+    print(f"warm cache: packing {warm['packed_examples']} examples into {warm['microbatches']} micro-batches "
+          f"(the epoch plan) {warm['plan_s']:.2f} s ({warm['plan_cpu_s']:.2f} s of CPU); "
+          f"process start to first micro-batch {warm['first_microbatch_s']:.1f} s "
+          f"(of which interpreter start and imports of torch/transformers/datasets {warm['imports_s']:.1f} s)")
+    for rank, r in enumerate([] if args.warm_only else ranks_sharing(overrides, env, 2, cache / "sync")):
         print(f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "
               f"private {r['private']:.2f} GB (every token page read)")
+    print(f"load average at the end {load_average()}")
     print(textwrap.dedent(f"""\
         peak RSS: the child's main process (VmHWM); tree RSS: the child's process tree summed
         (sampled every 0.2 s; pages of a shared mapping count once per process). Cache: {cache}"""))

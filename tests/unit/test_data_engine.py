@@ -163,3 +163,54 @@ def test_parquet_and_saved_datasets_take_the_arrow_path(tmp_path, tokenizer, kin
     ds = load_dataset(cfg, tokenizer, max_length=128)
     reference = render_records(load_records(cfg), tokenizer, cfg, max_length=128)
     assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
+
+
+def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
+    import trainer.data as data_module
+    import trainer.data.tokenizer as tokenizer_module
+    from trainer.config import ModelConfig
+    from trainer.data import load_tokenizer
+    from trainer.data.sources_arrow import sample_records
+
+    path = write_jsonl(tmp_path / "chats.jsonl", chats(50))
+    cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
+    picked = [r["messages"][0]["content"] for r in sample_records(cfg, 5)]
+    assert picked == [f"question {i} about the weather" for i in (0, 12, 24, 36, 49)]  # spread evenly, in order
+    limited = [r["messages"][0]["content"] for r in sample_records(DataConfig(**{**cfg.__dict__, "limit": 10}), 3)]
+    assert limited == [f"question {i} about the weather" for i in (0, 4, 9)]
+    seen = []
+    real_train = tokenizer_module.train_bpe_tokenizer
+
+    def train(texts, *args):
+        assert not isinstance(texts, list)  # streamed into the trainer, never held together
+        seen.append(list(texts))
+        return real_train(seen[-1], *args)
+
+    monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer", train)
+    monkeypatch.setattr(data_module, "BPE_SAMPLE_RECORDS", 5)
+    load_tokenizer(ModelConfig(tokenizer_vocab_size=300), cfg)
+    assert len(seen) == 1 and len(seen[0]) == 5 * 4  # 5 records x (role, content) of 2 messages
+
+
+def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenizer):
+    import csv as csv_module
+
+    path = tmp_path / "qa.csv"
+    with open(path, "w", newline="") as f:
+        writer = csv_module.writer(f)
+        writer.writerow(["prompt", "response", "id"])
+        writer.writerow(["a question\nover two lines", "an answer", "1"])
+        writer.writerow(["", "", "2"])  # empty cells stay "" (an empty chat), not NaN
+        writer.writerow(["007", "a number-like cell stays text", "3"])
+        writer.writerow(["why?", "because", "4"])
+    cfg = DataConfig(source="csv", path=str(path), cache_dir=str(tmp_path / "cache"))
+    ds = load_dataset(cfg, tokenizer, max_length=64)
+    reference = render_records(load_records(cfg), tokenizer, cfg, max_length=64)
+    assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
+    assert ds.stats.dropped_empty == 1 and len(ds) == 3
+    bad = tmp_path / "chats.csv"
+    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
+                   '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""asistant"", ""content"": ""x""}]"\n')
+    bad_cfg = DataConfig(source="csv", path=str(bad), cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(BadRecordError, match=f"{bad}:4: unknown chat role 'asistant'"):
+        load_dataset(bad_cfg, tokenizer, max_length=64)

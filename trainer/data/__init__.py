@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import asdict
 from pathlib import Path
 
@@ -63,6 +63,23 @@ def pretokenized_refused(records: list[dict]) -> list[dict]:
     return records
 
 
+BPE_SAMPLE_RECORDS = 100_000
+"""The local BPE is trained on at most this many records per source, spread evenly over it (``sample_records``):
+enough for a small vocabulary, and preparing 1M records never holds them all."""
+
+
+def bpe_sample(cfg: DataConfig) -> Iterator[dict]:
+    """The records the local BPE is trained on; pre-tokenized data is refused (see ``pretokenized_refused``)."""
+    from trainer.data.sources_arrow import sample_records
+
+    records = sample_records(cfg, BPE_SAMPLE_RECORDS)
+    first = next(records, None)
+    if first is not None:
+        pretokenized_refused([first])
+        yield first
+        yield from records
+
+
 def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTokenizerBase:
     """The pretrained tokenizer named by the model config, or the local BPE trained on the data (cached).
 
@@ -71,10 +88,9 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
     name = model_cfg.tokenizer_name()
     if name == "local_bpe":
         components = [c for c, _ in mix_components(data_cfg)]
-        records = functools.cache(lambda: [r for c in components for r in pretokenized_refused(load_records(c))])
-        texts = lambda: [t for r in records() for t in record_texts(r)]  # noqa: E731
+        texts = lambda: (t for c in components for r in bpe_sample(c) for t in record_texts(r))  # noqa: E731
         extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
-        key = "".join(source_fingerprint(c) for c in components)
+        key = "".join(source_fingerprint(c) for c in components) + f"|sample {BPE_SAMPLE_RECORDS}"
         tokenizer = local_tokenizer(texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, key, extra)
     else:
         with library_load(f"the tokenizer {name}"):

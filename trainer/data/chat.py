@@ -4,17 +4,21 @@ A chat record is ``{"messages": [{"role": "system" | "user" | "assistant" | ...,
 It is rendered with the tokenizer's own chat template (``tokenizer.chat_template``) when it has one, else
 with ``model.chat_template`` (a Jinja string or one of the built-ins below).
 
-Which tokens are the assistant's is found by rendering the conversation prefix by prefix, never by
+Which characters are the assistant's is found by rendering the conversation prefix by prefix, never by
 searching the rendered text for role markers (which breaks on templates we have not seen)::
 
     P(k)      = render(messages[:k])                                  text up to the end of message k-1
     G(k)      = render(messages[:k], add_generation_prompt=True)       ... plus the assistant header
     message k = assistant: P(k) | G(k) - P(k) header (no loss) | P(k+1) - G(k) reply + end-of-turn (loss)
 
-Each piece is tokenized on its own and the pieces are concatenated, so the prompt tokens are exactly what
-the model sees at inference time (``add_generation_prompt=True``) and the reply tokens start where
-generation starts. A template whose prefixes are not prefixes of the whole (one that rewrites earlier
-turns, e.g. moves the system prompt) cannot be split this way and fails with a clear error.
+The prefixes are rendered once per role sequence, with placeholder contents (``_Skeleton``); a conversation
+is then rendered once, and where its text is the skeleton's with its contents in place, its reply spans
+are the skeleton's, moved by the contents' lengths (else its own prefixes are rendered). The whole text is
+tokenized in one call and a token carries loss when one of its characters lies in a reply span (the
+offsets of the fast tokenizer; the rule of ``apply_chat_template(return_assistant_tokens_mask=True)``),
+so the tokens are exactly those of the rendered conversation. A template whose prefixes are not prefixes of
+the whole (one that rewrites earlier turns, e.g. moves the system prompt) cannot be split this way and
+fails with a clear error (``data.loss_on=all`` needs no split and takes it).
 """
 
 from __future__ import annotations
@@ -126,13 +130,157 @@ def chat_segments(
 def chat_segments_batch(
     conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, template: str, loss_on: str
 ) -> list[list[Segment]]:
-    """``chat_segments`` of many conversations: all their prefixes rendered in one pass (see ``_renderer``)."""
-    plain = [m[: k + 1] for m in conversations for k in range(len(m))]
-    prompts = [m[:k] for m in conversations for k, message in enumerate(m) if message["role"] == ASSISTANT]
+    """``chat_segments`` of many conversations: each rendered once, all tokenized in one batched call. With a
+    fast tokenizer the segments hold token ids; with a slow one (no offsets) text pieces, tokenized apart."""
+    texts_and_spans = loss_spans_batch(conversations, tokenizer, template, loss_on)
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is None:
+        return [_text_segments(text, spans) for text, spans in texts_and_spans]
+    encodings = backend.encode_batch([text for text, _ in texts_and_spans], add_special_tokens=False)
+    return [_token_segments(e, spans) for e, (_, spans) in zip(encodings, texts_and_spans)]
+
+
+Span = tuple[int, int]
+"""Characters ``[start, end)`` of a rendered conversation that carry loss."""
+
+
+def loss_spans_batch(
+    conversations: list[list[dict]], tokenizer: PreTrainedTokenizerBase, template: str, loss_on: str
+) -> list[tuple[str, list[Span]]]:
+    """Each conversation's rendered text and its loss spans: everything under ``loss_on=all``, else each
+    assistant reply ``P(k+1) - G(k)``. Conversations of one role sequence share a skeleton (``_Skeleton``),
+    so each is rendered once; one the skeleton does not predict is split by its own prefixes."""
     render = _renderer(tokenizer, template, conversations)
-    plain_texts = iter([render(p, False) for p in plain])
-    prompt_texts = iter([render(p, True) if p else _render_empty(tokenizer, template, True) for p in prompts])
-    return [_split(m, plain_texts, prompt_texts, loss_on) for m in conversations]
+    if loss_on == "all":
+        return [(text, [(0, len(text))]) for text in (render(m, False) for m in conversations)]
+    empty_prompt = _LazyEmptyPrompt(tokenizer, template)
+    skeletons: dict[tuple[str, ...], _Skeleton | None] = {}
+    out = []
+    for messages in conversations:
+        roles = tuple(m["role"] for m in messages)
+        if roles not in skeletons:
+            skeletons[roles] = _Skeleton.of(roles, render, empty_prompt)
+        skeleton = skeletons[roles]
+        found = skeleton.apply(messages, render) if skeleton is not None else None
+        out.append(found or _prefix_spans(messages, render, empty_prompt))
+    return out
+
+
+SENTINEL = "\ue000{}\ue001"
+"""The content of message k in a skeleton: private-use characters no template writes itself."""
+
+
+@dataclass
+class _Skeleton:
+    """A role sequence rendered with sentinel contents: the text around the contents (``literals``) and each
+    loss span's ends as (literal index, offset into it). A conversation of these roles whose own rendering
+    is the literals with its contents in between (checked, one render) has its spans at the same places;
+    a template that rewrites contents (trims, escapes, drops one) fails the check and is split by prefixes."""
+
+    literals: list[str]
+    ends: list[tuple[tuple[int, int], tuple[int, int]]]
+
+    @classmethod
+    def of(cls, roles: tuple[str, ...], render, empty_prompt) -> _Skeleton | None:
+        messages = [{"role": role, "content": SENTINEL.format(k)} for k, role in enumerate(roles)]
+        text, spans = _prefix_spans(messages, render, empty_prompt)
+        literals, bounds, pos = [], [], 0
+        for k in range(len(roles)):
+            sentinel = SENTINEL.format(k)
+            at = text.find(sentinel, pos)
+            if at < 0 or text.count(sentinel) != 1:
+                return None  # the template drops or repeats a content
+            literals.append(text[pos:at])
+            bounds.append((at, at + len(sentinel)))
+            pos = at + len(sentinel)
+        literals.append(text[pos:])
+
+        def locate(char: int) -> tuple[int, int] | None:
+            j = sum(end <= char for _, end in bounds)  # the contents wholly before ``char``
+            if j < len(bounds) and bounds[j][0] < char:
+                return None  # inside a content
+            return j, char - (bounds[j - 1][1] if j else 0)
+
+        ends = [(locate(a), locate(b)) for a, b in spans]
+        return None if any(x is None for pair in ends for x in pair) else cls(literals, ends)
+
+    def apply(self, messages: list[dict], render) -> tuple[str, list[Span]] | None:
+        """``messages``' text and spans, or ``None`` when its rendering is not the skeleton's."""
+        starts, pieces, pos = [], [], 0
+        for literal, message in zip(self.literals, messages):
+            starts.append(pos)
+            pieces += [literal, message["content"]]
+            pos += len(literal) + len(message["content"])
+        starts.append(pos)
+        pieces.append(self.literals[-1])
+        text = render(messages, False)
+        if text != "".join(pieces):
+            return None
+        return text, [(starts[a[0]] + a[1], starts[b[0]] + b[1]) for a, b in self.ends]
+
+
+class _LazyEmptyPrompt:
+    """The generation prompt of an empty conversation, rendered once and only when needed."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, template: str) -> None:
+        self.tokenizer, self.template, self.text = tokenizer, template, None
+
+    def __call__(self) -> str:
+        if self.text is None:
+            self.text = _render_empty(self.tokenizer, self.template, True)
+        return self.text
+
+
+def _prefix_spans(messages: list[dict], render, empty_prompt) -> tuple[str, list[Span]]:
+    """The whole text and each assistant reply's span ``[G(k), P(k+1))``, from the prefix renders."""
+    spans: list[Span] = []
+    done = ""  # the text accounted for so far
+    for k, message in enumerate(messages):
+        if message["role"] == ASSISTANT:
+            prompt = render(messages[:k], True) if k else empty_prompt()
+            _check_prefix(prompt, done, k)
+            done = prompt
+        full = render(messages[: k + 1], False)
+        _check_prefix(full, done, k)
+        if message["role"] == ASSISTANT and len(full) > len(done):
+            spans.append((len(done), len(full)))
+        done = full
+    return done, spans
+
+
+def _token_segments(encoding, spans: list[Span]) -> list[Segment]:
+    """Token-id segments of one encoded text: a token carries loss when any of its characters lies in a
+    span (the rule of ``return_assistant_tokens_mask``: a token across a span's edge is the reply's)."""
+    ids, segments, done = encoding.ids, [], 0
+    for a, b in spans:
+        first, last = _token_at(encoding, range(a, b)), _token_at(encoding, range(b - 1, a - 1, -1))
+        if first is None or last is None:
+            continue
+        first = max(first, done)
+        segments += [Segment(ids[done:first], False), Segment(ids[first : last + 1], True)]
+        done = max(done, last + 1)
+    segments.append(Segment(ids[done:], False))
+    return [s for s in segments if s.text]
+
+
+def _token_at(encoding, chars: range) -> int | None:
+    """The token of the first of ``chars`` that has one (a character may belong to none, e.g. one the
+    normalizer removed)."""
+    for c in chars:
+        token = encoding.char_to_token(c)
+        if token is not None:
+            return token
+    return None
+
+
+def _text_segments(text: str, spans: list[Span]) -> list[Segment]:
+    """Text pieces split at the span edges (a tokenizer without offsets tokenizes each piece apart)."""
+    segments, done = [], 0
+    for a, b in spans:
+        segments += [Segment(text[done:a], False), Segment(text[a:b], True)]
+        done = b
+    segments.append(Segment(text[done:], False))
+    return [s for s in segments if s.text]
 
 
 def _renderer(tokenizer: PreTrainedTokenizerBase, template: str, conversations: list[list[dict]]):
@@ -170,26 +318,10 @@ def _render_empty(tokenizer: PreTrainedTokenizerBase, template: str, gen: bool) 
         return ""
 
 
-def _split(messages: list[dict], plain_texts, prompt_texts, loss_on: str) -> list[Segment]:
-    """One conversation's segments from its rendered prefixes, taken in order from the two iterators."""
-    segments: list[Segment] = []
-    done = ""  # the text covered by segments so far
-    for k, message in enumerate(messages):
-        if message["role"] == ASSISTANT:
-            prompt = next(prompt_texts)
-            segments.append(Segment(_tail(prompt, done, k), loss_on == "all"))
-            done = prompt
-        full = next(plain_texts)
-        segments.append(Segment(_tail(full, done, k), loss_on == "all" or message["role"] == ASSISTANT))
-        done = full
-    return [s for s in segments if s.text]
-
-
-def _tail(text: str, prefix: str, k: int) -> str:
+def _check_prefix(text: str, prefix: str, k: int) -> None:
     if not text.startswith(prefix):
         raise ChatTemplateError(
             f"the chat template renders messages[:{k}] as text that is not a prefix of the longer conversation, so "
             "assistant tokens cannot be told apart from the prompt; set model.chat_template (e.g. 'chatml' or "
             "'default', or your own Jinja string) or data.loss_on=all"
         )
-    return text[len(prefix):]

@@ -29,8 +29,9 @@ from trainer.data.sources import Record
 
 log = logging.getLogger(__name__)
 
-RENDER_VERSION = 2
-"""Bumped whenever rendering changes, so stale cached datasets are never reused."""
+RENDER_VERSION = 3
+"""Bumped whenever rendering changes, so stale cached datasets are never reused (3: a chat is tokenized
+whole, its mask taken from character spans, no longer piece by piece)."""
 
 
 @dataclass
@@ -166,13 +167,13 @@ def record_segments(
     """
     if "input_ids" in record:
         return token_segments(record, len(tokenizer), loss_on, where)
-    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-    eos = tokenizer.eos_token_id
     if "messages" in record:
         messages = check_messages(record["messages"], where)
         if not any(m["content"].strip() for m in messages):
             return None
         return ChatToRender(messages)
+    bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    eos = tokenizer.eos_token_id
     if "turns" in record:
         turns = record["turns"]
         if not isinstance(turns, list) or not all(isinstance(t, str) for t in turns):

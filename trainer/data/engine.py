@@ -2,7 +2,7 @@
 
 Two paths write the same arrays (``trainer.data.arrays``):
 
-- **Arrow** (``jsonl`` and ``parquet`` files, ``hf`` datasets, a plugin source returning a
+- **Arrow** (``jsonl``, ``csv`` and ``parquet`` files, ``hf`` datasets, a plugin source returning a
   ``datasets.Dataset``): each file is read by ``datasets`` into memory-mapped Arrow, then rendered,
   tokenized and masked by a batched, multi-process ``map`` (``data.num_proc``; its output is cached by a
   fingerprint of the input and of what rendering depends on). The flat arrays are then copied out of the

@@ -1,6 +1,6 @@
 """Sources as ``datasets`` tables, and the ``map`` that renders them (the Arrow path of ``trainer.data.engine``).
 
-``source_parts`` splits a source into parts: a ``datasets.Dataset`` per local JSON Lines or Parquet file (so
+``source_parts`` splits a source into parts: a ``datasets.Dataset`` per local JSON Lines, CSV or Parquet file (so
 every row knows its file), the ``hf`` source's dataset, a plugin's ``datasets.Dataset``, or a list of
 records for everything else. ``map_render`` renders a part with ``trainer.data.dataset.render_outcomes``
 inside a batched ``map``: one output row per input row with its tokens, mask, ``Outcome`` and, for a
@@ -9,11 +9,14 @@ skipped bad row, the reason.
 
 from __future__ import annotations
 
+import csv
 import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from transformers import PreTrainedTokenizerBase
 
@@ -21,7 +24,9 @@ from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.dataset import Outcome, render_outcomes
 from trainer.data.sources import check_source, open_hf_dataset
-from trainer.data.tables import Row, mapped_columns_only, read_jsonl, read_parquet, rows_to_records, table_files
+from trainer.data.tables import (
+    Row, mapped_columns_only, read_csv, read_jsonl, read_parquet, rows_to_records, table_files,
+)
 from trainer.library_errors import library_load
 
 log = logging.getLogger(__name__)
@@ -29,24 +34,43 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Places:
-    """How row ``i`` of a part is named for the user: ``file:line`` of a JSON Lines file, else ``NAME row i``."""
+    """How row ``i`` of a part is named for the user: ``file:line`` of a JSON Lines or CSV file (the line the
+    row ends on, as the line readers say), else ``NAME row i``."""
 
     name: str
-    jsonl: bool = False
+    lines: str = ""
+    """``json`` or ``csv``: the part is that file, whose rows are named by line."""
 
     def where(self, index: int) -> str:
-        if not self.jsonl:
-            return f"{self.name} row {index}"
-        with open(self.name, "rb") as f:  # the index-th non-blank line (datasets skips blank ones)
-            rows = -1
-            for n, line in enumerate(f, 1):
-                rows += bool(line.strip())
-                if rows == index:
-                    return f"{self.name}:{n}"
-        return f"{self.name} row {index}"
+        find_line = {"json": _json_line, "csv": _csv_line}.get(self.lines)
+        line = find_line(self.name, index) if find_line else None
+        return f"{self.name}:{line}" if line is not None else f"{self.name} row {index}"
 
     def lazy(self, index: int) -> _LazyPlace:
         return _LazyPlace(self, index)
+
+
+def _json_line(file: str, index: int) -> int | None:
+    """The line of the ``index``-th non-blank line (``datasets`` skips blank ones)."""
+    with open(file, "rb") as f:
+        rows = -1
+        for n, line in enumerate(f, 1):
+            rows += bool(line.strip())
+            if rows == index:
+                return n
+    return None
+
+
+def _csv_line(file: str, index: int) -> int | None:
+    """The line the ``index``-th data row ends on (a quoted cell may span lines; blank lines hold no row)."""
+    with open(file, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader = csv.reader(f)
+        rows = -1  # the header row
+        for row in reader:
+            rows += bool(row)
+            if rows == index + 1:
+                return reader.line_num
+    return None
 
 
 class _LazyPlace(str):
@@ -74,7 +98,8 @@ class ArrowPart:
 def source_parts(cfg: DataConfig, bad: BadRecords) -> Iterator[ArrowPart | list]:
     """The source as parts, in order. A file ``datasets`` cannot read goes to the line reader (which names
     the bad line, or skips it) and comes back as records."""
-    readers = {"jsonl": ("json", (".jsonl", ".json"), read_jsonl), "parquet": ("parquet", (".parquet",), read_parquet)}
+    readers = {"jsonl": ("json", (".jsonl", ".json"), read_jsonl), "parquet": ("parquet", (".parquet",), read_parquet),
+               "csv": ("csv", (".csv",), read_csv)}
     if cfg.source in readers:
         builder, suffixes, reader = readers[cfg.source]
         for file in table_files(cfg, suffixes):
@@ -84,7 +109,7 @@ def source_parts(cfg: DataConfig, bad: BadRecords) -> Iterator[ArrowPart | list]
                 continue
             check_not_empty(file, len(ds), bad)
             if len(ds):
-                yield ArrowPart(ds, Places(str(file), jsonl=builder == "json"))
+                yield ArrowPart(ds, Places(str(file), lines=builder if builder in ("json", "csv") else ""))
         return
     if cfg.source == "hf":
         with library_load(f"data.path={cfg.path}"):
@@ -107,9 +132,11 @@ def _load_file(builder: str, file: Path, cfg: DataConfig):
     """``file`` read by ``datasets`` into Arrow (cached under ``data.cache_dir``), or ``None`` if it refuses it."""
     import datasets
 
+    # CSV cells stay strings, an empty one "", as Python's csv module reads them (pandas would infer numbers and NaN)
+    options = {"dtype": str, "keep_default_na": False, "na_filter": False} if builder == "csv" else {}
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train",
-                                     cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"))
+                                     cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"), **options)
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
         log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
         return None
@@ -175,3 +202,26 @@ def map_render(ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokeniz
         fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "max_length": max_length, "places": places},
         desc=f"packfsdp: rendering {cfg.source}",
     )
+
+
+def sample_records(cfg: DataConfig, n: int) -> Iterator[dict]:
+    """Up to ``n`` records spread evenly over the source (its first ``data.limit``), in order: what the local
+    BPE tokenizer is trained on. Table files are read through ``datasets`` (memory-mapped; the later
+    ``map`` reuses that copy), so only the sampled rows become Python records."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    parts = list(source_parts(cfg, bad))
+    sizes = np.array([len(p.dataset) if isinstance(p, ArrowPart) else len(p) for p in parts], dtype=np.int64)
+    if cfg.limit is not None:  # the first ``limit`` records of the parts, in order
+        sizes = np.diff(np.minimum(np.concatenate([[0], np.cumsum(sizes)]), cfg.limit))
+    total = int(sizes.sum())
+    picked = np.unique(np.linspace(0, total - 1, min(n, total)).astype(np.int64)) if total else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for k, part in enumerate(parts):
+        rows = (picked[(picked >= starts[k]) & (picked < starts[k + 1])] - starts[k]).tolist()
+        if not rows:
+            continue
+        if isinstance(part, ArrowPart):
+            ds = mapped_columns_only(part.dataset, cfg).select(rows)
+            yield from rows_to_records([Row(r) for r in ds], cfg, bad)
+        else:
+            yield from (part[i] for i in rows)

@@ -48,7 +48,7 @@ def train_bpe_tokenizer(
 
 
 def local_tokenizer(
-    texts: Callable[[], list[str]],
+    texts: Callable[[], Iterable[str]],
     vocab_size: int,
     cache_dir: str | Path,
     cache_key: str,
@@ -56,8 +56,9 @@ def local_tokenizer(
 ) -> PreTrainedTokenizerBase:
     """Load the cached local tokenizer for ``cache_key``, training (on rank 0) and caching it first if needed.
 
-    ``texts`` is called only on a cache miss; ``cache_key`` names what the texts are (source, seed, size)
-    and, with the vocab size, selects the cache entry.
+    ``texts`` is called only on a cache miss and may be an iterator (the texts are streamed into the
+    trainer, never held together); ``cache_key`` names what the texts are (source, seed, size, sample) and,
+    with the vocab size, selects the cache entry.
     """
     key = [cache_key, vocab_size] + ([extra_special_tokens] if extra_special_tokens else [])
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
@@ -66,9 +67,8 @@ def local_tokenizer(
     def train_into_cache() -> None:
         if (path / "tokenizer.json").is_file():
             return
-        corpus = texts()
-        log.info("training a byte-level BPE tokenizer (vocab %d) on %d texts", vocab_size, len(corpus))
-        tokenizer = train_bpe_tokenizer(corpus, vocab_size, extra_special_tokens)
+        log.info("training a byte-level BPE tokenizer (vocab %d)", vocab_size)
+        tokenizer = train_bpe_tokenizer(texts(), vocab_size, extra_special_tokens)
         tmp = path.with_name(path.name + ".tmp")
         tokenizer.save_pretrained(tmp)
         shutil.rmtree(path, ignore_errors=True)

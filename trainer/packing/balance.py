@@ -18,16 +18,29 @@ import numpy as np
 
 from trainer.packing.strategies import item_lengths
 
-WORK_MEASURES: dict[str, Callable[[np.ndarray], int]] = {
-    "tokens": lambda sizes: int(sizes.sum()),
-    "attention": lambda sizes: int((sizes * sizes).sum()),
+WORK_MEASURES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
+    "tokens": lambda sizes: sizes,
+    "attention": lambda sizes: sizes * sizes,
 }
-"""What ranks can be balanced on (``packing.balance``): work of a bin from its items' lengths."""
+"""What ranks can be balanced on (``packing.balance``): the work of each item of a bin from its length
+(a bin's work is the sum over its items)."""
 
 
 def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str = "tokens") -> int:
     """Work in a bin: its tokens, or its attention cost (sum of squared item lengths)."""
-    return WORK_MEASURES[balance](item_lengths(bin_, lengths))
+    return int(WORK_MEASURES[balance](item_lengths(bin_, lengths)).sum())
+
+
+def bin_weights(bins: list[np.ndarray], lengths: np.ndarray, balance: str = "tokens") -> np.ndarray:
+    """``bin_weight`` of every bin, in one numpy pass (a plan over 1M examples has ~100k bins)."""
+    out = np.zeros(len(bins), dtype=np.int64)
+    counts = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
+    if not counts.sum():
+        return out
+    work = WORK_MEASURES[balance](item_lengths(np.concatenate(bins), lengths))
+    filled = counts > 0  # an empty bin has no item between its neighbours' starts
+    out[filled] = np.add.reduceat(work, (np.cumsum(counts) - counts)[filled])
+    return out
 
 
 def even_out_bins(
@@ -39,10 +52,10 @@ def even_out_bins(
     if need == 0:
         return bins, 0, 0
     bins = list(bins)
-    splittable = [i for i, b in enumerate(bins) if len(b) >= 2]
-    splittable.sort(key=lambda i: bin_weight(bins[i], lengths, balance), reverse=True)
+    splittable = np.flatnonzero(np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)) >= 2)
+    heaviest_first = np.argsort(-bin_weights([bins[i] for i in splittable], lengths, balance), kind="stable")
     splits = 0
-    for i in splittable[:need]:
+    for i in splittable[heaviest_first[:need]].tolist():
         b = bins[i][np.argsort(-item_lengths(bins[i], lengths), kind="stable")]
         bins[i], extra = b[0::2], b[1::2]
         bins.append(extra)
@@ -58,12 +71,20 @@ def deal_bins(
     balance: str = "tokens",
 ) -> list[list[np.ndarray]]:
     """Rounds of ``world_size`` bins of similar weight (snake order), shuffled when ``rng`` is given."""
-    weights = np.array([bin_weight(b, lengths, balance) for b in bins], dtype=np.int64)
-    order = np.argsort(-weights, kind="stable")
-    rounds = []
-    for k in range(0, len(order), world_size):
-        group = [bins[j] for j in order[k : k + world_size]]
-        rounds.append(group if (k // world_size) % 2 == 0 else group[::-1])
+    order = deal_order(bin_weights(bins, lengths, balance), world_size, rng)
+    return [list(map(bins.__getitem__, row)) for row in order]
+
+
+def deal_order(weights: np.ndarray, world_size: int, rng: np.random.Generator | None) -> list[list[int]]:
+    """``deal_bins`` as bin indices: ``rounds[k][r]`` is the bin of rank r in round k."""
+    order = np.argsort(-np.asarray(weights), kind="stable")
+    full = len(order) - len(order) % world_size
+    grid = order[:full].reshape(-1, world_size)
+    grid[1::2] = grid[1::2, ::-1].copy()  # snake: the heaviest bin goes to rank 0, then to the last rank
+    rounds = grid.tolist()
+    if full < len(order):
+        tail = order[full:].tolist()
+        rounds.append(tail if len(rounds) % 2 == 0 else tail[::-1])
     if rng is not None:
         rounds = [rounds[i] for i in rng.permutation(len(rounds))]
     return rounds
@@ -82,10 +103,15 @@ def rank_balance(rounds: list[list[np.ndarray]], weight, grad_accum: int = 1) ->
         share of time ranks wait, if time ~ work); ``worst_step_skew``: max over steps of max/mean - 1;
         ``epoch_skew``: max/mean - 1 of whole-epoch totals per rank.
     """
-    if not rounds:
+    return rank_balance_of(np.array([[weight(b) for b in rnd] for rnd in rounds], dtype=np.float64), grad_accum)
+
+
+def rank_balance_of(w: np.ndarray, grad_accum: int = 1) -> dict[str, float]:
+    """``rank_balance`` from the work of every micro-batch, ``w[k, r]`` (round k, rank r)."""
+    if not len(w):
         return {"skew": 0.0, "worst_step_skew": 0.0, "epoch_skew": 0.0, "steps": 0}
-    w = np.array([[weight(b) for b in rnd] for rnd in rounds], dtype=np.float64)
-    steps = np.add.reduceat(w, np.arange(0, len(rounds), grad_accum), axis=0)
+    w = np.asarray(w, dtype=np.float64)
+    steps = np.add.reduceat(w, np.arange(0, len(w), grad_accum), axis=0)
     peak, mean = steps.max(axis=1), steps.mean(axis=1)
     ok = mean > 0
     totals = w.sum(axis=0)

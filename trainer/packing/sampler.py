@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.packing.balance import bin_weight, deal_bins, even_out_bins, rank_balance
+from trainer.packing.balance import bin_weights, deal_order, even_out_bins, rank_balance, rank_balance_of
 from trainer.packing.strategies import PackParams, PackStats, get_strategy, pack
 
 if TYPE_CHECKING:  # trainer.config imports the strategy registry from this package
@@ -44,6 +44,8 @@ class EpochPlan:
     """Bins split in two to make the count a multiple of the world size (cumulative over re-deals)."""
     filler_microbatches: int = 0
     """Empty micro-batches added because nothing could be split (cumulative over re-deals)."""
+    work: np.ndarray | None = None
+    """``work[k, r]``: the balanced measure (``packing.balance``) of ``rounds[k][r]``, kept from the deal."""
 
     @property
     def microbatches_per_rank(self) -> int:
@@ -104,8 +106,11 @@ class MicroBatchSampler:
     def _deal(self, bins, world_size: int, epoch: int, stream: int, stats: PackStats) -> EpochPlan:
         bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.cfg.balance)
         rng = self._rng(epoch, stream) if self.cfg.shuffle else None
-        rounds = deal_bins(bins, world_size, self.lengths, rng, self.cfg.balance)
-        return EpochPlan(rounds, world_size, stats, splits, fillers)
+        weights = bin_weights(bins, self.lengths, self.cfg.balance)
+        order = deal_order(weights, world_size, rng)
+        rounds = [list(map(bins.__getitem__, row)) for row in order]
+        work = weights[np.array(order, dtype=np.int64).reshape(-1, world_size)]  # evened out: full rounds only
+        return EpochPlan(rounds, world_size, stats, splits, fillers, work)
 
     def plan(self, epoch: int) -> EpochPlan:
         """The epoch's plan for this world (re-dealt along ``lineage`` for the current epoch)."""
@@ -161,8 +166,10 @@ class MicroBatchSampler:
 
     def balance_report(self, epoch: int = 0, weight=None) -> dict[str, float]:
         """Rank skew of this epoch's plan; ``weight`` defaults to the configured balance measure."""
-        weight = weight or (lambda b: bin_weight(b, self.lengths, self.cfg.balance))
-        return rank_balance(self.plan(epoch).rounds, weight, self.grad_accum)
+        plan = self.plan(epoch)
+        if weight is None:
+            return rank_balance_of(plan.work, self.grad_accum)
+        return rank_balance(plan.rounds, weight, self.grad_accum)
 
     def microbatches_per_rank(self, epoch: int) -> int:
         return self.plan(epoch).microbatches_per_rank
