@@ -192,8 +192,10 @@ def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
     assert len(seen) == 1 and len(seen[0]) == 5 * 4  # 5 records x (role, content) of 2 messages
 
 
-def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenizer):
+def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenizer, monkeypatch):
     import csv as csv_module
+
+    from trainer.data import sources_arrow
 
     path = tmp_path / "qa.csv"
     with open(path, "w", newline="") as f:
@@ -204,8 +206,10 @@ def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenize
         writer.writerow(["007", "a number-like cell stays text", "3"])
         writer.writerow(["why?", "because", "4"])
     cfg = DataConfig(source="csv", path=str(path), cache_dir=str(tmp_path / "cache"))
-    ds = load_dataset(cfg, tokenizer, max_length=64)
     reference = render_records(load_records(cfg), tokenizer, cfg, max_length=64)
+    with monkeypatch.context() as m:  # the line reader is the fallback for files datasets refuses: not this one
+        m.setattr(sources_arrow, "read_csv", lambda *a, **k: pytest.fail("csv fell back to the line reader"))
+        ds = load_dataset(cfg, tokenizer, max_length=64)
     assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
     assert ds.stats.dropped_empty == 1 and len(ds) == 3
     bad = tmp_path / "chats.csv"

@@ -202,3 +202,21 @@ def test_a_datasets_source_is_split_between_ranks_by_node(tmp_path, tokenizer):
             seen += [tuple(t.tolist()) for t, _ in stream.next_chunk()]
         passes.append(set(seen))
     assert not passes[0] & passes[1] and len(passes[0] | passes[1]) == 30
+
+
+def test_a_streamed_csv_reads_cells_as_the_cached_path_does_and_names_bad_rows_by_line(tmp_path, tokenizer, caplog):
+    """Cells stay strings ("007" is not the number 7), as on the cached Arrow path, and a bad row is named
+    ``file:line`` by the line its row ends on (the first row's quoted cell spans two lines)."""
+    path = tmp_path / "d.csv"
+    path.write_text('prompt,response\n007,"line one\nline two"\nhello,there\n')
+    cfg = DataConfig(source="csv", path=str(path), streaming=True)
+    stream = ExampleStream(cfg, tokenizer, 64)
+    first = stream.next_chunk()[0][0]
+    assert "007" in tokenizer.decode(first) and stream.stats.examples == 2
+    bad = tmp_path / "chats.csv"
+    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
+                   '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""wizard"", ""content"": ""x""}]"\n')
+    with caplog.at_level(logging.WARNING):
+        stream = ExampleStream(replace(cfg, path=str(bad), on_bad_record="skip"), tokenizer, 64)
+        stream.next_chunk()
+    assert stream.stats.dropped_bad == 1 and f"{bad}:4" in caplog.text

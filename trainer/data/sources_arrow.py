@@ -128,15 +128,28 @@ def _is_dataset(value: object) -> bool:
     return isinstance(value, datasets.Dataset)
 
 
+def reader_options(builder: str, file: Path) -> dict:
+    """``load_dataset`` options of a file builder: CSV cells stay strings, an empty one "", as Python's csv
+    module reads them (pandas would infer numbers and NaN): every column of the header typed ``string``."""
+    if builder != "csv":
+        return {}
+    import csv
+
+    import datasets
+
+    with open(file, newline="", encoding="utf-8-sig", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    features = datasets.Features({name: datasets.Value("string") for name in header}) if header else None
+    return {"features": features, "keep_default_na": False, "na_filter": False}
+
+
 def _load_file(builder: str, file: Path, cfg: DataConfig):
     """``file`` read by ``datasets`` into Arrow (cached under ``data.cache_dir``), or ``None`` if it refuses it."""
     import datasets
 
-    # CSV cells stay strings, an empty one "", as Python's csv module reads them (pandas would infer numbers and NaN)
-    options = {"dtype": str, "keep_default_na": False, "na_filter": False} if builder == "csv" else {}
     try:
         return datasets.load_dataset(builder, data_files=str(file), split="train",
-                                     cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"), **options)
+                                     cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"), **reader_options(builder, file))
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
         log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
         return None

@@ -4,7 +4,7 @@ A source is read as a list of parts, in order, each a ``datasets.IterableDataset
 
 - ``jsonl`` / ``parquet`` / ``csv``: one part per file (``load_dataset(builder, data_files=file,
   streaming=True)``). Every rank reads the file and keeps rows ``rank, rank + world, ...``, so a bad row
-  is named ``file:line`` (``file row i`` for Parquet and CSV);
+  is named ``file:line`` (``file row i`` for Parquet);
 - ``hf``: the hub dataset streamed (a local dataset folder as ``to_iterable_dataset``), split by
   ``datasets.distributed.split_dataset_by_node`` (whole shards per rank when they divide evenly, else every
   world-th row): no rank downloads another's shards; rows are named by the rank's shard;
@@ -39,7 +39,7 @@ from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords
 from trainer.data.dataset import DatasetStats, Outcome, TokenizedDataset, log_dataset_stats, render_outcomes, stats_of
 from trainer.data.sources import check_source, open_hf_dataset
-from trainer.data.sources_arrow import Places
+from trainer.data.sources_arrow import Places, reader_options
 from trainer.data.tables import Row, rows_to_records, table_files
 from trainer.library_errors import library_load
 
@@ -63,8 +63,8 @@ class Part:
 
     name: str
     open: Callable[[], object]
-    jsonl: bool = False
-    """Rows are the non-blank lines of the file ``name`` (so a row is named ``file:line``)."""
+    lines: str = ""
+    """``json`` or ``csv``: rows are lines of the file ``name``, so a row is named ``file:line`` (``Places``)."""
     split_by_node: bool = False
     """Ranks get disjoint shards from ``split_dataset_by_node`` (else every rank reads all rows, keeps its own)."""
 
@@ -73,7 +73,7 @@ def stream_parts(cfg: DataConfig) -> list[Part]:
     """``cfg``'s source as parts, in reading order."""
     if cfg.source in FILE_BUILDERS:
         builder, suffixes = FILE_BUILDERS[cfg.source]
-        return [Part(str(f), functools.partial(_stream_file, builder, f), jsonl=builder == "json")
+        return [Part(str(f), functools.partial(_stream_file, builder, f), lines=builder if builder in ("json", "csv") else "")
                 for f in table_files(cfg, suffixes)]
     if cfg.source == "hf":
         if not cfg.path:
@@ -87,7 +87,8 @@ def _stream_file(builder: str, file: Path):
     import datasets
 
     with library_load(f"data.path={file}"):
-        return datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True)
+        return datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True,
+                                     **reader_options(builder, file))
 
 
 def _stream_hf(cfg: DataConfig):
@@ -129,7 +130,7 @@ class RowStream:
             if state and state.get("datasets"):
                 self.dataset.load_state_dict(state["datasets"])
             self._rows = iter(self.dataset)
-        self.places = Places(f"{part.name} (shard of rank {rank})" if split else part.name, part.jsonl and not split)
+        self.places = Places(f"{part.name} (shard of rank {rank})" if split else part.name, "" if split else part.lines)
         self.keep = (lambda i: True) if split else (lambda i: i % world_size == rank)
         self.name = part.name
 
