@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
-from tests.distributed.conftest import launch, overrides
+from tests.distributed.conftest import launch, overrides, worker_cases
 from tests.distributed.test_resume import assert_tensors_equal, losses
 from trainer.checkpoint import complete_checkpoints, read_full_tensors
 from trainer.tools.export import main as export_main
@@ -37,13 +36,10 @@ def lora_reference(tmp_path_factory, cache_dir):
     return root
 
 
-def test_two_ranks_give_the_one_process_adapter_gradients(tmp_path, cache_dir):
+def test_two_ranks_give_the_one_process_adapter_gradients(worker_results):
     """GPT-2 and Llama, fp32 and bf16 compute, activation checkpointing: adapters sharded, frozen weights without gradient or optimizer
     state, the optimizer holding the adapters only (tests/distributed/lora_worker.py)."""
-    out = tmp_path / "cases.json"
-    proc = run_torchrun(["-m", "tests.distributed.lora_worker", str(out), cache_dir])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cases = json.loads(out.read_text())
+    cases = worker_cases(worker_results, "lora_worker")
     assert set(cases) == {"gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16", "llama_fp32_ac"}
     for name, case in cases.items():
         assert case["placements"] == ["(Shard(dim=0),)"] and case["optimizer_params"] == case["adapters"] > 0
