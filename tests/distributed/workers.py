@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from tests.quick_exit import run_then_exit
 from trainer import distributed
 
 
@@ -24,4 +25,4 @@ def main(out: Path, cache: str, names: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2], sys.argv[3:])
+    run_then_exit(main, Path(sys.argv[1]), sys.argv[2], sys.argv[3:])
