@@ -1,16 +1,15 @@
-"""Worker for tests/distributed/test_chunked_loss_fsdp.py, run under torchrun with 2 gloo ranks on CPU.
+"""Cases of tests/distributed/test_chunked_loss_fsdp.py, run under torchrun with 2 gloo ranks on CPU
+(``tests.distributed.workers``).
 
 The chunked loss under FSDP2 (the LM head sharded with the root, gathered only inside the root's forward)
 against the naive loss on one unsharded process: one global batch of 4 packed micro-batches (2 per rank),
 tied and untied heads, fp32 and bf16 mixed precision, then eval through ``trainer.evaluate`` on both.
-Rank 0 writes one JSON record per case to ``argv[1]``.
+``run_cases`` returns one record per case.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import sys
 from dataclasses import replace
 
 import torch
@@ -74,18 +73,8 @@ def run_case(tied: bool, cfg: ParallelConfig, tokenizer, dataset, cache: str) ->
     }
 
 
-def main(out_path: str, cache: str) -> None:
-    device = torch.device("cpu")
-    distributed.init_distributed(device, "gloo")
+def run_cases(cache: str) -> dict[str, dict]:
     data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
     tokenizer = load_tokenizer(ModelConfig(family="gpt2"), data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
-    results = {name: run_case(tied, cfg, tokenizer, dataset, cache) for name, (tied, cfg) in CASES.items()}
-    if distributed.rank() == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    distributed.destroy_distributed()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    return {name: run_case(tied, cfg, tokenizer, dataset, cache) for name, (tied, cfg) in CASES.items()}

@@ -46,11 +46,22 @@ def reference(tmp_path_factory, cache_dir):
 
 
 
+WORKERS = ("parallel_worker", "chunked_loss_worker", "lora_worker")
+"""The worker modules of tests/distributed whose cases ``worker_results`` runs."""
 
-def worker_cases(module: str, out: Path, cache_dir: str) -> dict:
-    """Run ``python -m module OUT CACHE`` on 2 ranks; the JSON record of every case it wrote to ``OUT``."""
+
+@pytest.fixture(scope="session")
+def worker_results(tmp_path_factory, cache_dir) -> Path:
+    """Every worker's cases from one torchrun launch (``tests.distributed.workers``): one interpreter start
+    per rank instead of one per worker."""
+    out = tmp_path_factory.mktemp("workers")
+    proc = run_torchrun(["-m", "tests.distributed.workers", str(out), cache_dir, *WORKERS])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return out
+
+
+def worker_cases(results: Path, worker: str) -> dict:
+    """The JSON record of every case ``worker`` ran (see ``worker_results``)."""
     import json
 
-    proc = run_torchrun(["-m", module, str(out), cache_dir])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+    return json.loads((results / f"{worker}.json").read_text())

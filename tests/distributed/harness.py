@@ -24,6 +24,7 @@ from hydra import compose, initialize_config_dir
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
+from tests.quick_exit import run_then_exit
 from trainer import distributed
 from trainer.checkpoint import TRAINER_STATE, CheckpointError
 from trainer.collate import collate_packed
@@ -127,4 +128,4 @@ def main(overrides: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    run_then_exit(main, sys.argv[1:])

@@ -1,15 +1,13 @@
-"""Worker for tests/distributed/test_lora.py, run under torchrun with 2 gloo ranks on CPU.
+"""Cases of tests/distributed/test_lora.py, run under torchrun with 2 gloo ranks on CPU
+(``tests.distributed.workers``).
 
 Per family (GPT-2, Llama) and precision (fp32; bf16 compute with fp32 reduce), and for Llama with
 activation checkpointing on every block: a LoRA model's gradients
 of one global batch of 4 packed micro-batches, on one unsharded process and under FSDP2 over 2 ranks (2
-micro-batches each). Rank 0 writes one JSON record per case to ``argv[1]``.
+micro-batches each). ``run_cases`` returns one record per case.
 """
 
 from __future__ import annotations
-
-import json
-import sys
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -75,21 +73,12 @@ def run_case(family: str, parallel: str, tokenizer, microbatches, rank: int) -> 
             "optimizer_params": len(held)}
 
 
-def main(out_path: str, cache: str) -> None:
-    distributed.init_distributed(torch.device("cpu"), "gloo")
+def run_cases(cache: str) -> dict[str, dict]:
     rank = distributed.rank()
     data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
     tokenizer = load_tokenizer(ModelConfig(), data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
     microbatches = [collate_packed(dataset, list(range(3 * i, 3 * i + 3)), tokenizer.pad_token_id) for i in range(4)]
     cases = [(family, parallel) for family in SIZES for parallel in ("fp32", "bf16")] + [("llama", "fp32_ac")]
-    results = {f"{family}_{parallel}": run_case(family, parallel, tokenizer, microbatches, rank)
-               for family, parallel in cases}
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    distributed.destroy_distributed()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    return {f"{family}_{parallel}": run_case(family, parallel, tokenizer, microbatches, rank)
+            for family, parallel in cases}

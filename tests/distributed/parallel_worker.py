@@ -1,17 +1,16 @@
-"""Worker for tests/distributed/test_parallelize.py, run under torchrun with 2 gloo ranks on CPU.
+"""Cases of tests/distributed/test_parallelize.py, run under torchrun with 2 gloo ranks on CPU
+(``tests.distributed.workers``).
 
 For every ``parallelize`` option (FSDP, HSDP 2x1 and 1x2, activation checkpointing full / every k-th, CPU
 offload, no resharding, compile, mixed precision) it runs one global batch of 4 packed micro-batches: on an
 unsharded single-process model (what one rank computes with ``grad_accum=4``), and sharded over 2 ranks
 (2 micro-batches each, gradient sync on the last), both through ``summed_token_loss`` (the trainer's loss) divided
-by the global label count. Rank 0 writes one JSON record per case to ``argv[1]``.
+by the global label count. ``run_cases`` returns one record per case.
 """
 
 from __future__ import annotations
 
 import copy
-import json
-import sys
 import time
 from dataclasses import replace
 
@@ -41,11 +40,9 @@ CASES = {
 }
 
 
-def main(out_path: str) -> None:
+def run_cases(cache: str) -> dict[str, dict]:
     device = torch.device("cpu")
-    distributed.init_distributed(device, "gloo")
     rank = distributed.rank()
-    cache = sys.argv[2]
     data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
     model_cfg = ModelConfig(
         family="gpt2",
@@ -118,11 +115,4 @@ def main(out_path: str) -> None:
             "graphs": int(torch._dynamo.utils.counters["stats"]["unique_graphs"]),
         }
         tdist.barrier()
-    if rank == 0:
-        with open(out_path, "w") as f:
-            json.dump(results, f, indent=1)
-    distributed.destroy_distributed()
-
-
-if __name__ == "__main__":
-    main(sys.argv[1])
+    return results

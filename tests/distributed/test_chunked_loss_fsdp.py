@@ -1,6 +1,6 @@
 """The chunked loss under FSDP2 on 2 gloo ranks equals the naive loss on one process (train and eval).
 
-One torchrun launch runs every case (tests/distributed/chunked_loss_worker.py).
+One torchrun launch runs every case (tests/distributed/chunked_loss_worker.py, with the other workers).
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory, cache_dir):
-    return worker_cases("tests.distributed.chunked_loss_worker", tmp_path_factory.mktemp("chunked") / "cases.json", cache_dir)
+def cases(worker_results):
+    return worker_cases(worker_results, "chunked_loss_worker")
 
 
 @pytest.mark.parametrize("name", ["tied_fp32", "untied_fp32"])

@@ -1,7 +1,7 @@
 """LoRA under FSDP2 on 2 gloo ranks: gradients as one process, small checkpoints, exact resume, export.
 
 ``lora_reference`` trains 4 uninterrupted LoRA steps (fp32, model and adapter dropout on, checkpoints at 2
-and 4); a run stopped at 2 and resumed must match it bitwise, and its checkpoint exported as a merged
+and 4); a run resumed from its step-2 checkpoint must match it bitwise, and its checkpoint exported as a merged
 model or as a peft adapter must give the trained sharded model's logits.
 """
 
@@ -13,8 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import run_torchrun
-from tests.distributed.conftest import launch, overrides
+from tests.distributed.conftest import launch, overrides, worker_cases
 from tests.distributed.test_resume import assert_tensors_equal, losses
 from trainer.checkpoint import complete_checkpoints, read_full_tensors
 from trainer.tools.export import main as export_main
@@ -37,13 +36,10 @@ def lora_reference(tmp_path_factory, cache_dir):
     return root
 
 
-def test_two_ranks_give_the_one_process_adapter_gradients(tmp_path, cache_dir):
+def test_two_ranks_give_the_one_process_adapter_gradients(worker_results):
     """GPT-2 and Llama, fp32 and bf16 compute, activation checkpointing: adapters sharded, frozen weights without gradient or optimizer
     state, the optimizer holding the adapters only (tests/distributed/lora_worker.py)."""
-    out = tmp_path / "cases.json"
-    proc = run_torchrun(["-m", "tests.distributed.lora_worker", str(out), cache_dir])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    cases = json.loads(out.read_text())
+    cases = worker_cases(worker_results, "lora_worker")
     assert set(cases) == {"gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16", "llama_fp32_ac"}
     for name, case in cases.items():
         assert case["placements"] == ["(Shard(dim=0),)"] and case["optimizer_params"] == case["adapters"] > 0
@@ -61,12 +57,16 @@ def test_checkpoints_hold_the_adapters_not_the_base(lora_reference):
     assert (hf / "adapter_config.json").is_file() and json.loads((hf / "lora_base.json").read_text())["seed"] == 1234
 
 
-def test_stop_at_2_then_resume_to_4_is_bitwise_equal(lora_reference, tmp_path, cache_dir):
+def test_resume_at_2_to_4_is_bitwise_equal(lora_reference, tmp_path, cache_dir):
+    """From the reference's step-2 checkpoint (adapters only: the frozen base is rebuilt from the seed) in a new
+    run dir, so one launch is enough; stopping with ``stop_after_steps`` and ``resume=auto`` in the same run dir
+    are the same for LoRA and full weights and tested in test_resume.py."""
     run = tmp_path / "run"
-    launch(tmp_path / "first", lora_overrides(cache_dir, run_dir=run, stop_after_steps=2))
-    launch(tmp_path / "second", lora_overrides(cache_dir, run_dir=run, resume="auto"))
+    step_2 = lora_reference / "run" / "checkpoints" / "step_00000002"
+    second = launch(tmp_path / "second", lora_overrides(cache_dir, run_dir=run, resume=step_2))
     ref = losses(lora_reference / "run")
-    assert losses(run) == ref and sorted(ref) == [1, 2, 3, 4]
+    assert sorted(ref) == [1, 2, 3, 4] and losses(run) == {step: ref[step] for step in (3, 4)}, second.stdout[-2000:]
+    assert json.loads((tmp_path / "second" / "result.json").read_text())["resumed_step"] == 2
     assert_tensors_equal(load_file(tmp_path / "second" / "final.safetensors"),
                          load_file(lora_reference / "out" / "final.safetensors"))
 

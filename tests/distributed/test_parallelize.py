@@ -1,15 +1,14 @@
 """Every parallelize() option on 2 gloo ranks: gradients of one global batch equal the single-process ones.
 
-One torchrun launch runs all cases (tests/distributed/parallel_worker.py); each test reads its case.
+One torchrun launch runs all cases (tests/distributed/parallel_worker.py, with the other workers); each
+test reads its case.
 """
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.distributed.conftest import worker_cases
 
 pytestmark = pytest.mark.slow
 
@@ -17,11 +16,8 @@ FP32_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
-def cases(tmp_path_factory, cache_dir):
-    out = tmp_path_factory.mktemp("parallel") / "cases.json"
-    proc = run_torchrun(["-m", "tests.distributed.parallel_worker", str(out), cache_dir])
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(out.read_text())
+def cases(worker_results):
+    return worker_cases(worker_results, "parallel_worker")
 
 
 @pytest.mark.parametrize(

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
-from tests.conftest import compose_job, register_configs_once
+from tests.conftest import REPO, compose_job, register_configs_once
 
 register_configs_once()  # check_overrides (test_bad_config.py) finds the recipes in the ConfigStore
 
@@ -45,3 +49,25 @@ def trainer(tmp_path_factory):
             os.environ[k] = v
     logging.getLogger().handlers[:] = saved_handlers
     torch.set_num_threads(threads)
+
+
+def train_process(*args: str) -> subprocess.CompletedProcess:
+    """``python -m trainer.train SMALL_RUN ARGS`` (one process, one rank), run from the repository."""
+    cmd = [sys.executable, "-m", "trainer.train", *SMALL_RUN, *args]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory) -> Path:
+    """The run dir of a finished 2-step SMALL_RUN. One process serves every test that starts a second run
+    into a run dir (each interpreter start costs seconds); tests take a copy (``copy_of_finished_run``)."""
+    run_dir = tmp_path_factory.mktemp("finished") / "run"
+    proc = train_process("max_steps=2", f"run_dir={run_dir}")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    return run_dir
+
+
+@pytest.fixture
+def copy_of_finished_run(finished_run, tmp_path) -> Path:
+    """A test's own copy of ``finished_run``, so whatever a test's run writes stays in its test."""
+    return Path(shutil.copytree(finished_run, tmp_path / "run"))

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import signal
 
+from tests.quick_exit import run_then_exit
 from trainer import loop, train
 
 
@@ -28,4 +29,4 @@ def signal_after(name: str, target: str, rank: int, step: int):
 if __name__ == "__main__":
     sig, where, on_rank, at_step = os.environ["PFTEST_SIGNAL"].split(":")
     loop.Trainer.train_step = signal_after(sig, where, int(on_rank), int(at_step))
-    train.main()
+    run_then_exit(train.main)

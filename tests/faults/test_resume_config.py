@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 from dataclasses import asdict
 
 import pytest
 
-from tests.conftest import REPO, compose_job
-from tests.faults.conftest import SMALL_RUN
+from tests.conftest import compose_job
+from tests.faults.conftest import SMALL_RUN, train_process
 from tests.unit.test_checkpoint import make_state
 from trainer.checkpoint import Checkpointer
 from trainer.checkpoint.config_check import JOB_CONFIG
@@ -88,13 +86,10 @@ def _world(init, world):
 
 
 @pytest.mark.slow
-def test_resume_with_a_wider_model_is_one_line_naming_the_key(tmp_path):
-    def run(*extra):
-        return subprocess.run([sys.executable, "-m", "trainer.train", *SMALL_RUN, "max_steps=2", f"run_dir={tmp_path}",
-                               *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-    assert run().returncode == 0
-    out = run("resume=auto", "max_steps=4", "model.config_overrides.n_embd=64", "data.loss_on=all")
+def test_resume_with_a_wider_model_is_one_line_naming_the_key(copy_of_finished_run):
+    # copy_of_finished_run: a finished 2-step run of SMALL_RUN with its checkpoint
+    out = train_process(f"run_dir={copy_of_finished_run}", "resume=auto", "max_steps=4",
+                        "model.config_overrides.n_embd=64", "data.loss_on=all")
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len([line for line in lines if line.startswith("packfsdp:")]) == 1 and "Traceback" not in out.stderr

@@ -12,8 +12,7 @@ import sys
 
 import pytest
 
-from tests.conftest import REPO
-from tests.faults.conftest import SMALL_RUN
+from tests.faults.conftest import train_process
 from tests.unit.test_checkpoint import make_state, train_a_little
 from trainer.checkpoint import Checkpointer, complete_checkpoints
 from trainer.config import CheckpointConfig
@@ -87,15 +86,11 @@ def test_pruning_never_deletes_the_checkpoint_just_written(tmp_path):
 
 
 @pytest.mark.slow
-def test_second_run_into_the_same_run_dir_is_one_line(tmp_path):
-    def run(*extra):
-        return subprocess.run([sys.executable, "-m", "trainer.train", *SMALL_RUN, "max_steps=1", f"run_dir={tmp_path}",
-                               *extra], cwd=REPO, capture_output=True, text=True, timeout=300)
-
-    assert run().returncode == 0
-    config_before = (tmp_path / "config.yaml").read_text()
-    refused = run("optim.lr=0.5")
+def test_second_run_into_the_same_run_dir_is_one_line(copy_of_finished_run):
+    run_dir = copy_of_finished_run  # a finished run's dir: config.yaml, metrics, checkpoints
+    config_before = (run_dir / "config.yaml").read_text()
+    refused = train_process("max_steps=1", f"run_dir={run_dir}", "optim.lr=0.5")
     assert refused.returncode == 2
     lines = [line for line in refused.stderr.splitlines() if line.startswith("packfsdp:")]
     assert len(lines) == 1 and "already holds a run" in lines[0] and "resume=auto" in lines[0], refused.stderr[-2000:]
-    assert (tmp_path / "config.yaml").read_text() == config_before  # the refused run changed nothing
+    assert (run_dir / "config.yaml").read_text() == config_before  # the refused run changed nothing

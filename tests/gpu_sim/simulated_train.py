@@ -21,6 +21,7 @@ import pytest
 
 from tests.gpu_sim import flash_attn_double, torch_varlen_double
 from tests.gpu_sim.device import pretend_capable_gpu
+from tests.quick_exit import run_then_exit
 from trainer import train
 
 KERNEL_CALLS_LINE = "simulated kernel calls in training steps:"
@@ -57,4 +58,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_then_exit(main)
