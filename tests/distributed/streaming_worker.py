@@ -16,6 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 
 from tests.distributed.harness import HarnessTrainer, full_tensors
+from tests.quick_exit import run_then_exit
 from trainer import distributed
 from trainer.compose import config_dir, register_configs, to_job_config
 from trainer.data import streaming
@@ -57,4 +58,4 @@ def main(out: Path, cache_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]), sys.argv[2])
+    run_then_exit(main, Path(sys.argv[1]), sys.argv[2])
