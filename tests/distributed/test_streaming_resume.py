@@ -4,9 +4,11 @@ loss and final parameters as the uninterrupted run, and both ranks take every st
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
-from tests.distributed.conftest import worker_cases
+from tests.conftest import run_torchrun
 from tests.distributed.test_resume import losses
 from trainer.checkpoint import complete_checkpoints
 
@@ -14,7 +16,10 @@ pytestmark = pytest.mark.slow
 
 
 def test_streaming_run_resumed_at_step_2_equals_the_uninterrupted_run(tmp_path, cache_dir):
-    record = worker_cases("tests.distributed.streaming_worker", tmp_path / "record.json", cache_dir)
+    # its own launch: the worker's trainers own the process group (the shared workers launch runs bare cases)
+    proc = run_torchrun(["-m", "tests.distributed.streaming_worker", str(tmp_path / "record.json"), cache_dir])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    record = json.loads((tmp_path / "record.json").read_text())
     whole, resumed = record["whole"], record["resumed"]
     step2 = complete_checkpoints(tmp_path / "whole" / "checkpoints")[0]
     assert step2.name == "step_00000002" and sorted(p.name for p in (step2 / "data").iterdir()) == [
