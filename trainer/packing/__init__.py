@@ -1,8 +1,9 @@
 """Stage 2 of the data flow: group examples into micro-batches and deal them to data-parallel ranks.
 
 ``strategies`` (none, sorted, ffd, bfd, bfd_split, wrapped) -> ``balance`` (even out, deal, skew) ->
-``sampler`` (per-epoch plans, exact resume on any world size); ``bins`` holds many bins as slices of one table. A stream (``data.streaming=true``) is packed by
-``online`` instead: best fit within a bounded window of examples, resumable with the window's contents.
+``sampler`` (per-epoch plans, exact resume on any world size); ``bins`` holds many bins as slices of one
+table. A stream (``data.streaming=true``) is packed by ``online`` instead: best fit within a bounded window
+of examples, resumable with the window's contents.
 """
 
 from __future__ import annotations
