@@ -1,8 +1,9 @@
 """Stage 2 of the data flow: group examples into micro-batches and deal them to data-parallel ranks.
 
 ``strategies`` (none, sorted, ffd, bfd, bfd_split, wrapped) -> ``balance`` (even out, deal, skew) ->
-``sampler`` (per-epoch plans, exact resume on any world size). A stream (``data.streaming=true``) is packed by
-``online`` instead: best fit within a bounded window of examples, resumable with the window's contents.
+``sampler`` (per-epoch plans, exact resume on any world size); ``bins`` holds many bins as slices of one
+table. A stream (``data.streaming=true``) is packed by ``online`` instead: best fit within a bounded window
+of examples, resumable with the window's contents.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from trainer.packing.balance import WORK_MEASURES, bin_weight, deal_bins, even_out_bins, rank_balance
+from trainer.packing.bins import Bins
 from trainer.packing.sampler import EpochPlan, MicroBatchSampler, matched_padded_batch_size, pack_params
 from trainer.packing.strategies import (
     STRATEGIES,
@@ -45,6 +47,7 @@ def build_sampler(
 __all__ = [
     "STRATEGIES",
     "WORK_MEASURES",
+    "Bins",
     "EpochPlan",
     "MicroBatchSampler",
     "PackParams",

@@ -12,10 +12,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from trainer.packing.bins import Bins
 from trainer.packing.strategies import item_lengths
 
 WORK_MEASURES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
@@ -31,43 +32,39 @@ def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str = "tokens") -
     return int(WORK_MEASURES[balance](item_lengths(bin_, lengths)).sum())
 
 
-def bin_weights(bins: list[np.ndarray], lengths: np.ndarray, balance: str = "tokens") -> np.ndarray:
+def bin_weights(bins: Sequence[np.ndarray], lengths: np.ndarray, balance: str = "tokens") -> np.ndarray:
     """``bin_weight`` of every bin, in one numpy pass (a plan over 1M examples has ~100k bins)."""
-    out = np.zeros(len(bins), dtype=np.int64)
-    counts = np.fromiter(map(len, bins), dtype=np.int64, count=len(bins))
-    if not counts.sum():
-        return out
-    work = WORK_MEASURES[balance](item_lengths(np.concatenate(bins), lengths))
-    filled = counts > 0  # an empty bin has no item between its neighbours' starts
-    out[filled] = np.add.reduceat(work, (np.cumsum(counts) - counts)[filled])
-    return out
+    bins = Bins.of(bins)
+    return bins.segment_sums(WORK_MEASURES[balance](item_lengths(bins.items, lengths)))
 
 
 def even_out_bins(
-    bins: list[np.ndarray], world_size: int, lengths: np.ndarray, balance: str = "tokens"
-) -> tuple[list[np.ndarray], int, int]:
+    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, balance: str = "tokens"
+) -> tuple[Bins, int, int]:
     """Make ``len(bins)`` a multiple of ``world_size``: split the heaviest splittable bins, then add empty
     filler bins. Returns (bins, number split, number of fillers)."""
+    bins = Bins.of(bins)
     need = -len(bins) % world_size
     if need == 0:
         return bins, 0, 0
-    bins = list(bins)
-    splittable = np.flatnonzero(np.fromiter(map(len, bins), dtype=np.int64, count=len(bins)) >= 2)
-    heaviest_first = np.argsort(-bin_weights([bins[i] for i in splittable], lengths, balance), kind="stable")
-    splits = 0
+    splittable = np.flatnonzero(bins.counts >= 2)
+    heaviest_first = np.argsort(-bin_weights(bins.take(splittable), lengths, balance), kind="stable")
+    items, ends = bins.items.copy(), bins.ends.copy()  # a split bin is rewritten in place: its two halves
+    halves: list[int] = []
     for i in splittable[heaviest_first[:need]].tolist():
-        b = bins[i][np.argsort(-item_lengths(bins[i], lengths), kind="stable")]
-        bins[i], extra = b[0::2], b[1::2]
-        bins.append(extra)
-        splits += 1
-    fillers = need - splits
-    empty = np.zeros((0, 3) if bins and bins[0].ndim == 2 else 0, dtype=np.int64)
-    bins += [empty] * fillers
-    return bins, splits, fillers
+        lo, hi = int(bins.starts[i]), int(bins.ends[i])
+        b = items[lo:hi][np.argsort(-item_lengths(items[lo:hi], lengths), kind="stable")]
+        items[lo:hi] = np.concatenate([b[0::2], b[1::2]])  # items alternate by length between the halves
+        ends[i] = lo + len(b[0::2])
+        halves.append(i)
+    splits, fillers = len(halves), need - len(halves)
+    new_starts = np.concatenate([ends[halves], np.zeros(fillers, dtype=np.int64)])  # a filler is empty
+    new_ends = np.concatenate([bins.ends[halves], np.zeros(fillers, dtype=np.int64)])
+    return Bins(items, np.concatenate([bins.starts, new_starts]), np.concatenate([ends, new_ends])), splits, fillers
 
 
 def deal_bins(
-    bins: list[np.ndarray], world_size: int, lengths: np.ndarray, rng: np.random.Generator | None,
+    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, rng: np.random.Generator | None,
     balance: str = "tokens",
 ) -> list[list[np.ndarray]]:
     """Rounds of ``world_size`` bins of similar weight (snake order), shuffled when ``rng`` is given."""
@@ -75,19 +72,19 @@ def deal_bins(
     return [list(map(bins.__getitem__, row)) for row in order]
 
 
+def deal_grid(weights: np.ndarray, world_size: int, rng: np.random.Generator | None) -> np.ndarray:
+    """``deal_order`` as a ``(rounds, world_size)`` array; a short last round is padded with ``-1``."""
+    order = np.argsort(-np.asarray(weights), kind="stable")
+    grid = np.full(-(-len(order) // world_size) * world_size, -1, dtype=np.int64)
+    grid[: len(order)] = order
+    grid = grid.reshape(-1, world_size)
+    grid[1::2] = grid[1::2, ::-1].copy()  # snake: the heaviest bin goes to rank 0, then to the last rank
+    return grid if rng is None else grid[rng.permutation(len(grid))]
+
+
 def deal_order(weights: np.ndarray, world_size: int, rng: np.random.Generator | None) -> list[list[int]]:
     """``deal_bins`` as bin indices: ``rounds[k][r]`` is the bin of rank r in round k."""
-    order = np.argsort(-np.asarray(weights), kind="stable")
-    full = len(order) - len(order) % world_size
-    grid = order[:full].reshape(-1, world_size)
-    grid[1::2] = grid[1::2, ::-1].copy()  # snake: the heaviest bin goes to rank 0, then to the last rank
-    rounds = grid.tolist()
-    if full < len(order):
-        tail = order[full:].tolist()
-        rounds.append(tail if len(rounds) % 2 == 0 else tail[::-1])
-    if rng is not None:
-        rounds = [rounds[i] for i in rng.permutation(len(rounds))]
-    return rounds
+    return [[i for i in row if i >= 0] for row in deal_grid(weights, world_size, rng).tolist()]
 
 
 def rank_balance(rounds: list[list[np.ndarray]], weight, grad_accum: int = 1) -> dict[str, float]:

@@ -24,7 +24,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.packing.balance import bin_weights, deal_order, even_out_bins, rank_balance, rank_balance_of
+from trainer.packing.balance import bin_weights, deal_grid, even_out_bins, rank_balance, rank_balance_of
+from trainer.packing.bins import Bins
 from trainer.packing.strategies import PackParams, PackStats, get_strategy, pack
 
 if TYPE_CHECKING:  # trainer.config imports the strategy registry from this package
@@ -35,9 +36,14 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class EpochPlan:
-    """One epoch's micro-batches: ``rounds[k][r]`` is rank r's k-th micro-batch (a bin)."""
+    """One epoch's micro-batches: ``bins[order[k, r]]`` is rank r's k-th micro-batch (a bin).
 
-    rounds: list[list[np.ndarray]]
+    The bins stay in their flat table (``Bins``) and a micro-batch's array is sliced out when the loader
+    asks for it: at 1M examples, building ~100k arrays up front cost more than the packing itself."""
+
+    bins: Bins
+    order: np.ndarray
+    """``order[k, r]``: the index in ``bins`` of rank r's k-th micro-batch (full rounds only)."""
     world_size: int
     stats: PackStats
     splits: int = 0
@@ -45,11 +51,25 @@ class EpochPlan:
     filler_microbatches: int = 0
     """Empty micro-batches added because nothing could be split (cumulative over re-deals)."""
     work: np.ndarray | None = None
-    """``work[k, r]``: the balanced measure (``packing.balance``) of ``rounds[k][r]``, kept from the deal."""
+    """``work[k, r]``: the balanced measure (``packing.balance``) of ``microbatch(k, r)``, kept from the deal."""
 
     @property
     def microbatches_per_rank(self) -> int:
-        return len(self.rounds)
+        return len(self.order)
+
+    def microbatch(self, k: int, rank: int) -> np.ndarray:
+        """Rank ``rank``'s ``k``-th micro-batch."""
+        return self.bins[self.order[k, rank]]
+
+    @property
+    def rounds(self) -> list[list[np.ndarray]]:
+        """Every micro-batch, ``rounds[k][r]`` (built on each call: for reports and tests)."""
+        return [list(map(self.bins.__getitem__, row)) for row in self.order.tolist()]
+
+    def unserved(self, consumed: int) -> Bins:
+        """The non-empty bins of the rounds after the first ``consumed``, round by round."""
+        which = self.order[consumed:].reshape(-1)
+        return self.bins.take(which[self.bins.counts[which] > 0])
 
 
 def pack_params(cfg: PackingConfig, padded_batch_size: int | None = None) -> PackParams:
@@ -103,14 +123,12 @@ class MicroBatchSampler:
     def _rng(self, epoch: int, stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, epoch, stream])
 
-    def _deal(self, bins, world_size: int, epoch: int, stream: int, stats: PackStats) -> EpochPlan:
+    def _deal(self, bins: Bins, world_size: int, epoch: int, stream: int, stats: PackStats) -> EpochPlan:
         bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.cfg.balance)
         rng = self._rng(epoch, stream) if self.cfg.shuffle else None
         weights = bin_weights(bins, self.lengths, self.cfg.balance)
-        order = deal_order(weights, world_size, rng)
-        rounds = [list(map(bins.__getitem__, row)) for row in order]
-        work = weights[np.array(order, dtype=np.int64).reshape(-1, world_size)]  # evened out: full rounds only
-        return EpochPlan(rounds, world_size, stats, splits, fillers, work)
+        order = deal_grid(weights, world_size, rng)  # evened out: full rounds only, no -1
+        return EpochPlan(bins, order, world_size, stats, splits, fillers, weights[order])
 
     def plan(self, epoch: int) -> EpochPlan:
         """The epoch's plan for this world (re-dealt along ``lineage`` for the current epoch)."""
@@ -126,9 +144,8 @@ class MicroBatchSampler:
         worlds = [ws for ws, _ in lineage] + [self.world_size]
         plan = self._deal(result.bins, worlds[0], epoch, 1, result.stats)
         for j, (_, consumed) in enumerate(lineage):
-            remaining = [b for rnd in plan.rounds[consumed:] for b in rnd if len(b)]
             splits, fillers = plan.splits, plan.filler_microbatches
-            plan = self._deal(remaining, worlds[j + 1], epoch, 2 + j, result.stats)
+            plan = self._deal(plan.unserved(consumed), worlds[j + 1], epoch, 2 + j, result.stats)
             plan.splits += splits
             plan.filler_microbatches += fillers
         return plan
@@ -178,9 +195,9 @@ class MicroBatchSampler:
     def next_microbatch(self) -> tuple[int, np.ndarray, bool]:
         """(epoch, bin, is_last_of_epoch) of this rank's next micro-batch."""
         plan = self.plan(self.epoch)
-        if not plan.rounds:
+        if not plan.microbatches_per_rank:
             raise ValueError(f"epoch {self.epoch} has no micro-batch: no example left to sample ({plan.stats})")
-        epoch, batch = self.epoch, plan.rounds[self.next_index][self.rank]
+        epoch, batch = self.epoch, plan.microbatch(self.next_index, self.rank)
         self.next_index += 1
         last = self.next_index == plan.microbatches_per_rank
         if last:

@@ -2,7 +2,8 @@
 
 A **bin** is one micro-batch. It is either a 1-D int64 array of example indices (whole examples) or, for
 strategies that cut examples, a 2-D ``(k, 3)`` int64 array of **pieces** ``(example, start, end)``: the
-tokens ``[start, end)`` of that example. ``trainer.collate.collate_packed`` takes either.
+tokens ``[start, end)`` of that example. ``trainer.collate.collate_packed`` takes either. A strategy returns
+all its bins as one ``Bins`` (slices of one table, ``trainer.packing.bins``).
 
 | strategy    | bins                                                    | whole examples | budget respected |
 |-------------|---------------------------------------------------------|----------------|------------------|
@@ -41,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from trainer.packing.bins import Bins
 from trainer.packing.fit import best_fit_decreasing, first_fit_decreasing, group_by_bin
 
 
@@ -142,18 +144,19 @@ class PackStats:
 
 @dataclass
 class PackResult:
-    bins: list[np.ndarray]
+    bins: Bins
     stats: PackStats
 
 
-BuildFn = Callable[[np.ndarray, PackParams, "np.random.Generator | None"], list[np.ndarray]]
+BuildFn = Callable[[np.ndarray, PackParams, "np.random.Generator | None"], "Bins | list[np.ndarray]"]
 
 
 @dataclass(frozen=True)
 class Strategy:
     name: str
     build: BuildFn
-    """``(sizes in [1, ...], params, rng) -> bins`` over positions of ``sizes``."""
+    """``(sizes in [1, ...], params, rng) -> bins`` over positions of ``sizes``: ``Bins`` lying back to back
+    (``Bins.from_counts``) or a list of arrays."""
     padded: bool
     """Micro-batches are padded rectangles (``collate_padded``) rather than flat varlen rows."""
     splits: bool
@@ -231,20 +234,20 @@ def pack(
             stats.dropped_oversize_tokens = int(lengths[over].sum())
             keep &= ~over
     idx = np.flatnonzero(keep)
-    local = strat.build(lengths[idx], params, rng) if len(idx) else []
-    bins = local if len(idx) == len(lengths) else [_to_global(b, idx) for b in local]  # positions -> indices
+    bins = Bins.of(strat.build(lengths[idx], params, rng) if len(idx) else [])
+    if len(idx) < len(lengths):
+        bins = _to_global(bins, idx)  # positions -> indices
 
     stats.tokens = int(lengths[idx].sum())
     stats.bins = len(bins)
-    if bins:
-        flat = np.concatenate(bins)
-        sizes = flat[:, 2] - flat[:, 1] if flat.ndim == 2 else lengths[flat]
+    if len(bins):
+        flat = bins.items  # every bin, back to back
+        sizes = item_lengths(flat, lengths)
         stats.bin_tokens = int(sizes.sum())
         stats.positions = stats.bin_tokens
         if strat.padded:
-            counts = np.fromiter((len(b) for b in bins), dtype=np.int64, count=len(bins))
-            widest = np.maximum.reduceat(sizes, np.cumsum(counts) - counts)
-            stats.positions = int((widest * counts).sum())
+            widest = np.maximum.reduceat(sizes, bins.starts)
+            stats.positions = int((widest * bins.counts).sum())
         if strat.splits:
             per_example = np.bincount(flat[:, 0], minlength=len(lengths))
             stats.split_examples = int((per_example > 1).sum())
@@ -252,50 +255,53 @@ def pack(
     return PackResult(bins, stats)
 
 
-def _to_global(bin_: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    if bin_.ndim == 2:
-        out = bin_.copy()
-        out[:, 0] = idx[bin_[:, 0]]
-        return out
-    return idx[bin_]
+def _to_global(bins: Bins, idx: np.ndarray) -> Bins:
+    if bins.pieces:
+        items = bins.items.copy()
+        items[:, 0] = idx[items[:, 0]]
+    else:
+        items = idx[bins.items]
+    return Bins(items, bins.starts, bins.ends)
+
+
+def _batches(order: np.ndarray, batch_size: int) -> Bins:
+    """``order`` cut into consecutive batches of ``batch_size`` (the last one shorter)."""
+    starts = np.arange(0, len(order), batch_size, dtype=np.int64)
+    return Bins(order, starts, np.minimum(starts + batch_size, len(order)))
 
 
 # ------------------------------------------------------------------------------------------- the strategies
 @register_strategy("none", padded=True)
-def build_padded(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_padded(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """The padded baseline: shuffled examples, ``batch_size`` per micro-batch, padded to the longest."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
-    return [order[i : i + params.batch_size] for i in range(0, len(order), params.batch_size)]
+    return _batches(order, params.batch_size)
 
 
 @register_strategy("sorted", padded=True)
-def build_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Length-grouped padded batches: random mega-batches, sorted by length inside, cut into batches."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
     mega = params.megabatch_factor * params.batch_size
     group = np.arange(len(order)) // mega
     order = order[np.lexsort((-sizes[order], group))]  # by group, then longest first inside a group
-    bins = []
-    for g in range(0, len(order), mega):
-        chunk = order[g : g + mega]
-        bins += [chunk[i : i + params.batch_size] for i in range(0, len(chunk), params.batch_size)]
-    return bins
+    return _batches(order, params.batch_size)  # a mega-batch is whole batches, so none straddles two
 
 
 @register_strategy("ffd")
-def build_first_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_first_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """First-fit decreasing over the whole dataset, whole examples only."""
     return group_by_bin(first_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
 
 
 @register_strategy("bfd")
-def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Best-fit decreasing over the whole dataset, whole examples only."""
     return group_by_bin(best_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
 
 
 @register_strategy("bfd_split", splits=True)
-def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Best-fit decreasing; an example longer than the budget is cut into pieces across bins."""
     budget, step = params.budget, params.budget - 1
     n = len(sizes)
@@ -304,17 +310,19 @@ def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.G
     last = -(-(sizes[over] - budget) // step)
     full_ex = np.repeat(over, last)
     full_start = (np.arange(len(full_ex)) - np.repeat(np.cumsum(last) - last, last)) * step
-    full_bins = list(np.stack([full_ex, full_start, full_start + budget], 1).astype(np.int64).reshape(-1, 1, 3))
+    full_pieces = np.stack([full_ex, full_start, full_start + budget], 1).astype(np.int64).reshape(-1, 3)
 
     start = np.zeros(n, dtype=np.int64)
     start[over] = last * step
     pool = np.stack([np.arange(n), start, sizes], 1).astype(np.int64)  # whole examples and tails
     bin_of = best_fit_decreasing(sizes - start, budget, params.max_examples_per_bin, rng)
-    return full_bins + group_by_bin(bin_of, pool)
+    packed = group_by_bin(bin_of, pool)  # the full pieces first, one bin each, then the packed bins
+    counts = np.concatenate([np.ones(len(full_pieces), dtype=np.int64), packed.counts])
+    return Bins.from_counts(np.concatenate([full_pieces, packed.items]), counts)
 
 
 @register_strategy("wrapped", splits=True)
-def build_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> list[np.ndarray]:
+def build_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Concatenate the (shuffled) examples and cut the stream every ``budget`` tokens."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
     if params.max_examples_per_bin is not None:
@@ -349,12 +357,10 @@ def build_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generato
     ex = np.arange(len(row_bin)) - np.repeat(np.cumsum(count) - count, count) + first[row_bin]
     lo = np.maximum(p_k[row_bin] - starts[ex], 0)
     hi = np.minimum(e_k[row_bin] - starts[ex], lengths[ex])
-    table = np.stack([order[ex], lo, hi], 1)
-    bounds = np.cumsum(count).tolist()
-    return [table[a:b] for a, b in zip([0, *bounds[:-1]], bounds)]
+    return Bins.from_counts(np.stack([order[ex], lo, hi], 1), count)
 
 
-def _wrapped_capped(sizes: np.ndarray, order: np.ndarray, budget: int, cap: int) -> list[np.ndarray]:
+def _wrapped_capped(sizes: np.ndarray, order: np.ndarray, budget: int, cap: int) -> Bins:
     """``wrapped`` one example at a time, closing a bin early when it holds ``cap`` items."""
     rows: list[tuple[int, int, int]] = []
     bounds: list[int] = []  # row index where each bin after the first starts
@@ -376,7 +382,8 @@ def _wrapped_capped(sizes: np.ndarray, order: np.ndarray, budget: int, cap: int)
             bounds.append(len(rows))
             room, in_bin = budget, 0
     table = np.asarray(rows, dtype=np.int64).reshape(-1, 3)
-    return [b for b in np.split(table, bounds) if len(b)]
+    edges = np.unique(np.asarray([0, *bounds, len(table)], dtype=np.int64))  # no empty bin
+    return Bins(table, edges[:-1], edges[1:])
 
 
 # ------------------------------------------------------------------------------------- convenience helpers
@@ -384,9 +391,9 @@ def pack_best_fit_decreasing(
     lengths: np.ndarray, budget: int, max_examples_per_bin: int | None = None, rng: np.random.Generator | None = None
 ) -> list[np.ndarray]:
     """Bins of ``bfd`` over ``lengths`` (each in ``[1, budget]``), as arrays of example indices."""
-    return pack(lengths, "bfd", PackParams(budget, max_examples_per_bin), rng).bins
+    return list(pack(lengths, "bfd", PackParams(budget, max_examples_per_bin), rng).bins)
 
 
 def batch_padded(n: int, batch_size: int, rng: np.random.Generator | None = None) -> list[np.ndarray]:
     """The padded baseline's micro-batches of ``n`` examples: shuffled, ``batch_size`` each."""
-    return build_padded(np.ones(n, dtype=np.int64), PackParams(1, batch_size=batch_size), rng)
+    return list(build_padded(np.ones(n, dtype=np.int64), PackParams(1, batch_size=batch_size), rng))
