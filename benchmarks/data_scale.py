@@ -80,7 +80,7 @@ def train_tokenizer(data: Path, out: Path, sample: int = 20000) -> float:
 
 PACKFSDP_CHILD = """
 import json, sys, time
-import trainer.collate, trainer.data, trainer.model, trainer.packing  # what build_training_data imports
+import trainer.collate, trainer.data, trainer.packing  # what build_training_data imports (not the modelling code)
 imports_done_at = time.time()
 from trainer.compose import compose_job_config, register_configs
 from trainer.pipeline import build_training_data

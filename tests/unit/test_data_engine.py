@@ -218,3 +218,31 @@ def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenize
     bad_cfg = DataConfig(source="csv", path=str(bad), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(BadRecordError, match=f"{bad}:4: unknown chat role 'asistant'"):
         load_dataset(bad_cfg, tokenizer, max_length=64)
+
+
+def test_example_hashes_are_each_examples_keyed_blake2b():
+    """The held-out draw's definition (a faster loop must not move any example across the split)."""
+    import hashlib
+
+    from trainer.data.dataset import example_hashes
+
+    tokens = np.random.default_rng(0).integers(0, 50_000, size=1000, dtype=np.int32)
+    offsets = np.array([0, 0, 3, 400, 401, 1000], dtype=np.int64)  # an empty example too
+    for seed in (0, 7, -3):
+        expected = [int.from_bytes(hashlib.blake2b(tokens[lo:hi].tobytes(), digest_size=8,
+                                                   key=seed.to_bytes(8, "little", signed=True)).digest(), "little")
+                    for lo, hi in zip(offsets, offsets[1:])]
+        assert example_hashes(tokens, offsets, seed).tolist() == expected
+
+
+def test_arrays_are_written_in_place_as_npy_files(tmp_path):
+    from trainer.data.arrays import ArrayWriter, open_arrays
+
+    writer = ArrayWriter(tmp_path / "arrays")
+    writer.add(np.arange(5, dtype=np.int32), np.array([0, 1, 1, 0, 1], dtype=bool), np.array([2, 3]))
+    writer.add(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int64))  # an empty chunk
+    writer.finish()
+    ds = open_arrays(tmp_path / "arrays")
+    assert sorted(p.suffix for p in ds.folder.iterdir()) == [".json"] + [".npy"] * 5  # nothing left over
+    assert ds.tokens.tolist() == [0, 1, 2, 3, 4] and ds.offsets.tolist() == [0, 2, 5]
+    assert ds.label_counts().tolist() == [1, 1] and ds.stats.label_tokens == 2

@@ -33,6 +33,21 @@ def stated_context(config: Any) -> int | None:
     return None
 
 
+def model_config(cfg: Any, base: dict | None = None) -> Any:
+    """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
+    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``random_init`` and
+    ``config_overrides`` (``ModelConfig.init_fields``). Here, not in ``trainer.model``, so that preparing the
+    data (which needs the context length) never imports the modelling code."""
+    from transformers import AutoConfig
+
+    from trainer.library_errors import library_load
+
+    if cfg.name_or_path:
+        with library_load(f"model.name_or_path={cfg.name_or_path}"):
+            return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.init_fields())
+    return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
+
+
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 """A ``name_or_path`` starting so is a local folder (a hub id never does), checked to exist at once."""
 

@@ -16,6 +16,7 @@ folder chunk by chunk, so preparing it never holds more than one chunk of exampl
 
 from __future__ import annotations
 
+import io
 import json
 from dataclasses import asdict
 from pathlib import Path
@@ -26,7 +27,7 @@ from trainer.data.dataset import DatasetStats, TokenizedDataset, label_counts
 
 COLUMNS = {"tokens": np.int32, "loss_mask": np.bool_, "lengths": np.int64, "label_counts": np.int64}
 """The arrays written chunk by chunk (``offsets`` is derived from ``lengths`` at the end)."""
-COPY_CHUNK = 1 << 24
+NPY_HEADER_BYTES = 128
 
 
 class ArrayWriter:
@@ -35,7 +36,9 @@ class ArrayWriter:
     def __init__(self, folder: Path) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         self.folder = folder
-        self.files = {name: open(folder / f"{name}.raw", "wb") for name in COLUMNS}
+        self.files = {name: open(folder / f"{name}.npy", "wb") for name in COLUMNS}
+        for name, f in self.files.items():  # rewritten with the final length by ``finish``
+            f.write(npy_header(COLUMNS[name], 0))
         self.sizes = dict.fromkeys(COLUMNS, 0)
         self.stats = DatasetStats()
 
@@ -62,20 +65,12 @@ class ArrayWriter:
         self.stats.add(stats)
 
     def finish(self) -> DatasetStats:
-        """Write the ``.npy`` files and ``stats.json``; the kept-token counts are filled in from the arrays."""
-        for f in self.files.values():
+        """Complete the ``.npy`` files, write ``offsets.npy`` and ``stats.json`` (the kept-token counts filled in
+        from the arrays)."""
+        for name, f in self.files.items():  # the data is in place: only the header learns the length
+            f.seek(0)
+            f.write(npy_header(COLUMNS[name], self.sizes[name]))
             f.close()
-        for name, dtype in COLUMNS.items():
-            raw = self.folder / f"{name}.raw"
-            out = np.lib.format.open_memmap(self.folder / f"{name}.npy", "w+", dtype, (self.sizes[name],))
-            if self.sizes[name]:
-                src = np.memmap(raw, dtype, "r", shape=(self.sizes[name],))
-                for lo in range(0, len(src), COPY_CHUNK):
-                    out[lo : lo + COPY_CHUNK] = src[lo : lo + COPY_CHUNK]
-                del src
-            out.flush()
-            del out
-            raw.unlink()
         lengths = np.load(self.folder / "lengths.npy")
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(lengths, out=offsets[1:])
@@ -85,6 +80,17 @@ class ArrayWriter:
         s.label_tokens = int(np.load(self.folder / "label_counts.npy").sum())
         (self.folder / "stats.json").write_text(json.dumps(asdict(s)))
         return s
+
+
+def npy_header(dtype: type, length: int) -> bytes:
+    """The ``.npy`` header of a 1-D array of ``length`` values: 128 bytes for any length (numpy pads it to a
+    multiple of 64), so the files are written in place and the header last."""
+    out = io.BytesIO()
+    header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": (length,)}
+    np.lib.format.write_array_header_1_0(out, header)
+    if len(out.getvalue()) != NPY_HEADER_BYTES:
+        raise AssertionError(f"a {len(out.getvalue())}-byte .npy header, not {NPY_HEADER_BYTES}")
+    return out.getvalue()
 
 
 def open_arrays(folder: Path) -> TokenizedDataset:

@@ -6,9 +6,10 @@ import inspect
 import logging
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerBase
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import ModelConfig
+from trainer.config.common import model_config  # the one reader of a model's config, imported here too
 from trainer.library_errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.families import RELAY_BOUNDARIES, check_family
@@ -110,13 +111,3 @@ def _calls_attention_interface(cls: type) -> bool:
     except (OSError, TypeError, ValueError):  # no source (a builtin module): not an attention layer of transformers
         return False
     return takes_kwargs and "ALL_ATTENTION_FUNCTIONS" in source
-
-
-def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:
-    """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
-    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``random_init`` and
-    ``config_overrides`` (``ModelConfig.init_fields``)."""
-    if cfg.name_or_path:
-        with library_load(f"model.name_or_path={cfg.name_or_path}"):
-            return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.init_fields())
-    return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
