@@ -28,14 +28,7 @@ from trainer.config.common import (
 from trainer.config.job import JobConfig
 from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
 from trainer.config.training import (
-    PEFT_METHODS,
-    CheckpointConfig,
-    EvalConfig,
-    GuardConfig,
-    LoggerConfig,
-    LossConfig,
-    OptimConfig,
-    PeftConfig,
+    PEFT_METHODS, CheckpointConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
 )
 
 __all__ = [
