@@ -78,7 +78,8 @@ class Trainer:
         self.build_data(stated_context(model.config))
 
         self.flop_params = flop_params(model)
-        self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
+        self.peak_tflops, self.peak_source = peak_tflops(
+            self.device, cfg.logger.peak_tflops, DTYPES[cfg.parallel.param_dtype])
         model = model.to(self.device)
         self.loss_impl = model.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
         log.info("loss: %s", self.loss_impl)

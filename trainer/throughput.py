@@ -113,8 +113,12 @@ def model_flops(tokens: float, sum_sq_lengths: float, sizes: FlopParams) -> floa
     return matmul * tokens + 6.0 * sizes.layers * sizes.width * sum_sq_lengths
 
 
-def peak_tflops(device: torch.device, configured: float | None = None) -> tuple[float, str]:
-    """Peak TFLOP/s of one device and where the number comes from."""
+def peak_tflops(
+    device: torch.device, configured: float | None = None, dtype: torch.dtype = torch.bfloat16,
+) -> tuple[float, str]:
+    """Peak TFLOP/s of one device and where the number comes from. On CPU it is measured in ``dtype``, the
+    run's compute dtype: a CPU without native bf16 multiplies bf16 ~100x slower than fp32, so a bf16 peak
+    would put an fp32 run's MFU far above 100%."""
     if configured:
         return configured, "configured (logger.peak_tflops)"
     if device.type == "cuda":
@@ -123,13 +127,16 @@ def peak_tflops(device: torch.device, configured: float | None = None) -> tuple[
             if key in name:
                 return value, f"datasheet bf16 dense peak of {name}"
         return float("nan"), f"unknown GPU {name} (set logger.peak_tflops)"
-    return measured_matmul_tflops(device), "measured bf16 matmul rate of this CPU process"
+    dtype_name = str(dtype).removeprefix("torch.")
+    return measured_matmul_tflops(device, dtype), f"measured {dtype_name} matmul rate of this CPU process"
 
 
-def measured_matmul_tflops(device: torch.device, size: int = 512, repeats: int = 20) -> float:
-    """The bf16 matmul rate this process reaches (CPUs publish no peak usable here)."""
-    a = torch.randn(size, size, device=device, dtype=torch.bfloat16)
-    b = torch.randn(size, size, device=device, dtype=torch.bfloat16)
+def measured_matmul_tflops(
+    device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 512, repeats: int = 20,
+) -> float:
+    """The ``dtype`` matmul rate this process reaches (CPUs publish no peak usable here)."""
+    a = torch.randn(size, size, device=device, dtype=dtype)
+    b = torch.randn(size, size, device=device, dtype=dtype)
     for _ in range(3):
         a @ b
     start = time.perf_counter()

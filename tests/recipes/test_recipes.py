@@ -17,7 +17,7 @@ from trainer.compose import recipe_dirs
 
 RECIPES = sorted(p.stem for d in recipe_dirs() for p in d.glob("*.yaml"))
 # Keep CPU runs tiny: few records, two steps (the summary keeps the second), a fixed peak (measuring this
-# CPU's bf16 matmul rate takes seconds per process; the own-recipe run below still measures it).
+# CPU matmul rate takes a moment per process; the own-recipe run below still measures it).
 QUICK = ["max_steps=2", "summary_skip_steps=1", "data.limit=200", "data.num_dialogs=200", "optim.warmup_steps=1",
          "logger.peak_tflops=1"]
 

@@ -134,3 +134,17 @@ def test_model_flops_count_frozen_weights_at_4n():
     sizes = flop_params(Tiny())
     assert sizes == (80, 64, 2, 8)  # the position table is no matmul
     assert model_flops(10, 100, sizes) == 4 * 64 * 10 + 6 * 16 * 10 + 6 * 2 * 8 * 100
+
+
+def test_the_cpu_peak_is_measured_in_the_runs_compute_dtype(monkeypatch):
+    """An fp32 run's MFU divides by an fp32 matmul rate: this CPU multiplies bf16 ~100x slower than fp32,
+    so a bf16 peak reported fp32 runs at 228% (then NaN) MFU."""
+    from trainer import throughput
+
+    seen = []
+    monkeypatch.setattr(throughput, "measured_matmul_tflops", lambda device, dtype: seen.append(dtype) or 0.1)
+    assert throughput.peak_tflops(torch.device("cpu"), None, torch.float32) == (
+        0.1, "measured float32 matmul rate of this CPU process")
+    assert throughput.peak_tflops(torch.device("cpu"), 2.0, torch.float32)[0] == 2.0 and seen == [torch.float32]
+    monkeypatch.undo()  # the real probe, in fp32
+    assert throughput.measured_matmul_tflops(torch.device("cpu"), torch.float32, size=64, repeats=2) > 0
