@@ -54,6 +54,11 @@ DATA_DIR = "data"
 """Per-rank data state (``data/rank_XXXXX.safetensors``) of samplers that have one (streaming)."""
 
 
+def rank_file(checkpoint: Path, folder: str, rank: int) -> Path:
+    """A rank's own file in a checkpoint: ``rng/`` (its RNG states) or ``data/`` (its stream state)."""
+    return checkpoint / folder / f"rank_{rank:05d}.safetensors"
+
+
 @dataclass
 class TrainingState:
     """What a checkpoint saves and restores, besides the step counters."""
@@ -212,9 +217,9 @@ class Checkpointer:
             dcp.save({"model": model_sd, "optim": optim_sd["state"]}, storage_writer=FileSystemWriter(str(tmp)))
         except CheckpointException as e:  # a BaseException (a full disk, a lost mount): one line, not a trace
             raise dcp_failure(e, f"saving checkpoint {final}") from None
-        save_file(rng_tensors(), str(tmp / "rng" / f"rank_{self.rank:05d}.safetensors"))
+        save_file(rng_tensors(), str(rank_file(tmp, "rng", self.rank)))
         if hasattr(state.sampler, "save_rank_state"):  # a stream's position and buffer differ per rank
-            state.sampler.save_rank_state(tmp / DATA_DIR / f"rank_{self.rank:05d}.safetensors")
+            state.sampler.save_rank_state(rank_file(tmp, DATA_DIR, self.rank))
         if distributed.is_rank0():
             scheduler = {k: v for k, v in state.scheduler.state_dict().items() if k != "lr_lambdas"}
             trainer_state = {
@@ -305,7 +310,7 @@ class Checkpointer:
         try:
             state.sampler.load_state_dict(saved["sampler"])
             if hasattr(state.sampler, "load_rank_state"):
-                state.sampler.load_rank_state(path / DATA_DIR / f"rank_{self.rank:05d}.safetensors")
+                state.sampler.load_rank_state(rank_file(path, DATA_DIR, self.rank))
         except ValueError as e:
             raise CheckpointError(f"{path}: the data sampler cannot resume here: {e}") from e
         self._restore_rng(path, saved["world_size"], saved["step"])
@@ -323,7 +328,7 @@ class Checkpointer:
 
     def _restore_rng(self, path: Path, saved_world_size: int, step: int) -> None:
         if saved_world_size == self.world_size:
-            set_rng_tensors(load_file(str(path / "rng" / f"rank_{self.rank:05d}.safetensors")))
+            set_rng_tensors(load_file(str(rank_file(path, "rng", self.rank))))
             return
         # Ranks do not map one to one: give each rank a fresh stream that is still a function of the run.
         seed = (self.seed * 1_000_003 + step * 1_009 + self.rank) % 2**31

@@ -1,9 +1,15 @@
 """What every config section shares: the choice lists that validation reads without importing torch, the
-error every bad value raises, and the two checks most fields use."""
+error every bad value raises, the two checks most fields use, and the reader of the transformers config a
+``ModelConfig`` describes (``model_config``: transformers imported only when called)."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from trainer.config.sections import ModelConfig
 
 ATTENTION_BACKENDS = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa_block_mask")
 """The packed attention backends ``model.attention`` may name besides ``auto``, in the order ``auto`` tries
@@ -33,7 +39,7 @@ def stated_context(config: Any) -> int | None:
     return None
 
 
-def model_config(cfg: Any, base: dict | None = None) -> Any:
+def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:
     """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
     with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``random_init`` and
     ``config_overrides`` (``ModelConfig.init_fields``). Here, not in ``trainer.model``, so that preparing the
