@@ -141,8 +141,8 @@ def cached(cfg, tokenizer) -> dict:
         "arrays": h(ds.tokens, ds.loss_mask, ds.offsets) if hasattr(ds, "tokens")
         else h(*[a for i in range(len(ds)) for a in ds.example(i)]), "lengths": h(ds.lengths), "labels": h(ds.label_counts()),
         "stats": stats_dict(ds.stats), "examples": len(ds),
-        "train_rows": h(train.rows if train.rows is not None else np.arange(len(train))),
-        "held_rows": h(held.rows) if held is not None else None,
+        "train_rows": h(getattr(train, "rows", None) if getattr(train, "rows", None) is not None else train.lengths),
+        "held_rows": (h(held.rows) if getattr(held, "rows", None) is not None else h(held.lengths)) if held else None,
     }
     for world in (1, 2):
         sampler = build_sampler(train.lengths, PackingConfig(token_budget=1024), world - 1, world, 1234)
