@@ -11,6 +11,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
 from trainer.config import CODE_OPTIONS
+from trainer.errors import first_line
 
 from trainer.compose import config_dir, to_job_config
 from trainer.safety import UnsafeTargetError, check_target, check_targets, redact
@@ -50,7 +51,7 @@ def check_group_choices(argv: list[str]) -> None:
 def one_line(exc: BaseException) -> str:
     """A Hydra/OmegaConf/packfsdp config error as one line: the key, then what is wrong with it."""
     cause = exc.__cause__ or exc
-    first = str(cause).strip().splitlines()[0] if str(cause).strip() else type(cause).__name__
+    first = first_line(cause, limit=None)
     key = getattr(cause, "full_key", None)
     return redact(f"{key}: {first}" if key and key not in first else first)
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trainer.data.dataset import TokenizedDataset
+from trainer.data.examples import TokenizedDataset
 
 IGNORE_INDEX = -100
 

@@ -38,7 +38,7 @@ from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
-from trainer.library_errors import LoadError
+from trainer.errors import LoadError
 from trainer.safety import UnsafeFileError, redact
 
 log = logging.getLogger("trainer")

@@ -93,11 +93,11 @@ def build_training_data(
 
 
 def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int) -> TrainingData:
-    """``data.streaming=true``: this rank's share of the stream (``trainer.data.streaming``), packed online
+    """``data.streaming=true``: this rank's share of the stream (``trainer.data.stream``), packed online
     (``trainer.packing.online``); the eval set and the self-check's examples come from the stream's head."""
     from trainer.collate import collate_packed
     from trainer.data import source_fingerprint
-    from trainer.data.streaming import ExampleStream, head_sets
+    from trainer.data.stream import ExampleStream, head_sets
     from trainer.packing.online import ServedExamples, StreamingSampler
 
     holdout = (cfg.eval.holdout_fraction, cfg.eval.holdout_seed)
@@ -114,7 +114,7 @@ def model_context(cfg: ModelConfig) -> int | None:
     """The model's context length from its config alone (no weights). ``None`` when the config states none
     or cannot be read (an unreachable hub id, say: the examples are then clamped to ``data.max_length``
     only, which is logged)."""
-    from trainer.config.common import model_config
+    from trainer.model.hf_config import model_config
 
     try:
         return stated_context(model_config(cfg))
@@ -130,7 +130,7 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     the model (``auto`` moves on, a named backend fails with one line naming the family and the argument).
     Resolved once, before any heavy work, so a backend that cannot run fails first."""
     from trainer.model import DTYPES, AttentionNeeds, resolve_backend
-    from trainer.config.common import model_config
+    from trainer.model.hf_config import model_config
 
     needs = AttentionNeeds.of(model_config(cfg.model))
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)

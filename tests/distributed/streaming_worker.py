@@ -19,7 +19,7 @@ from tests.distributed.harness import HarnessTrainer, full_tensors
 from tests.quick_exit import run_then_exit
 from trainer import distributed
 from trainer.compose import config_dir, register_configs, to_job_config
-from trainer.data import streaming
+from trainer.data import stream as streaming
 
 
 def streaming_overrides(cache_dir: str, **extra) -> list[str]:

@@ -11,7 +11,7 @@ import pytest
 from trainer.config import DataConfig
 from trainer.data import load_records
 from trainer.data.bad_records import BadRecordError
-from trainer.data.dataset import render_records
+from tests.data_oracle import render_records
 
 
 def _cfg(path, source="jsonl", **kw) -> DataConfig:

@@ -63,7 +63,7 @@ def test_pretokenized_parquet_trains_with_the_models_tokenizer(my_model, tmp_pat
 
     from trainer.config import DataConfig
     from trainer.data import load_records
-    from trainer.data.dataset import render_records
+    from tests.data_oracle import render_records
 
     folder, data, tokenizer = my_model
     cfg = DataConfig(source="jsonl", path=str(data), cache_dir=cache_dir)

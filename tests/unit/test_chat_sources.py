@@ -11,7 +11,7 @@ import pytest
 from trainer.config import ConfigError, DataConfig, ModelConfig
 from trainer.data import load_dataset, load_records, load_tokenizer, register_source
 from trainer.data.chat import CHATML_TEMPLATE, ChatTemplateError
-from trainer.data.dataset import render_records
+from tests.data_oracle import render_records
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -173,6 +173,24 @@ def test_plugins_register_sources(tmp_path, monkeypatch):
     assert load_records(DataConfig(source="plugin_test_source", plugins=["my_plugin_mod"]))
     with pytest.raises(ConfigError, match="cannot import"):
         load_records(DataConfig(source="plugin_test_source", plugins=["no_such_module_xyz"]))
+
+
+def test_a_plugin_registering_a_shipped_name_is_what_every_route_reads(tmp_path, tokenizer, monkeypatch):
+    """The registry is honoured for every source: a plugin's own ``jsonl`` replaces the shipped one in the
+    cached route, the stream and the tokenizer's sample alike (nothing reads the file through ``datasets``)."""
+    from trainer.data import SOURCES
+    from trainer.data.stream import ExampleStream
+    from trainer.data.tokenizer import sample_records
+
+    path = tmp_path / "lines.jsonl"
+    path.write_text("first plain line\nsecond plain line\n")  # not JSON: only the plugin can read it
+    monkeypatch.setitem(SOURCES, "jsonl", lambda cfg: [{"text": line} for line in open(cfg.path).read().split("\n") if line])
+    cfg = DataConfig(source="jsonl", path=str(path), cache_dir=str(tmp_path / "cache"))
+    ds = load_dataset(cfg, tokenizer, max_length=64)
+    assert ds.stats.records == 2 and len(ds) == 2
+    assert [r["text"] for r in sample_records(cfg, 5)] == ["first plain line", "second plain line"]
+    stream = ExampleStream(cfg, tokenizer, 64)
+    assert len(stream.examples(stream.next_rows(8))[0]) == 2
 
 
 def test_hub_dailydialog_reads_the_parquet_conversion_of_a_script_dataset(monkeypatch):

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
-from trainer.data.dataset import TokenizedDataset
+from trainer.data.examples import TokenizedDataset
 
 
 def _dataset() -> TokenizedDataset:

@@ -12,7 +12,7 @@ import pytest
 
 from trainer.config import DataConfig
 from trainer.data import load_dataset, load_records
-from trainer.data.dataset import render_records
+from tests.data_oracle import render_records
 from trainer.data.synthetic import generate_dialogs
 
 

@@ -1,4 +1,4 @@
-"""The Arrow path (``trainer.data.engine``): table files read by ``datasets``, rendered by a ``map``, stored as
+"""The cache sink's table path (``trainer.data.cache``): table files read by ``datasets``, rendered by a ``map``, stored as
 memory-mapped ``.npy`` arrays; the same examples, masks and counts as rendering the records in memory."""
 
 from __future__ import annotations
@@ -9,11 +9,11 @@ import logging
 import numpy as np
 import pytest
 
-import trainer.data.engine as engine
+import trainer.data.cache as engine
 from trainer.config import DataConfig
 from trainer.data import load_dataset, load_records
 from trainer.data.bad_records import BadRecordError
-from trainer.data.dataset import render_records
+from tests.data_oracle import render_records
 
 CHAT = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you?"}]}
 LONG = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 300}]}
@@ -136,7 +136,7 @@ def test_analyze_reports_the_mixture(tmp_path, cache_dir):
 
 
 def test_held_out_draw_is_computed_once_per_cache(tmp_path, tokenizer, monkeypatch):
-    import trainer.data.dataset as dataset_module
+    import trainer.data.examples as dataset_module
     from trainer.evaluate import holdout_mask
 
     cfg = DataConfig(num_dialogs=60, cache_dir=str(tmp_path))
@@ -166,11 +166,10 @@ def test_parquet_and_saved_datasets_take_the_arrow_path(tmp_path, tokenizer, kin
 
 
 def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
-    import trainer.data as data_module
     import trainer.data.tokenizer as tokenizer_module
     from trainer.config import ModelConfig
     from trainer.data import load_tokenizer
-    from trainer.data.sources_arrow import sample_records
+    from trainer.data.tokenizer import sample_records
 
     path = write_jsonl(tmp_path / "chats.jsonl", chats(50))
     cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
@@ -187,7 +186,7 @@ def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
         return real_train(seen[-1], *args)
 
     monkeypatch.setattr(tokenizer_module, "train_bpe_tokenizer", train)
-    monkeypatch.setattr(data_module, "BPE_SAMPLE_RECORDS", 5)
+    monkeypatch.setattr(tokenizer_module, "BPE_SAMPLE_RECORDS", 5)
     load_tokenizer(ModelConfig(tokenizer_vocab_size=300), cfg)
     assert len(seen) == 1 and len(seen[0]) == 5 * 4  # 5 records x (role, content) of 2 messages
 
@@ -195,7 +194,9 @@ def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
 def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenizer, monkeypatch):
     import csv as csv_module
 
-    from trainer.data import sources_arrow
+    from dataclasses import replace
+
+    from trainer.data.tables import FORMATS
 
     path = tmp_path / "qa.csv"
     with open(path, "w", newline="") as f:
@@ -208,7 +209,7 @@ def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenize
     cfg = DataConfig(source="csv", path=str(path), cache_dir=str(tmp_path / "cache"))
     reference = render_records(load_records(cfg), tokenizer, cfg, max_length=64)
     with monkeypatch.context() as m:  # the line reader is the fallback for files datasets refuses: not this one
-        m.setattr(sources_arrow, "read_csv", lambda *a, **k: pytest.fail("csv fell back to the line reader"))
+        m.setitem(FORMATS, "csv", replace(FORMATS["csv"], read=lambda *a, **k: pytest.fail("csv fell back to the line reader")))
         ds = load_dataset(cfg, tokenizer, max_length=64)
     assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
     assert ds.stats.dropped_empty == 1 and len(ds) == 3
@@ -224,7 +225,7 @@ def test_example_hashes_are_each_examples_keyed_blake2b():
     """The held-out draw's definition (a faster loop must not move any example across the split)."""
     import hashlib
 
-    from trainer.data.dataset import example_hashes
+    from trainer.data.examples import example_hashes
 
     tokens = np.random.default_rng(0).integers(0, 50_000, size=1000, dtype=np.int32)
     offsets = np.array([0, 0, 3, 400, 401, 1000], dtype=np.int64)  # an empty example too

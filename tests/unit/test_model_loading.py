@@ -9,7 +9,7 @@ import pytest
 
 from tests.conftest import compose_job
 from trainer.config import ConfigError, ModelConfig
-from trainer.library_errors import LoadError, library_load
+from trainer.errors import LoadError, library_load
 from trainer.model.loading import model_config
 
 

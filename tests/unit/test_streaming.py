@@ -11,8 +11,8 @@ import pytest
 
 from trainer.config import ConfigError, DataConfig, JobConfig, PackingConfig
 from trainer.data.bad_records import BadRecordError
-from trainer.data import streaming
-from trainer.data.streaming import ExampleStream, head_sets
+from trainer.data import stream as streaming
+from trainer.data.stream import ExampleStream, head_sets
 from trainer.evaluate import holdout_mask
 from trainer.packing.online import OnlineBestFit, StreamingSampler
 

@@ -1,15 +1,12 @@
 """What every config section shares: the choice lists that validation reads without importing torch, the
-error every bad value raises, the two checks most fields use, and the reader of the transformers config a
-``ModelConfig`` describes (``model_config``: transformers imported only when called)."""
+error every bad value raises, and the two checks most fields use (``ConfigError`` itself lives in the leaf
+``trainer.errors``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from transformers import PretrainedConfig
-
-    from trainer.config.sections import ModelConfig
+from trainer.errors import ConfigError  # the leaf every stage imports; re-exported by trainer.config
 
 ATTENTION_BACKENDS = ("flash_attn", "torch_varlen", "flex", "sdpa_varlen", "sdpa_block_mask")
 """The packed attention backends ``model.attention`` may name besides ``auto``, in the order ``auto`` tries
@@ -39,21 +36,6 @@ def stated_context(config: Any) -> int | None:
     return None
 
 
-def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:
-    """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
-    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``random_init`` and
-    ``config_overrides`` (``ModelConfig.init_fields``). Here, not in ``trainer.model``, so that preparing the
-    data (which needs the context length) never imports the modelling code."""
-    from transformers import AutoConfig
-
-    from trainer.library_errors import library_load
-
-    if cfg.name_or_path:
-        with library_load(f"model.name_or_path={cfg.name_or_path}"):
-            return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.init_fields())
-    return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
-
-
 LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 """A ``name_or_path`` starting so is a local folder (a hub id never does), checked to exist at once."""
 
@@ -63,8 +45,6 @@ GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic")
 they are streamed)."""
 
 
-class ConfigError(ValueError):
-    """A configuration value is wrong. The message says which key and what to change."""
 
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.dataset import DatasetStats, TokenizedDataset, label_counts
+from trainer.data.examples import DatasetStats, TokenizedDataset, label_counts
 
 COLUMNS = {"tokens": np.int32, "loss_mask": np.bool_, "lengths": np.int64, "label_counts": np.int64}
 """The arrays written chunk by chunk (``offsets`` is derived from ``lengths`` at the end)."""

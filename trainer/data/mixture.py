@@ -19,7 +19,7 @@ from dataclasses import dataclass, fields, replace
 import numpy as np
 
 from trainer.config import ConfigError, DataConfig
-from trainer.data.dataset import DatasetStats, TokenizedDataset
+from trainer.data.examples import DatasetStats, TokenizedDataset
 
 
 def mix_components(cfg: DataConfig) -> list[tuple[DataConfig, float]]:

@@ -1,7 +1,7 @@
 """Data sources: small functions, registered by name, that read raw records.
 
 A source takes the ``DataConfig`` and returns a list of records. A record is a dict of one of three kinds
-(rendered by ``trainer.data.dataset``): ``{"messages": [{"role", "content"}, ...]}`` (chat),
+(rendered by ``trainer.data.render``): ``{"messages": [{"role", "content"}, ...]}`` (chat),
 ``{"turns": [utterance, ...]}`` (a dialog) or ``{"text": str}`` (a plain document). Adding a format means
 registering one function, not touching the loop; a module of your own is imported through
 ``data.plugins``::
@@ -23,14 +23,16 @@ import hashlib
 import importlib
 import importlib.util
 import logging
+import json
 import sys
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
 from trainer.data.synthetic import generate_chats, generate_dialogs
-from trainer.library_errors import library_load
+from trainer.errors import library_load
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +42,8 @@ SOURCES: dict[str, SourceFn] = {}
 
 
 def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
-    """Register ``fn(cfg: DataConfig) -> list[dict]`` as ``data.source=name``."""
+    """Register ``fn(cfg: DataConfig) -> list[dict]`` as ``data.source=name`` (a shipped name included: the
+    registered function is what every route reads)."""
 
     def wrap(fn: SourceFn) -> SourceFn:
         SOURCES[name] = fn
@@ -179,46 +182,40 @@ def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
 # Table sources: rows with a text, messages, turns or prompt/response column
 # ---------------------------------------------------------------------------------------------------------
 
-from trainer.data.tables import (  # noqa: E402
-    mapped_columns_only,
-    read_csv,
-    read_jsonl,
-    read_parquet,
-    rows_to_records,
-    table_files,
-)
+from trainer.data.tables import FORMATS, mapped_columns_only, read_parquet, rows_to_records, table_files  # noqa: E402
 
 
-def _table_source(cfg: DataConfig, reader, suffixes: tuple[str, ...]) -> list[Record]:
-    """Read, map and count: bad lines and rows follow ``data.on_bad_record`` (error or counted skip)."""
+def _table_source(cfg: DataConfig) -> list[Record]:
+    """``data.source``'s format (``FORMATS``) read by its line reader, rows mapped to records: bad lines and
+    rows follow ``data.on_bad_record`` (error or counted skip). The training routes read these files through
+    ``datasets`` (``trainer.data.parts``) and come here only for a file it refuses."""
+    fmt = FORMATS[cfg.source]
     bad = BadRecords(cfg.on_bad_record, cfg.source)
-    return bad.finish(rows_to_records(reader(table_files(cfg, suffixes), bad), cfg, bad))
+    return bad.finish(rows_to_records(fmt.read(table_files(cfg, fmt.suffixes), bad), cfg, bad))
 
 
 @register_source("jsonl")
 def jsonl(cfg: DataConfig) -> list[Record]:
     """Local JSON Lines: a ``.jsonl`` file or a folder of them (``*{split}*.jsonl`` preferred)."""
-    return _table_source(cfg, read_jsonl, (".jsonl", ".json"))
+    return _table_source(cfg)
 
 
 @register_source("parquet")
 def parquet(cfg: DataConfig) -> list[Record]:
     """Local Parquet: a ``.parquet`` file or a folder of them (``*{split}*.parquet`` preferred)."""
-    return _table_source(cfg, read_parquet, (".parquet",))
+    return _table_source(cfg)
 
 
 @register_source("csv")
 def csv(cfg: DataConfig) -> list[Record]:
     """Local CSV with a header row; a ``messages`` cell holds the conversation as a JSON string."""
-    return _table_source(cfg, read_csv, (".csv",))
+    return _table_source(cfg)
 
 
 @register_source("hf")
 def hf(cfg: DataConfig) -> list[Record]:
     """Any dataset ``datasets`` opens: a hub id (``data.path``, ``data.subset``, ``data.split``), a local
     dataset folder, a ``save_to_disk`` folder or ``.arrow`` files. Columns are mapped with ``data.columns``."""
-    if not cfg.path:
-        raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
     with library_load(f"data.path={cfg.path}"):
         ds = open_hf_dataset(cfg)
     ds = mapped_columns_only(ds, cfg)  # read column-wise: far faster than iterating rows of a large dataset
@@ -231,6 +228,7 @@ def open_hf_dataset(cfg: DataConfig):
     saved ``DatasetDict``), ``.arrow`` files (a file or a folder of them), else ``load_dataset``."""
     import datasets
 
+    check_hf_path(cfg)
     path = Path(cfg.path).expanduser()
     if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
         ds = datasets.load_from_disk(str(path))
@@ -243,3 +241,40 @@ def open_hf_dataset(cfg: DataConfig):
     if arrow:
         return datasets.load_dataset("arrow", data_files=[str(f) for f in arrow], split="train")
     return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
+
+
+def check_hf_path(cfg: DataConfig) -> None:
+    """``data.source=hf`` reads ``data.path``: without it, one line saying so."""
+    if not cfg.path:
+        raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
+
+
+def shipped(cfg: DataConfig) -> str | None:
+    """``jsonl``, ``parquet``, ``csv`` or ``hf`` when ``data.source`` is that shipped table source, still
+    registered as shipped (the routes then read it through ``datasets``); ``None`` for any other source, and
+    for a plugin that registered one of these names itself: its function is what is read."""
+    source = check_source(cfg)
+    return cfg.source if source is SHIPPED_TABLES.get(cfg.source) else None
+
+
+SHIPPED_TABLES = {"jsonl": jsonl, "parquet": parquet, "csv": csv, "hf": hf}
+"""The shipped table sources, as registered (``shipped``)."""
+
+
+STREAM_SETTINGS = ("streaming", "stream_buffer", "stream_eval_records")
+"""``DataConfig`` fields that say how records are read (``trainer.data.streaming``), not which."""
+
+
+def source_fingerprint(cfg: DataConfig) -> str:
+    """What the records depend on: the config and, for local files and plugin modules, their size and
+    modification time (an edited file or source function re-tokenizes)."""
+    check_source(cfg)
+    parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
+    for key in STREAM_SETTINGS:  # how the records are read, not which: cached datasets keep their key
+        parts.pop(key)
+    files: list[Path] = [plugin_path(p) for p in cfg.plugins]
+    if cfg.path and Path(cfg.path).expanduser().exists():
+        p = Path(cfg.path).expanduser()
+        files += sorted(p.rglob("*")) if p.is_dir() else [p]
+    parts["files"] = [(str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file()]
+    return json.dumps(parts, sort_keys=True, default=str)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
@@ -121,6 +122,29 @@ def read_csv(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
     finally:
         csv.field_size_limit(previous_limit)
     return rows
+
+
+@dataclass(frozen=True)
+class TableFormat:
+    """A local file format: the ``datasets`` builder that reads (or streams) it, its file suffixes, and the
+    line reader that is the fallback where ``datasets`` refuses a file (it names the bad line)."""
+
+    builder: str
+    suffixes: tuple[str, ...]
+    read: Callable[[list[Path], BadRecords | None], list[dict]]
+
+    @property
+    def lines(self) -> str:
+        """``json`` or ``csv``: rows are lines of the file, named ``file:line``; ``""`` (Parquet): ``file row i``."""
+        return self.builder if self.builder in ("json", "csv") else ""
+
+
+FORMATS = {
+    "jsonl": TableFormat("json", (".jsonl", ".json"), read_jsonl),
+    "parquet": TableFormat("parquet", (".parquet",), read_parquet),
+    "csv": TableFormat("csv", (".csv",), read_csv),
+}
+"""The table file sources (``data.source``), the one table of formats every route reads."""
 
 
 def detect_columns(names: Iterable[str]) -> dict[str, str]:

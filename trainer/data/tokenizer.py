@@ -1,4 +1,4 @@
-"""Tokenizers: a byte-level BPE trained locally (the offline default) or any pretrained one.
+"""Tokenizers: a byte-level BPE trained locally (the offline default) or any pretrained one (``load_tokenizer``).
 
 The local tokenizer is trained once with ``tokenizers`` on the source's text, saved in the
 ``save_pretrained`` layout under the cache directory keyed by a hash of what it was trained on, and loaded
@@ -12,12 +12,21 @@ import hashlib
 import json
 import logging
 import shutil
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
+import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from trainer.config import ConfigError, DataConfig, ModelConfig
+from trainer.data.bad_records import BadRecords
+from trainer.data.chat import CHATML_SPECIAL_TOKENS, apply_template_setting
+from trainer.data.mixture import mix_components
+from trainer.data.parts import is_table, source_parts
+from trainer.data.sources import source_fingerprint
+from trainer.data.tables import Row, mapped_columns_only, rows_to_records
 from trainer.distributed import on_rank0_then_all
+from trainer.errors import library_load
 
 log = logging.getLogger(__name__)
 
@@ -86,3 +95,84 @@ def pretrained_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> 
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+def record_texts(record: dict) -> list[str]:
+    """The raw text of a record of any kind (what the local BPE tokenizer is trained on)."""
+    if "messages" in record:
+        messages = [m for m in record["messages"] or [] if isinstance(m, dict)]
+        return [str(m.get(k) or "") for m in messages for k in ("role", "content")]
+    if "turns" in record:
+        return [t for t in record["turns"] or [] if isinstance(t, str)]
+    text = record.get("text")
+    return [text] if isinstance(text, str) else []
+
+
+def pretokenized_refused(records: list[dict]) -> list[dict]:
+    """``records``, unless they are pre-tokenized: their ids belong to the tokenizer that made them, and a
+    tokenizer trained here would read them as other tokens."""
+    if records and isinstance(records[0], dict) and "input_ids" in records[0]:
+        raise ConfigError(
+            "the data is pre-tokenized (input_ids) but model.tokenizer=local_bpe would train a new tokenizer; "
+            "name the tokenizer the ids came from: model.tokenizer=DIR_OR_HUB_ID (or load its model: model=hf "
+            "model.name_or_path=...)"
+        )
+    return records
+
+
+BPE_SAMPLE_RECORDS = 100_000
+"""The local BPE is trained on at most this many records per source, spread evenly over it (``sample_records``):
+enough for a small vocabulary, and preparing 1M records never holds them all."""
+
+
+def bpe_sample(cfg: DataConfig) -> Iterator[dict]:
+    """The records the local BPE is trained on; pre-tokenized data is refused (see ``pretokenized_refused``)."""
+    records = sample_records(cfg, BPE_SAMPLE_RECORDS)
+    first = next(records, None)
+    if first is not None:
+        pretokenized_refused([first])
+        yield first
+        yield from records
+
+
+def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTokenizerBase:
+    """The pretrained tokenizer named by the model config, or the local BPE trained on the data (cached).
+
+    ``model.chat_template``, when set, replaces the tokenizer's chat template.
+    """
+    name = model_cfg.tokenizer_name()
+    if name == "local_bpe":
+        components = [c for c, _ in mix_components(data_cfg)]
+        texts = lambda: (t for c in components for r in bpe_sample(c) for t in record_texts(r))  # noqa: E731
+        extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
+        key = "".join(source_fingerprint(c) for c in components) + f"|sample {BPE_SAMPLE_RECORDS}"
+        tokenizer = local_tokenizer(texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, key, extra)
+    else:
+        with library_load(f"the tokenizer {name}"):
+            tokenizer = pretrained_tokenizer(name, model_cfg.trust_remote_code)
+    apply_template_setting(tokenizer, model_cfg.chat_template)
+    return tokenizer
+
+
+def sample_records(cfg: DataConfig, n: int) -> Iterator[dict]:
+    """Up to ``n`` records spread evenly over the source (its first ``data.limit``), in order: what the local
+    BPE tokenizer is trained on, through the one dispatcher. Table files are read through ``datasets``
+    (memory-mapped; the cache's ``map`` reuses that copy), so only the sampled rows become Python records."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    parts = [(p, p.open()) for p in source_parts(cfg, bad)]
+    parts = [(p, opened) for p, opened in parts if opened is not None]
+    sizes = np.array([len(opened) for _, opened in parts], dtype=np.int64)
+    if cfg.limit is not None:  # the first ``limit`` records of the parts, in order
+        sizes = np.diff(np.minimum(np.concatenate([[0], np.cumsum(sizes)]), cfg.limit))
+    total = int(sizes.sum())
+    picked = np.unique(np.linspace(0, total - 1, min(n, total)).astype(np.int64)) if total else np.zeros(0, np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes)])
+    for k, (_, part) in enumerate(parts):
+        rows = (picked[(picked >= starts[k]) & (picked < starts[k + 1])] - starts[k]).tolist()
+        if not rows:
+            continue
+        if is_table(part):
+            ds = mapped_columns_only(part, cfg).select(rows)
+            yield from rows_to_records([Row(r) for r in ds], cfg, bad)
+        else:
+            yield from (part[i] for i in rows)

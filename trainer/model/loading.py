@@ -9,8 +9,8 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import ModelConfig
-from trainer.config.common import model_config  # the one reader of a model's config, imported here too
-from trainer.library_errors import library_load
+from trainer.model.hf_config import model_config
+from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.families import RELAY_BOUNDARIES, check_family
 from trainer.model.rope import apply_per_example_rope

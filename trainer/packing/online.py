@@ -14,7 +14,7 @@ window as large as the data this is best fit decreasing seen bin by bin. ``bench
 measures the fill against global BFD (``docs/data.md``).
 
 ``StreamingSampler`` gives the trainer this rank's bins with ``MicroBatchSampler``'s interface. Its stream
-(``trainer.data.streaming.ExampleStream``) never ends: a rank's share is read again from its start when it
+(``trainer.data.stream.ExampleStream``) never ends: a rank's share is read again from its start when it
 runs out, so every rank serves any number of micro-batches and takes the same ``max_steps`` steps by
 construction, without communication. **Resume** is exact: the stream's position and every waiting
 example (tokens and masks) are saved per rank (``save_rank_state``) and restored before the next bin.
@@ -32,14 +32,13 @@ from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
+from trainer.data.examples import Example
+
 if TYPE_CHECKING:
     from trainer.config import PackingConfig
-    from trainer.data.dataset import DatasetStats
+    from trainer.data.examples import DatasetStats
 
 log = logging.getLogger(__name__)
-
-Example = tuple[np.ndarray, np.ndarray]
-"""An example's token ids (int32) and loss mask (bool)."""
 
 
 class OnlineBestFit:
@@ -98,7 +97,7 @@ class OnlineBestFit:
 
 
 class ExampleSource(Protocol):
-    """What ``StreamingSampler`` reads: ``trainer.data.streaming.ExampleStream``."""
+    """What ``StreamingSampler`` reads: ``trainer.data.stream.ExampleStream``."""
 
     passes: int
     stats: DatasetStats

@@ -26,7 +26,7 @@ import torch
 
 from trainer.collate import collate_packed, collate_padded
 from trainer.config import ModelConfig, PackingConfig
-from trainer.data.dataset import TokenizedDataset
+from trainer.data.examples import TokenizedDataset
 from trainer.loss import summed_token_loss
 from trainer.metrics import padding_fraction
 from trainer.model import build_model, resolve_backend

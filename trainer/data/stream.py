@@ -11,10 +11,10 @@ A source is read as a list of parts, in order, each a ``datasets.IterableDataset
 - a plugin may return an ``IterableDataset`` (split the same way) or a ``Dataset``; every other source,
   the synthetic ones included, returns its records, dealt round-robin like a file's rows.
 
-Records are rendered, masked and truncated by ``trainer.data.dataset.render_outcomes`` (the rules of the
+Records are rendered, masked and truncated by ``trainer.data.render.render_outcomes`` (the rules of the
 cached path), ``STREAM_CHUNK`` rows at a time; bad rows follow ``data.on_bad_record`` and every count goes
 to this rank's ``DatasetStats``. The held-out split is the cached path's hash
-(``trainer.evaluate.holdout_mask``): a held-out example is left out of training wherever it appears, and
+(``trainer.data.holdout.holdout_mask``): a held-out example is left out of training wherever it appears, and
 the eval set is the held-out examples among the stream's first ``data.stream_eval_records`` records (rank
 0 reads them once and shares them). A stream cannot be shuffled exactly on resume, so it is read in order.
 
@@ -24,24 +24,21 @@ streaming run's length is ``max_steps``. A pass that yields no training example 
 
 from __future__ import annotations
 
-import functools
 import itertools
 import logging
-from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from pathlib import Path
+from dataclasses import asdict
 
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trainer import distributed
-from trainer.config import ConfigError, DataConfig
+from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.dataset import DatasetStats, Outcome, TokenizedDataset, log_dataset_stats, render_outcomes, stats_of
-from trainer.data.sources import check_source, open_hf_dataset
-from trainer.data.sources_arrow import Places, reader_options
-from trainer.data.tables import Row, rows_to_records, table_files
-from trainer.library_errors import library_load
+from trainer.data.examples import DatasetStats, Example, TokenizedDataset, from_examples, log_dataset_stats
+from trainer.data.holdout import holdout_mask
+from trainer.data.parts import Part, Places, is_table, source_parts
+from trainer.data.render import Outcome, render_outcomes, stats_of
+from trainer.data.tables import Row, rows_to_records
 
 log = logging.getLogger(__name__)
 
@@ -49,76 +46,16 @@ STREAM_CHUNK = 256
 """Rows rendered at a time (one batched tokenizer call)."""
 PROBE_EXAMPLES = 256
 """Training examples of the stream's head kept for the start-up self-check."""
-FILE_BUILDERS = {
-    "jsonl": ("json", (".jsonl", ".json")), "parquet": ("parquet", (".parquet",)), "csv": ("csv", (".csv",)),
-}
-"""Local file sources: the ``datasets`` builder that streams them and the file suffixes."""
-
-Example = tuple[np.ndarray, np.ndarray]
-
-
-@dataclass(frozen=True)
-class Part:
-    """One part of a source: ``open()`` gives a list of records or a ``datasets`` (Iterable)Dataset of rows."""
-
-    name: str
-    open: Callable[[], object]
-    lines: str = ""
-    """``json`` or ``csv``: rows are lines of the file ``name``, so a row is named ``file:line`` (``Places``)."""
-    split_by_node: bool = False
-    """Ranks get disjoint shards from ``split_dataset_by_node`` (else every rank reads all rows, keeps its own)."""
-
-
-def stream_parts(cfg: DataConfig) -> list[Part]:
-    """``cfg``'s source as parts, in reading order."""
-    if cfg.source in FILE_BUILDERS:
-        builder, suffixes = FILE_BUILDERS[cfg.source]
-        return [Part(str(f), functools.partial(_stream_file, builder, f), lines=builder if builder in ("json", "csv") else "")
-                for f in table_files(cfg, suffixes)]
-    if cfg.source == "hf":
-        if not cfg.path:
-            raise ConfigError("data.path must name a hub dataset id (or a local dataset folder) for data.source=hf")
-        return [Part(f"data.path={cfg.path}", functools.partial(_stream_hf, cfg), split_by_node=True)]
-    source = check_source(cfg)
-    return [Part(f"data.source={cfg.source}", lambda: _iterable(source(cfg)), split_by_node=True)]
-
-
-def _stream_file(builder: str, file: Path):
-    import datasets
-
-    with library_load(f"data.path={file}"):
-        return datasets.load_dataset(builder, data_files=str(file), split="train", streaming=True,
-                                     **reader_options(builder, file))
-
-
-def _stream_hf(cfg: DataConfig):
-    import datasets
-
-    with library_load(f"data.path={cfg.path}"):
-        if Path(cfg.path).expanduser().exists():
-            return open_hf_dataset(cfg).to_iterable_dataset()
-        return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True)
-
-
-def _iterable(result: object) -> object:
-    """A source's result as something to stream: an ``IterableDataset`` or a list of records as they are,
-    a ``Dataset`` as its ``to_iterable_dataset()``."""
-    import datasets
-
-    if isinstance(result, datasets.Dataset):
-        return result.to_iterable_dataset()
-    return result if isinstance(result, (list, datasets.IterableDataset)) else list(result)
-
-
 class RowStream:
     """This rank's rows of one part, resumable: ``state_dict`` holds the rows read and, for a ``datasets``
     stream, its own position (``IterableDataset.state_dict``), so a resume skips whole shards unread."""
 
     def __init__(self, part: Part, rank: int, world_size: int, state: dict | None = None) -> None:
         source = part.open()
+        source = [] if source is None else source
         self.index = int(state["index"]) if state else 0
         """Rows of the part (of the rank's shard when split by node) read so far."""
-        self.table = not isinstance(source, list)
+        self.table = is_table(source)
         self.dataset = None
         split = part.split_by_node and self.table
         if not self.table:  # records in memory: jump straight to the position
@@ -130,7 +67,7 @@ class RowStream:
             if state and state.get("datasets"):
                 self.dataset.load_state_dict(state["datasets"])
             self._rows = iter(self.dataset)
-        self.places = Places(f"{part.name} (shard of rank {rank})" if split else part.name, "" if split else part.lines)
+        self.places = Places(f"{part.name} (shard of rank {rank})", "") if split else part.places
         self.keep = (lambda i: True) if split else (lambda i: i % world_size == rank)
         self.name = part.name
 
@@ -173,8 +110,8 @@ class ExampleStream:
                  world_size: int = 1, holdout: tuple[float, int] = (0.0, 0), label: str = "stream") -> None:
         self.cfg, self.tokenizer, self.max_length = cfg, tokenizer, max_length
         self.rank, self.world_size, self.holdout, self.label = rank, world_size, holdout, label
-        self.parts = stream_parts(cfg)
         self.bad = BadRecords(cfg.on_bad_record, cfg.source)
+        self.parts = source_parts(cfg, self.bad, streaming=True)
         self.stats = DatasetStats()
         """This rank's counts so far: ``examples`` are training examples (held-out ones are in ``held_out``)."""
         self.held_out = 0
@@ -231,13 +168,11 @@ class ExampleStream:
         return train, [e for e, h in zip(kept, held) if h]
 
     def held_out_mask(self, examples: list[Example]) -> np.ndarray:
-        """The cached path's held-out rule, per example (``trainer.evaluate.holdout_mask``)."""
-        from trainer.evaluate import holdout_mask
-
+        """The cached path's held-out rule, per example (``trainer.data.holdout``)."""
         fraction, seed = self.holdout
         if not examples or fraction <= 0:
             return np.zeros(len(examples), dtype=bool)
-        return holdout_mask(as_dataset(examples), fraction, seed)
+        return holdout_mask(from_examples(examples), fraction, seed)
 
     # ------------------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict:
@@ -253,17 +188,6 @@ class ExampleStream:
         self.rows, self._rows_state = None, state["rows"]  # reopened at the saved position on the next read
         self.stats, self.held_out = DatasetStats(**state["stats"]), int(state["held_out"])
         self.bad.skipped = int(state["bad_skipped"])
-
-
-def as_dataset(examples: list[Example]) -> TokenizedDataset:
-    """Examples as an in-memory ``TokenizedDataset`` (the eval set, the self-check's examples)."""
-    offsets = np.zeros(len(examples) + 1, dtype=np.int64)
-    np.cumsum([len(ids) for ids, _ in examples], out=offsets[1:])
-    return TokenizedDataset(
-        tokens=np.concatenate([ids for ids, _ in examples] or [np.zeros(0, np.int32)]),
-        loss_mask=np.concatenate([mask for _, mask in examples] or [np.zeros(0, bool)]),
-        offsets=offsets,
-    )
 
 
 def head_sets(
@@ -287,10 +211,10 @@ def head_sets(
         if holdout[0] > 0 and not held:
             log.warning("no held-out example among the stream's first %d records: eval is off "
                         "(raise data.stream_eval_records or eval.holdout_fraction)", read)
-        found["sets"] = (as_dataset(held) if held else None, as_dataset(train or held))
+        found["sets"] = (from_examples(held) if held else None, from_examples(train or held))
 
     distributed.on_rank0_then_all(scan)
     return distributed.broadcast_object(found.get("sets"))
 
 
-__all__ = ["ExampleStream", "Part", "RowStream", "as_dataset", "head_sets", "stream_parts"]
+__all__ = ["ExampleStream", "RowStream", "head_sets"]

@@ -1,4 +1,5 @@
-"""The words of the libraries we load through (transformers, tokenizers, datasets), brought to the user.
+"""packfsdp's errors, a leaf every stage imports: ``ConfigError`` (a wrong setting), ``LoadError`` (what the
+config names cannot be loaded), and the words of the libraries we load through, brought to the user.
 
 packfsdp keeps transformers' and datasets' logging at ERROR (their chatter would drown the run's log), so
 what they say while loading what the config names would be lost: "weights newly initialised", a config
@@ -13,13 +14,15 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from trainer.config import ConfigError
-
 log = logging.getLogger(__name__)
 
 LIBRARY_LOGGERS = ("transformers", "datasets")
 MAX_MESSAGE = 400
 """Characters of the library's message kept in the one line (the log has all of it)."""
+
+
+class ConfigError(ValueError):
+    """A configuration value is wrong. The message says which key and what to change."""
 
 
 class LoadError(ConfigError):
@@ -37,11 +40,12 @@ class _Collect(logging.Handler):
             self.messages.append(message)
 
 
-def first_line(exc: BaseException) -> str:
-    """The first non-empty line of an exception's message, shortened; its type name when it has none."""
+def first_line(exc: BaseException, limit: int | None = MAX_MESSAGE) -> str:
+    """The first non-empty line of an exception's message, shortened to ``limit`` characters (``None``: whole);
+    its type name when it has none."""
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = lines[0] if lines else type(exc).__name__
-    return text if len(text) <= MAX_MESSAGE else text[: MAX_MESSAGE - 3] + "..."
+    return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
 
 
 @contextmanager

@@ -1,0 +1,169 @@
+"""Tokenized examples with loss masks, stored flat (one token array, one mask array, offsets), and their counts.
+
+The mask is aligned with ``input_ids`` (the model shifts), so a token's mask says "this token is predicted".
+The first token of an example never carries loss: nothing before it belongs to the same example. A
+``TokenizedDataset`` is memory-mapped from the cache (``trainer.data.cache``) or built in memory from a list
+of examples (``from_examples``: the stream's eval and probe sets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+Example = tuple[np.ndarray, np.ndarray]
+"""One example: its token ids (int32) and loss mask (bool)."""
+
+
+@dataclass
+class DatasetStats:
+    records: int = 0
+    examples: int = 0
+    dropped_empty: int = 0
+    truncated: int = 0
+    dropped_overlong: int = 0
+    dropped_no_labels: int = 0
+    dropped_bad: int = 0
+    """Malformed lines/records/files left out under ``data.on_bad_record=skip``."""
+    tokens: int = 0
+    label_tokens: int = 0
+
+    def skipped(self) -> int:
+        return self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
+
+    def add(self, other: DatasetStats) -> None:
+        """Add ``other``'s counts to these (chunks of one source, sources of a mixture)."""
+        for f in fields(DatasetStats):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+
+@dataclass
+class TokenizedDataset:
+    tokens: np.ndarray
+    """All examples' token ids, concatenated (int32; a read-only memory map when read from the cache)."""
+    loss_mask: np.ndarray
+    """Per token: does it carry loss (bool, aligned with ``tokens``)."""
+    offsets: np.ndarray
+    """Base example ``j`` is ``tokens[offsets[j]:offsets[j + 1]]`` (int64)."""
+    stats: DatasetStats = field(default_factory=DatasetStats)
+    rows: np.ndarray | None = None
+    """The base examples this dataset holds, in order (``None``: all of them); ``select`` sets it, so a
+    subset is a view of the same (memory-mapped) arrays, never a copy of its tokens."""
+    stored_lengths: np.ndarray | None = None
+    """Tokens per base example, precomputed (the cache stores it, so lengths never read the tokens)."""
+    stored_label_counts: np.ndarray | None = None
+    """Loss-carrying tokens per base example, precomputed likewise."""
+    folder: Path | None = None
+    """The cache folder the arrays were mapped from (per-example hashes are kept there); ``None``: in memory."""
+    hashes: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
+    """``content_hashes`` of the base examples, by seed (shared with every view)."""
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1 if self.rows is None else len(self.rows)
+
+    def _base(self, per_base_example: np.ndarray) -> np.ndarray:
+        return per_base_example if self.rows is None else per_base_example[self.rows]
+
+    @property
+    def lengths(self) -> np.ndarray:
+        if self.stored_lengths is None:
+            self.stored_lengths = np.diff(self.offsets)
+        return self._base(self.stored_lengths)
+
+    def label_counts(self) -> np.ndarray:
+        """Loss-carrying tokens per example (the first token of each example never counts)."""
+        if self.stored_label_counts is None:
+            self.stored_label_counts = label_counts(self.loss_mask, self.offsets)
+        return self._base(self.stored_label_counts)
+
+    def content_hashes(self, seed: int) -> np.ndarray:
+        """Per example: ``blake2b`` of its tokens keyed by ``seed``, as uint64 (the held-out split's draw,
+        ``trainer.evaluate``). Computed once per cache folder and seed, then read from there."""
+        if seed not in self.hashes:
+            path = self.folder / f"content_hashes_{seed}.npy" if self.folder else None
+            if path is not None and path.is_file():
+                self.hashes[seed] = np.load(path)
+            else:
+                self.hashes[seed] = example_hashes(self.tokens, self.offsets, seed)
+                if path is not None:  # atomic: ranks computing it at once each write a whole file
+                    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
+                    np.save(tmp, self.hashes[seed])
+                    os.replace(tmp, path)
+        return self._base(self.hashes[seed])
+
+    def example_span(self, i: int) -> tuple[int, int]:
+        """Where example ``i`` lies in ``tokens``: ``(start, end)``."""
+        j = i if self.rows is None else int(self.rows[i])
+        return int(self.offsets[j]), int(self.offsets[j + 1])
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        lo, hi = self.example_span(i)
+        return self.tokens[lo:hi], self.loss_mask[lo:hi]
+
+    def select(self, indices: np.ndarray) -> TokenizedDataset:
+        """The examples ``indices`` (in that order) as a view of the same arrays; stats carried over."""
+        indices = np.asarray(indices, dtype=np.int64)
+        rows = indices if self.rows is None else self.rows[indices]
+        self.label_counts(), self.lengths  # noqa: B018 (computed once on the base, shared by every view)
+        return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
+                                self.stored_lengths, self.stored_label_counts, self.folder, self.hashes)
+
+
+def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.ndarray:
+    """``blake2b(key=seed)`` of each example's tokens (``offsets``), the first 8 bytes as a little-endian uint64."""
+    keyed = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little", signed=True))
+    # byte views of one buffer and copies of one keyed state: a per-example array slice or key set-up
+    # costs more than the hash itself
+    data = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
+    bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
+    digests = bytearray()
+    for lo, hi in zip(bounds, bounds[1:]):
+        h = keyed.copy()
+        h.update(data[lo:hi])
+        digests += h.digest()
+    return np.frombuffer(bytes(digests), dtype="<u8").astype(np.uint64)
+
+
+def label_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per example of ``offsets``: its loss-carrying tokens, its first token left out."""
+    cum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
+    return cum[offsets[1:]] - cum[np.minimum(offsets[:-1] + 1, offsets[1:])]
+
+
+def from_examples(examples: list, stats: DatasetStats | None = None) -> TokenizedDataset:
+    """Examples (token ids and loss masks, lists or arrays) stored flat in memory; ``stats``, when given, gets
+    the kept counts (examples, tokens, label tokens) filled in."""
+    offsets = np.zeros(len(examples) + 1, dtype=np.int64)
+    np.cumsum([len(ids) for ids, _ in examples], out=offsets[1:])
+    ds = TokenizedDataset(
+        tokens=np.concatenate([np.asarray(ids, dtype=np.int32) for ids, _ in examples] or [np.zeros(0, np.int32)]),
+        loss_mask=np.concatenate([np.asarray(mask, dtype=bool) for _, mask in examples] or [np.zeros(0, bool)]),
+        offsets=offsets,
+    )
+    if stats is not None:
+        ds.stats = stats
+        stats.examples = len(ds)
+        stats.tokens = int(offsets[-1])
+        stats.label_tokens = int(ds.label_counts().sum()) if len(ds) else 0
+    return ds
+
+
+def log_dataset_stats(name: str, stats: DatasetStats) -> None:
+    """Log what was kept and, loudly, what was skipped or truncated."""
+    log.info(
+        "data %s: %d records -> %d examples, %d tokens, %d label tokens",
+        name, stats.records, stats.examples, stats.tokens, stats.label_tokens,
+    )
+    if stats.skipped() or stats.truncated:
+        log.warning(
+            "data %s: skipped %d empty, %d over-long, %d with no label token, %d bad; truncated %d over-long",
+            name, stats.dropped_empty, stats.dropped_overlong, stats.dropped_no_labels, stats.dropped_bad,
+            stats.truncated,
+        )

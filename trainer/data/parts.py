@@ -1,0 +1,183 @@
+"""The one dispatcher: a source's parts, in reading order, for every route (cache, stream, tokenizer sample).
+
+``source_parts`` opens ``data.source`` as ``Part``s, each a table of rows or a list of records:
+
+- a shipped table source (``jsonl`` / ``parquet`` / ``csv``, ``trainer.data.tables.FORMATS``): one part per
+  file, read by ``datasets`` (into memory-mapped Arrow, or streamed); a file ``datasets`` refuses is read by
+  the format's line reader instead (the fallback, which names the bad line) and comes back as records;
+- ``hf``: the dataset ``data.path`` names (a hub id, a local dataset folder), ranks streaming it get
+  disjoint shards (``split_by_node``);
+- every other source, as registered (``trainer.data.sources.SOURCES``, plugins included: a plugin that
+  registers ``jsonl`` is what is read): its records, or the ``datasets.(Iterable)Dataset`` it returns.
+
+A row's place (``Places``) names it for the user: ``file:line`` for JSON Lines and CSV, else ``NAME row i``.
+"""
+
+from __future__ import annotations
+
+import csv
+import functools
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from trainer.config import DataConfig
+from trainer.data.bad_records import BadRecords, check_not_empty
+from trainer.data.sources import check_hf_path, check_source, open_hf_dataset, shipped
+from trainer.data.tables import FORMATS, TableFormat, rows_to_records, table_files
+from trainer.errors import library_load
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Places:
+    """How row ``i`` of a part is named for the user: ``file:line`` of a JSON Lines or CSV file (the line the
+    row ends on, as the line readers say), else ``NAME row i``."""
+
+    name: str
+    lines: str = ""
+    """``json`` or ``csv``: the part is that file, whose rows are named by line."""
+
+    def where(self, index: int) -> str:
+        find_line = {"json": _json_line, "csv": _csv_line}.get(self.lines)
+        line = find_line(self.name, index) if find_line else None
+        return f"{self.name}:{line}" if line is not None else f"{self.name} row {index}"
+
+    def lazy(self, index: int) -> _LazyPlace:
+        return _LazyPlace(self, index)
+
+
+def _json_line(file: str, index: int) -> int | None:
+    """The line of the ``index``-th non-blank line (``datasets`` skips blank ones)."""
+    with open(file, "rb") as f:
+        rows = -1
+        for n, line in enumerate(f, 1):
+            rows += bool(line.strip())
+            if rows == index:
+                return n
+    return None
+
+
+def _csv_line(file: str, index: int) -> int | None:
+    """The line the ``index``-th data row ends on (a quoted cell may span lines; blank lines hold no row)."""
+    with open(file, newline="", encoding="utf-8-sig", errors="replace") as f:
+        reader = csv.reader(f)
+        rows = -1  # the header row
+        for row in reader:
+            rows += bool(row)
+            if rows == index + 1:
+                return reader.line_num
+    return None
+
+
+class _LazyPlace(str):
+    """A place computed only when shown (a skip past the first few logged is only counted)."""
+
+    def __new__(cls, places: Places, index: int) -> _LazyPlace:
+        obj = super().__new__(cls, f"#{index}")
+        obj.places, obj.index = places, index
+        return obj
+
+    def __str__(self) -> str:
+        return self.places.where(self.index)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self), spec)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One part of a source: ``open()`` gives a ``datasets`` Dataset (streaming: an IterableDataset) of rows,
+    a list of records, or ``None`` (an empty file, reported)."""
+
+    places: Places
+    open: Callable[[], object]
+    split_by_node: bool = False
+    """Streaming ranks get disjoint shards (``split_dataset_by_node``); else every rank reads all rows and
+    keeps its own."""
+
+    @property
+    def name(self) -> str:
+        return self.places.name
+
+
+def source_parts(cfg: DataConfig, bad: BadRecords, streaming: bool = False) -> list[Part]:
+    """``cfg``'s source as parts, in reading order (see the module docstring); nothing is read until a part
+    is opened. ``streaming``: tables are ``datasets`` streams, never copied into Arrow."""
+    name = shipped(cfg)
+    if name in FORMATS:
+        fmt = FORMATS[name]
+        return [Part(Places(str(f), fmt.lines), functools.partial(_open_file, fmt, f, cfg, bad, streaming))
+                for f in table_files(cfg, fmt.suffixes)]
+    if name == "hf":
+        check_hf_path(cfg)
+        return [Part(Places(f"data.path={cfg.path}"), functools.partial(_open_hf, cfg, streaming), split_by_node=True)]
+    source = check_source(cfg)
+    return [Part(Places(f"data.source={cfg.source}"), functools.partial(_registered, source, cfg, streaming),
+                 split_by_node=True)]
+
+
+def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, streaming: bool):
+    import datasets
+
+    if streaming:
+        with library_load(f"data.path={file}"):
+            return datasets.load_dataset(fmt.builder, data_files=str(file), split="train", streaming=True,
+                                         **reader_options(fmt.builder, file))
+    try:
+        ds = datasets.load_dataset(fmt.builder, data_files=str(file), split="train",
+                                   cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"),
+                                   **reader_options(fmt.builder, file))
+    except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
+        log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
+        return rows_to_records(fmt.read([file], bad), cfg, bad)
+    check_not_empty(file, len(ds), bad)
+    return ds if len(ds) else None
+
+
+def _open_hf(cfg: DataConfig, streaming: bool):
+    import datasets
+
+    with library_load(f"data.path={cfg.path}"):
+        if not streaming:
+            return open_hf_dataset(cfg)
+        if Path(cfg.path).expanduser().exists():
+            return open_hf_dataset(cfg).to_iterable_dataset()
+        return datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split, streaming=True)
+
+
+def _registered(source: Callable, cfg: DataConfig, streaming: bool) -> object:
+    """A registered source's result: a ``Dataset`` as it is (streaming: its ``to_iterable_dataset()``), an
+    ``IterableDataset`` when streaming, else its records as a list."""
+    import datasets
+
+    result = source(cfg)
+    if isinstance(result, datasets.Dataset):
+        return result.to_iterable_dataset() if streaming else result
+    if streaming and isinstance(result, datasets.IterableDataset):
+        return result
+    return result if isinstance(result, list) else list(result)
+
+
+def is_table(value: object) -> bool:
+    """Is an opened part a ``datasets`` table of rows (else a list of records)."""
+    return not isinstance(value, list)
+
+
+def reader_options(builder: str, file: Path) -> dict:
+    """``load_dataset`` options of a file builder: CSV cells stay strings, an empty one "", as Python's csv
+    module reads them (pandas would infer numbers and NaN): every column of the header typed ``string``."""
+    if builder != "csv":
+        return {}
+    import datasets
+
+    with open(file, newline="", encoding="utf-8-sig", errors="replace") as f:
+        header = next(csv.reader(f), [])
+    features = datasets.Features({name: datasets.Value("string") for name in header}) if header else None
+    return {"features": features, "keep_default_na": False, "na_filter": False}
+
+
+
+__all__ = ["Part", "Places", "is_table", "reader_options", "source_parts"]

@@ -1,0 +1,29 @@
+"""The transformers config of the model a ``ModelConfig`` describes, read without weights: the one reader of a
+model's config (the data's context length, the attention's needs and ``build_model`` all start from it).
+Transformers is imported only when called."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from trainer.errors import library_load
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from trainer.config import ModelConfig
+
+
+def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig:
+    """The transformers config of the model ``build_model`` builds, read without weights: ``name_or_path``'s
+    with ``config_overrides`` applied, or ``family``'s built from ``base`` updated by ``random_init`` and
+    ``config_overrides`` (``ModelConfig.init_fields``)."""
+    from transformers import AutoConfig
+
+    if cfg.name_or_path:
+        with library_load(f"model.name_or_path={cfg.name_or_path}"):
+            return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.init_fields())
+    return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
+
+
+__all__ = ["model_config"]
