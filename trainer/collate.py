@@ -27,9 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from trainer.data.examples import TokenizedDataset
-
-IGNORE_INDEX = -100
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset  # IGNORE_INDEX: re-exported for the stages below
 
 
 @dataclass

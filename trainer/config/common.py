@@ -18,6 +18,10 @@ CODE_OPTIONS = {"data.plugins": "PACKFSDP_PLUGINS", "model.trust_remote_code": "
 command line (a config file may not: ``trainer.cli.check_code_sources``). ``PACKFSDP_PLUGINS`` is a
 comma-separated list added to ``data.plugins``; ``PACKFSDP_TRUST_REMOTE_CODE=1`` sets the flag."""
 
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+"""The dtypes ``model.dtype`` and ``parallel.*_dtype`` may name (``trainer.model.loading.DTYPES`` maps them to
+torch's; the names live here so that validating a config never imports torch)."""
+
 LOSS_IMPLS = ("chunked", "naive")
 """``loss.impl`` choices (``trainer.loss``): the LM head fused with the cross-entropy in chunks of tokens, or
 the model's full logits then cross-entropy."""

@@ -11,6 +11,7 @@ from trainer.packing.balance import WORK_MEASURES
 from trainer.packing.strategies import OVERSIZE_RULES, STRATEGIES, get_strategy
 
 from trainer.config.common import (
+    DTYPE_NAMES,
     ATTENTION_BACKENDS,
     LOCAL_PATH_PREFIXES,
     ConfigError,
@@ -32,7 +33,7 @@ class DataConfig:
     columns: dict[str, str] = field(default_factory=dict)
     """Column mapping for table sources (jsonl, parquet, csv, hf): packfsdp field -> your column. Fields:
     ``text``, ``messages``, ``turns``, ``prompt`` + ``response`` (+ ``system``), and ``role`` / ``content``
-    (keys inside each message). Empty: detected from the column names (see ``trainer.data.sources``)."""
+    (keys inside each message). Empty: detected from the column names (see ``trainer.data.tables.detect_columns``)."""
     roles: dict[str, str] = field(default_factory=dict)
     """Renames message roles to ``system`` / ``user`` / ``assistant`` (e.g. ``{human: user, gpt: assistant}``)."""
     plugins: list[str] = field(default_factory=list)
@@ -67,7 +68,7 @@ class DataConfig:
     may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
     streaming: bool = False
     """Read the source as a stream (``datasets`` ``streaming=True``), rendered on the fly and packed online
-    (``trainer.data.streaming``, ``trainer.packing.online``): for data larger than memory or disk. Nothing is
+    (``trainer.data.stream``, ``trainer.packing.online``): for data larger than memory or disk. Nothing is
     cached; needs ``max_steps`` (a stream has no known length; each rank's share is read again when it ends)."""
     stream_buffer: int = 2048
     """Streaming: examples the online packer chooses each bin from (more: fuller bins, more memory)."""
@@ -153,7 +154,7 @@ class ModelConfig:
             folder = Path(self.name_or_path).expanduser()
             if not folder.is_dir():
                 raise ConfigError(f"model.name_or_path={self.name_or_path}: no such folder")
-        check_choice("model.dtype", self.dtype, ("float32", "bfloat16", "float16"))
+        check_choice("model.dtype", self.dtype, DTYPE_NAMES)
         check_choice("model.attention", self.attention, ("auto", *ATTENTION_BACKENDS))
         check_positive("model.tokenizer_vocab_size", self.tokenizer_vocab_size)
 
@@ -244,7 +245,7 @@ class ParallelConfig:
         check_choice("parallel.backend", self.backend, ("auto", "nccl", "gloo"))
         check_choice("parallel.device", self.device, ("auto", "cuda", "cpu"))
         for key in ("param_dtype", "reduce_dtype"):
-            check_choice(f"parallel.{key}", getattr(self, key), ("float32", "bfloat16", "float16"))
+            check_choice(f"parallel.{key}", getattr(self, key), DTYPE_NAMES)
         if self.output_dtype is not None:
-            check_choice("parallel.output_dtype", self.output_dtype, ("float32", "bfloat16", "float16"))
+            check_choice("parallel.output_dtype", self.output_dtype, DTYPE_NAMES)
 

@@ -35,7 +35,7 @@ log = logging.getLogger(__name__)
 
 def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TokenizedDataset:
     """The tokenized examples, memory-mapped from the cache (sources are read only on a cache miss; see
-    ``trainer.data.engine``), with skips logged; with ``data.mix``, the mixture of its sources."""
+    ``trainer.data.cache``), with skips logged; with ``data.mix``, the mixture of its sources."""
     tokenizer_id = json.dumps([tokenizer.name_or_path, len(tokenizer), template_fingerprint(tokenizer)])
     components = mix_components(data_cfg)
     datasets = []

@@ -18,6 +18,10 @@ import numpy as np
 
 log = logging.getLogger(__name__)
 
+IGNORE_INDEX = -100
+"""The label of a token that carries no loss (PyTorch's cross-entropy ``ignore_index``; pre-tokenized rows
+mark such tokens so too)."""
+
 Example = tuple[np.ndarray, np.ndarray]
 """One example: its token ids (int32) and loss mask (bool)."""
 

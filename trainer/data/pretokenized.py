@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from trainer.data.chat import Segment
+from trainer.data.examples import IGNORE_INDEX
 
-IGNORE_LABEL = -100
 TOKEN_FIELDS = ("input_ids", "labels", "loss_mask", "attention_mask")
 """The columns of a pre-tokenized row (``data.columns`` may map them to other names)."""
 
@@ -79,14 +79,14 @@ def _unpadded(attention_mask: list[int] | None, where: str) -> slice:
 
 def _labels_mask(ids: list[int], labels: list[int], where: str) -> list[bool]:
     for i, (token, label) in enumerate(zip(ids, labels)):
-        if label != IGNORE_LABEL and label != token:
-            shifted = all(lab in (IGNORE_LABEL, nxt) for lab, nxt in zip(labels, ids[1:]))
+        if label != IGNORE_INDEX and label != token:
+            shifted = all(lab in (IGNORE_INDEX, nxt) for lab, nxt in zip(labels, ids[1:]))
             hint = " (they look shifted by one: give them unshifted, the model shifts)" if shifted else ""
             raise ValueError(
                 f"{where}: labels[{i}]={label} but input_ids[{i}]={token}; labels must equal input_ids where a "
-                f"token carries loss and be {IGNORE_LABEL} elsewhere{hint}"
+                f"token carries loss and be {IGNORE_INDEX} elsewhere{hint}"
             )
-    return [label != IGNORE_LABEL for label in labels]
+    return [label != IGNORE_INDEX for label in labels]
 
 
 def _runs(ids: list[int], mask: list[bool]) -> list[Segment]:

@@ -262,7 +262,7 @@ SHIPPED_TABLES = {"jsonl": jsonl, "parquet": parquet, "csv": csv, "hf": hf}
 
 
 STREAM_SETTINGS = ("streaming", "stream_buffer", "stream_eval_records")
-"""``DataConfig`` fields that say how records are read (``trainer.data.streaming``), not which."""
+"""``DataConfig`` fields that say how records are read (``trainer.data.stream``), not which."""
 
 
 def source_fingerprint(cfg: DataConfig) -> str:

@@ -1,6 +1,8 @@
-"""Streamed sources (``data.streaming=true``): records read, rendered and tokenized on the fly, never cached.
+"""The stream sink (``data.streaming=true``): records read, rendered and tokenized on the fly, never cached,
+then packed online (``trainer.packing.online``).
 
-A source is read as a list of parts, in order, each a ``datasets.IterableDataset`` (or a list of records):
+A source is read as the one dispatcher's parts (``trainer.data.parts.source_parts(streaming=True)``), in
+order, each a ``datasets.IterableDataset`` (or a list of records):
 
 - ``jsonl`` / ``parquet`` / ``csv``: one part per file (``load_dataset(builder, data_files=file,
   streaming=True)``). Every rank reads the file and keeps rows ``rank, rank + world, ...``, so a bad row

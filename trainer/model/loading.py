@@ -8,7 +8,7 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
-from trainer.config import ModelConfig
+from trainer.config import DTYPE_NAMES, ModelConfig
 from trainer.model.hf_config import model_config
 from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
@@ -18,7 +18,7 @@ from trainer.model.wrapper import VarlenCausalLM
 
 log = logging.getLogger(__name__)
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int) -> VarlenCausalLM:
