@@ -114,7 +114,7 @@ def model_context(cfg: ModelConfig) -> int | None:
     """The model's context length from its config alone (no weights). ``None`` when the config states none
     or cannot be read (an unreachable hub id, say: the examples are then clamped to ``data.max_length``
     only, which is logged)."""
-    from trainer.model.hf_config import model_config
+    from trainer.model_config import model_config
 
     try:
         return stated_context(model_config(cfg))
@@ -130,7 +130,7 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     the model (``auto`` moves on, a named backend fails with one line naming the family and the argument).
     Resolved once, before any heavy work, so a backend that cannot run fails first."""
     from trainer.model import DTYPES, AttentionNeeds, resolve_backend
-    from trainer.model.hf_config import model_config
+    from trainer.model_config import model_config
 
     needs = AttentionNeeds.of(model_config(cfg.model))
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)

@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import DTYPE_NAMES, ModelConfig
-from trainer.model.hf_config import model_config
+from trainer.model_config import model_config
 from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.families import RELAY_BOUNDARIES, check_family
