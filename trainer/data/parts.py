@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import functools
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
