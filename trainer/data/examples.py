@@ -152,11 +152,18 @@ def from_examples(examples: list, stats: DatasetStats | None = None) -> Tokenize
         offsets=offsets,
     )
     if stats is not None:
-        ds.stats = stats
-        stats.examples = len(ds)
-        stats.tokens = int(offsets[-1])
-        stats.label_tokens = int(ds.label_counts().sum()) if len(ds) else 0
+        ds.stats = count_kept(stats, examples)
     return ds
+
+
+def count_kept(stats: DatasetStats, examples: list) -> DatasetStats:
+    """``stats`` with the counts of the examples kept filled in: examples, tokens and label tokens (an
+    example's first token never counts). The record counts come from ``trainer.data.render.stats_of``; the
+    cache sink takes the same counts from its arrays (``trainer.data.arrays``)."""
+    stats.examples = len(examples)
+    stats.tokens = sum(len(ids) for ids, _ in examples)
+    stats.label_tokens = sum(int(np.count_nonzero(np.asarray(mask, dtype=bool)[1:])) for _, mask in examples)
+    return stats
 
 
 def log_dataset_stats(name: str, stats: DatasetStats) -> None:

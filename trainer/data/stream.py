@@ -36,7 +36,9 @@ from transformers import PreTrainedTokenizerBase
 from trainer import distributed
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.examples import DatasetStats, Example, TokenizedDataset, from_examples, log_dataset_stats
+from trainer.data.examples import (
+    DatasetStats, Example, TokenizedDataset, count_kept, from_examples, log_dataset_stats,
+)
 from trainer.data.holdout import holdout_mask
 from trainer.data.parts import Part, Places, is_table, source_parts
 from trainer.data.render import Outcome, render_outcomes, stats_of
@@ -160,9 +162,8 @@ class ExampleStream:
                 for ids, mask, outcome in rendered if outcome <= Outcome.TRUNCATED]
         held = self.held_out_mask(kept)
         train = [e for e, h in zip(kept, held) if not h]
-        counts.records, counts.examples = len(rows), len(train)
-        counts.tokens = sum(len(ids) for ids, _ in train)
-        counts.label_tokens = sum(int(mask[1:].sum()) for _, mask in train)
+        counts = count_kept(counts, train)
+        counts.records = len(rows)
         self.stats.add(counts)
         self.stats.dropped_bad = self.bad.skipped  # every bad row, whichever step noticed it
         self.held_out += len(kept) - len(train)
