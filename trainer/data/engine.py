@@ -31,6 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.arrays import ArrayWriter, open_arrays
 from trainer.data.bad_records import BadRecords
+from trainer.data.cache_integrity import build_lock, seal, verified
 from trainer.data.dataset import RENDER_VERSION, Outcome, TokenizedDataset, render_outcomes, stats_of
 from trainer.distributed import on_rank0_then_all
 
@@ -56,7 +57,11 @@ def build_dataset(
     folder = Path(cfg.cache_dir).expanduser() / "datasets" / hashlib.sha256(key.encode()).hexdigest()[:20]
 
     def tokenize_into_cache() -> None:
-        if (folder / "stats.json").is_file():
+        with build_lock(folder):  # two jobs building one cache: one builds, the other waits and reuses it
+            build_once()
+
+    def build_once() -> None:
+        if verified(folder, max_length):
             log.info("data %s: tokenized dataset read from the cache %s", cfg.source, folder)
             return
         log.info("data %s: tokenizing once into %s", cfg.source, folder)
@@ -66,6 +71,7 @@ def build_dataset(
         try:
             write_source(cfg, tokenizer, max_length, writer, key)
             writer.finish()
+            seal(tmp)
         except BaseException:  # a bad record (or an interrupt) leaves no half-written folder behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise

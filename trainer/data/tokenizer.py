@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
+from trainer.data.cache_integrity import build_lock
 from trainer.distributed import on_rank0_then_all
 
 log = logging.getLogger(__name__)
@@ -65,14 +67,16 @@ def local_tokenizer(
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{digest}"
 
     def train_into_cache() -> None:
-        if (path / "tokenizer.json").is_file():
-            return
-        log.info("training a byte-level BPE tokenizer (vocab %d)", vocab_size)
-        tokenizer = train_bpe_tokenizer(texts(), vocab_size, extra_special_tokens)
-        tmp = path.with_name(path.name + ".tmp")
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
+        with build_lock(path):  # two jobs at once: one trains, the other waits and reuses it
+            if (path / "tokenizer.json").is_file():
+                return
+            log.info("training a byte-level BPE tokenizer (vocab %d)", vocab_size)
+            tokenizer = train_bpe_tokenizer(texts(), vocab_size, extra_special_tokens)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)  # an incomplete one (no tokenizer.json)
+            tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
 
     on_rank0_then_all(train_into_cache)  # a bad data path fails on every rank, not only on rank 0
     return AutoTokenizer.from_pretrained(path)
