@@ -48,6 +48,8 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         where = f"step {trainer.step + 1}" if trainer is not None else "setup"
         raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
+    if result.get("preempted"):  # before the teardown's barrier: every rank's line is out before any exits
+        announce_preempted(result)
     if keep_process_group:
         distributed.barrier()  # every rank finishes this job before any starts the next
     else:
@@ -92,8 +94,10 @@ def hydra_main(raw: DictConfig) -> dict | None:
     return result
 
 
-def exit_preempted(result: dict) -> None:
-    """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank, ``PREEMPTED_EXIT_CODE``."""
+def announce_preempted(result: dict) -> None:
+    """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank. Written while the process
+    group is up, before the teardown's barrier: the first rank to exit makes torchrun SIGTERM the others,
+    which must have written theirs by then."""
     from trainer import distributed
     from trainer.preemption import PREEMPTED_EXIT_CODE
 
@@ -103,6 +107,12 @@ def exit_preempted(result: dict) -> None:
         f"(exit code {PREEMPTED_EXIT_CODE})\n"
     )
     sys.stderr.flush()
+
+
+def exit_preempted(result: dict) -> None:
+    """Exit with ``PREEMPTED_EXIT_CODE`` (the line was written by ``announce_preempted``)."""
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
