@@ -52,6 +52,34 @@ class Boundary:
     """``checkpoint.every_minutes`` passed since the last save."""
 
 
+class SetupInterrupted(BaseException):
+    """SIGTERM/SIGUSR1 before the training loop (setup: data and cache build, model, self-check, resume).
+    A ``BaseException``, so no ``except Exception`` on the way swallows it; cleanups run on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def signals_end_setup() -> Iterator[None]:
+    """Around setup: a stop signal raises ``SetupInterrupted`` (no step was trained, nothing to save), which
+    the entry point turns into a ``packfsdp:`` line and ``PREEMPTED_EXIT_CODE``. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise SetupInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class StepBoundary:
     """Records stop signals (while active) and decides, identically on every rank, what happens after a step.
 

@@ -41,10 +41,15 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     from trainer.guard import describe_failure
     from trainer.loop import Trainer
 
+    from trainer.preemption import SetupInterrupted, signals_end_setup
+
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        with signals_end_setup():  # a signal before the loop: a packfsdp: line and exit 75, not a traceback
+            trainer = Trainer(cfg)
         result = trainer.train()
+    except SetupInterrupted as e:
+        exit_interrupted_setup(e.signal_name)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         where = f"step {trainer.step + 1}" if trainer is not None else "setup"
         raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
@@ -107,6 +112,21 @@ def announce_preempted(result: dict) -> None:
         f"(exit code {PREEMPTED_EXIT_CODE})\n"
     )
     sys.stderr.flush()
+
+
+def exit_interrupted_setup(signal_name: str) -> None:
+    """A stop signal during setup: no step was trained since the last checkpoint, so there is nothing to
+    save; one line and ``PREEMPTED_EXIT_CODE`` (no collective: the other ranks may be anywhere in setup)."""
+    from trainer import distributed
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
+    sys.stderr.write(
+        f"packfsdp: rank {distributed.rank()}: preempted ({signal_name}) during setup, before any step was "
+        f"trained; nothing to save: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})\n"
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PREEMPTED_EXIT_CODE)
 
 
 def exit_preempted(result: dict) -> None:

@@ -7,6 +7,7 @@ import os
 import signal
 import time
 
+import pytest
 import torch
 
 from trainer import preemption
@@ -31,3 +32,21 @@ def test_a_signal_during_a_long_eval_is_not_cut_short(monkeypatch):
             assert stuck == []
             time.sleep(0.8)  # a stuck eval still ends, after three times its measured length
         assert stuck == [signal.SIGUSR1]
+
+
+@pytest.mark.slow
+def test_a_signal_during_setup_is_one_line_and_exit_75(tmp_path):
+    """SIGTERM while the data is prepared (setup): on main a traceback and rc 1 (or a kill by the signal)."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+    from tests.faults.conftest import SMALL_RUN
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
+    cmd = [sys.executable, "-m", "tests.faults.signal_entry", *SMALL_RUN, "max_steps=2", f"run_dir={tmp_path}"]
+    env = os.environ | {"PFTEST_SIGNAL": "SIGTERM:setup:build_data:0"}
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == PREEMPTED_EXIT_CODE, out.stderr[-2000:]
+    assert "packfsdp: rank 0: preempted (SIGTERM) during setup" in out.stderr
+    assert "Traceback" not in out.stderr
