@@ -63,9 +63,17 @@ def test_a_budget_larger_than_memory_is_one_line():
 
 @pytest.mark.parametrize("pack", [best_fit_decreasing, first_fit_decreasing])
 def test_packing_structures_grow_with_bins_not_budget_units(pack):
+    """On main a budget of 10**7 allocated a Python list per budget unit (0.6 GB; 1e12 took a rank down)."""
+    import tracemalloc
+
     sizes = np.random.default_rng(0).integers(1, 5000, 2000).astype(np.int64)
-    huge = pack(sizes, 10**12)  # on main: a Python list per budget unit (tens of GB)
+    tracemalloc.start()
+    try:
+        huge = pack(sizes, 10**7)
+        capped = best_fit_decreasing(sizes, 10**7, cap=7)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 20 * 2**20, f"{peak / 2**20:.0f} MiB for 2000 items"
     assert (huge == 0).all()  # everything fits one bin
-    capped = best_fit_decreasing(sizes, 10**12, cap=7)
     assert np.bincount(capped).max() == 7
-    assert (pack(sizes, 6000) == pack(sizes, 6000)).all()
