@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from trainer.config import ConfigError, JobConfig
 
 from trainer.compose import config_dir, open_mapping_overrides, register_configs, to_job_config
-from trainer.safety import redact
+from trainer.safety import printable, redact
 
 log = logging.getLogger("trainer")
 
@@ -72,7 +72,7 @@ def hydra_main(raw: DictConfig) -> dict | None:
         cfg = to_job_config(raw)
         cfg.validate_world(distributed.world_size())  # from WORLD_SIZE: before any process group exists
     except ConfigError as e:
-        print(f"packfsdp: config error: {redact(str(e))}", file=sys.stderr)
+        print(f"packfsdp: config error: {printable(redact(str(e)))}", file=sys.stderr)
         sys.exit(2)
     multirun = bool(multirun_job_tag())
     if multirun:

@@ -91,3 +91,27 @@ def test_two_builds_of_one_cache_are_serialised(tmp_path):
         assert holder.exitcode == 0
     finally:
         holder.kill()
+
+
+def test_a_full_disk_during_the_build_names_the_cache_folder(tmp_path, monkeypatch):
+    import shutil
+    from collections import namedtuple
+
+    from trainer.data.cache_integrity import CacheBuildError, build_errors
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 4096))
+    with pytest.raises(CacheBuildError, match=rf"building the data cache in {tmp_path / 'c'} failed: no space left on device"):
+        with build_errors(tmp_path / "c"):
+            raise OSError("514943 requested and 111048 written")  # numpy's tofile on a full disk
+    with pytest.raises(FileNotFoundError):  # a missing source file keeps its own error
+        with build_errors(tmp_path / "c"):
+            open(tmp_path / "missing.jsonl")
+
+
+def test_escape_codes_from_data_never_reach_the_terminal():
+    from trainer.config import ConfigError
+    from trainer.guard import describe_failure
+
+    failure = describe_failure(ConfigError("data.jsonl:3: unknown chat role '\x1b[2J\x1b[31mhacked'"), "setup", 10)
+    assert "\x1b" not in str(failure) and "\\x1b[2J" in str(failure)

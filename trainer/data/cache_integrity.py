@@ -151,3 +151,30 @@ def save_hashes(path: Path, hashes: np.ndarray) -> None:
     side.write_text(json.dumps(_record(tmp)))
     os.replace(tmp, path)
     os.replace(side, path.with_name(path.name + ".crc32"))
+
+
+class CacheBuildError(RuntimeError):
+    """Writing the cache failed (a full disk, a lost mount): one line naming the folder."""
+
+
+@contextlib.contextmanager
+def build_errors(folder: Path) -> Iterator[None]:
+    """An ``OSError`` while writing ``folder`` as one line naming it; numpy's "N requested and M written"
+    (a full disk, without errno) says so."""
+    import errno
+    import shutil
+
+    try:
+        yield
+    except OSError as e:
+        text = e.strerror or str(e)
+        try:
+            free = shutil.disk_usage(folder.parent).free
+        except OSError:
+            free = None
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or ("requested and" in text and free is not None and free < 2**26)
+        if not full and not str(e.filename or "").startswith(str(folder)):
+            raise  # reading the source (a missing file...): its own error names it
+        if full:
+            text = f"no space left on device ({free} bytes free; {text})"
+        raise CacheBuildError(f"building the data cache in {folder} failed: {text}; free space or set data.cache_dir") from None

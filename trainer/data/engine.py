@@ -31,7 +31,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.arrays import ArrayWriter, open_arrays
 from trainer.data.bad_records import BadRecords
-from trainer.data.cache_integrity import build_lock, seal, verified
+from trainer.data.cache_integrity import build_errors, build_lock, seal, verified
 from trainer.data.dataset import RENDER_VERSION, Outcome, TokenizedDataset, render_outcomes, stats_of
 from trainer.distributed import on_rank0_then_all
 
@@ -67,11 +67,12 @@ def build_dataset(
         log.info("data %s: tokenizing once into %s", cfg.source, folder)
         tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        writer = ArrayWriter(tmp)
         try:
-            write_source(cfg, tokenizer, max_length, writer, key)
-            writer.finish()
-            seal(tmp)
+            with build_errors(tmp):
+                writer = ArrayWriter(tmp)
+                write_source(cfg, tokenizer, max_length, writer, key)
+                writer.finish()
+                seal(tmp)
         except BaseException:  # a bad record (or an interrupt) leaves no half-written folder behind
             shutil.rmtree(tmp, ignore_errors=True)
             raise
