@@ -46,6 +46,13 @@ def marked_by(folder: Path, run_id: str | None) -> bool:
     return run_id is not None and saved.get("run_id") == run_id
 
 
+def _before_run_ids(folder: Path) -> bool:
+    """A complete checkpoint saved before run ids existed (no marker, no run id): the run dir's own, as
+    ``Checkpointer.own`` counts it; claiming deletes nothing."""
+    saved = read_json(folder / TRAINER_STATE)
+    return folder.is_dir() and not (folder / MARKER).exists() and bool(saved) and saved.get("run_id") is None
+
+
 def claim_checkpoint_dir(directory: Path, run_id: str, run_dir: Path) -> None:
     """Make ``directory`` this run's (rank 0), or refuse in one line (see the module doc)."""
     owner_file = directory / OWNER_FILE
@@ -61,7 +68,7 @@ def claim_checkpoint_dir(directory: Path, run_id: str, run_dir: Path) -> None:
         )
     foreign = sorted(
         p.name for p in directory.iterdir()
-        if not p.name.startswith(_OWN_LEFTOVERS) and not marked_by(p, run_id)
+        if not p.name.startswith(_OWN_LEFTOVERS) and not marked_by(p, run_id) and not _before_run_ids(p)
     )
     if foreign:
         shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
