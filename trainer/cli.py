@@ -14,7 +14,7 @@ from trainer.config import CODE_OPTIONS
 from trainer.errors import first_line
 
 from trainer.compose import config_dir, to_job_config
-from trainer.safety import UnsafeTargetError, check_target, check_targets, redact
+from trainer.safety import UnsafeTargetError, check_target, check_targets, printable, redact
 
 def config_groups() -> tuple[str, ...]:
     """The config groups a ``group=option`` override may name: ``recipe`` and every folder under configs/."""
@@ -84,7 +84,7 @@ TARGET_KEYS = ("_target_", "()", "class")
 
 
 def config_error(message: str) -> None:
-    print(f"packfsdp: config error: {redact(message)}", file=sys.stderr)
+    print(f"packfsdp: config error: {printable(redact(message))}", file=sys.stderr)
     sys.exit(2)
 
 

@@ -39,7 +39,7 @@ from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
 from trainer.errors import LoadError
-from trainer.safety import UnsafeFileError, redact
+from trainer.safety import UnsafeFileError, printable, redact
 
 log = logging.getLogger("trainer")
 
@@ -125,7 +125,7 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
     from trainer.model import AttentionBackendError  # late: trainer.model is heavy and not needed above
 
     rank = distributed.rank()
-    text = redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__)
+    text = printable(redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
     if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):  # LoadError too
         # Fix the config or the data, then run again: a restart alone would fail the same way (exit code 2).
         kinds = {  # most specific first: a LoadError is a ConfigError

@@ -250,7 +250,8 @@ class Trainer:
                 if self.step % self.cfg.logger.log_every == 0 or self.step == end:
                     self.metrics.log(metrics)
                 if self.step == self.total_steps or (every and self.step % every == 0):
-                    self.evaluate()
+                    with boundary.long_phase("eval"):  # the watchdog's grace counts the eval, not a step
+                        self.evaluate()
                 stop_signal = self.after_step(boundary, last_step=self.step == end)
                 if stop_signal and self.step < end:
                     return self.preempted(stop_signal)

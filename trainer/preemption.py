@@ -52,6 +52,34 @@ class Boundary:
     """``checkpoint.every_minutes`` passed since the last save."""
 
 
+class SetupInterrupted(BaseException):
+    """SIGTERM/SIGUSR1 before the training loop (setup: data and cache build, model, self-check, resume).
+    A ``BaseException``, so no ``except Exception`` on the way swallows it; cleanups run on the way out."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signal_name = signal.Signals(signum).name
+
+
+@contextlib.contextmanager
+def signals_end_setup() -> Iterator[None]:
+    """Around setup: a stop signal raises ``SetupInterrupted`` (no step was trained, nothing to save), which
+    the entry point turns into a ``packfsdp:`` line and ``PREEMPTED_EXIT_CODE``. Main thread only."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise SetupInterrupted(signum)
+
+    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 class StepBoundary:
     """Records stop signals (while active) and decides, identically on every rank, what happens after a step.
 
@@ -69,6 +97,9 @@ class StepBoundary:
         self._watchdog: threading.Timer | None = None
         self.saving = False
         """Inside a checkpoint save: a signal then arms no watchdog until the save is done."""
+        self.phase: str | None = None
+        """A phase between step boundaries that may take longer than a step (``eval``)."""
+        self.longest_phase_s: dict[str, float] = {}
 
     def __enter__(self) -> StepBoundary:
         if threading.current_thread() is not threading.main_thread():  # Python takes signals there only
@@ -93,6 +124,10 @@ class StepBoundary:
     def _arm_watchdog(self) -> None:
         if self._watchdog is None and self.received:
             grace = max(MIN_GRACE_S, 3 * self.longest_step_s)
+            if self.phase is not None:  # the phase running now is what must end in time, not a step
+                if self.phase not in self.longest_phase_s:
+                    return  # its first run: no measure yet; the collective timeout still bounds a stuck one
+                grace = max(grace, 3 * self.longest_phase_s[self.phase])
             self._watchdog = threading.Timer(grace, self._stuck, (self.received,))
             self._watchdog.daemon = True
             self._watchdog.start()
@@ -119,6 +154,23 @@ class StepBoundary:
             self.saving = False
             self.last_save = time.monotonic()
         self._arm_watchdog()  # a signal that came during the save: the next boundary is due in time
+
+    @contextlib.contextmanager
+    def long_phase(self, name: str) -> Iterator[None]:
+        """Around work between two boundaries that may outlast a step (an eval): the watchdog's grace counts
+        that phase's own duration, so a signal during a long eval still ends in a checkpoint."""
+        self.phase = name
+        self._stop_watchdog()
+        self._arm_watchdog()
+        start = time.monotonic()
+        try:
+            yield
+        finally:
+            took = time.monotonic() - start
+            self.longest_phase_s[name] = max(self.longest_phase_s.get(name, 0.0), took)
+            self.phase = None
+            self._stop_watchdog()
+        self._arm_watchdog()  # a signal during the phase: the next boundary is due within a step's grace
 
     def agree(self) -> Boundary:
         """One all-reduce (MAX): the signal any rank received, and whether rank 0's checkpoint clock is due."""

@@ -7,10 +7,13 @@ Ownership (``claim_run_dir``):
   ``resume=auto`` and pruning only consider the checkpoints of this run.
 - A new run (``resume=none``) into a directory that already holds a run is refused with one line: it would
   mix two runs' metrics and checkpoints. ``resume=auto`` (or a path) continues the run that is there; a
-  torchrun restart of the same job (same rendezvous id) continues it too.
-- ``.lock`` (host, pid, rendezvous id) refuses a second run while one is using the directory. A lock is
+  torchrun restart of the same job continues it too, recognised by ``job_token`` (the torchrun agent this
+  very job runs under: host, pid and start time), never by a reusable name such as ``--rdzv-id``.
+- A directory holding files packfsdp did not write (no ``run.json``) is refused, and so is a file packfsdp
+  writes there that is a symlink: packfsdp never writes through a link it did not create.
+- ``.lock`` (host, pid, job token) refuses a second run while one is using the directory. A lock is
   stale, and taken over, when its process is gone (same host) or it was left by an earlier attempt of this
-  very job (a torchrun restart or a SLURM requeue: same rendezvous id).
+  very job (a torchrun restart: same job token; a SLURM requeue: same ``SLURM_JOB_ID``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,18 @@ RUN_FILE = "run.json"
 LOCK_FILE = ".lock"
 PREVIOUS_RUN_SIGNS = (RUN_FILE, "metrics.jsonl", "checkpoints")
 """Files a run leaves in its directory: any of them means the directory already holds a run."""
+WRITTEN_HERE = (RUN_FILE, LOCK_FILE, "config.yaml", "metrics.jsonl", "eval.jsonl", "summary.json", "checkpoints")
+"""What packfsdp writes in a run dir; none of them may be a symlink (it never creates one)."""
+
+
+def job_token() -> str:
+    """This job's restart token: the torchrun agent (the workers' parent) as host:pid:start time. Every
+    attempt of one torchrun job runs under the same agent; a new launch, even with a reused ``--rdzv-id``,
+    has another. ``"none"`` outside torchrun."""
+    if not os.environ.get("TORCHELASTIC_RUN_ID"):
+        return "none"
+    agent = os.getppid()
+    return f"{socket.gethostname()}:{agent}:{_process_start(agent)}"
 
 
 class RunDirError(ConfigError):
@@ -62,6 +77,8 @@ def claim_run_dir(cfg: JobConfig) -> RunDir:
 
     def claim() -> None:
         path = choose_run_dir(cfg)
+        refuse_links(path)
+        refuse_foreign(path)
         take_lock(path)
         try:
             owner.append(RunDir(path, own_run_id(path, cfg.resume)))
@@ -75,11 +92,35 @@ def claim_run_dir(cfg: JobConfig) -> RunDir:
     return RunDir(Path(path), run_id)
 
 
+def refuse_links(path: Path) -> None:
+    """Refuse a run dir where a file packfsdp writes is a symlink (its target would be overwritten)."""
+    links = [name for name in WRITTEN_HERE if (path / name).is_symlink()]
+    if links:
+        raise RunDirError(
+            f"run_dir {path}: {', '.join(links)} is a symlink packfsdp did not create; packfsdp never writes "
+            "through one (remove it, or give a new run_dir)"
+        )
+
+
+def refuse_foreign(path: Path) -> None:
+    """Refuse a folder holding files packfsdp did not write: without ``run.json`` it must be empty (a
+    ``.lock`` left by a start that was refused is packfsdp's)."""
+    if (path / RUN_FILE).is_file():
+        return
+    foreign = sorted(p.name for p in path.iterdir() if p.name != LOCK_FILE and not p.name.startswith(".lock."))
+    if foreign:
+        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
+        raise RunDirError(
+            f"run_dir {path} holds files packfsdp did not write ({shown}); give an empty or new run_dir "
+            "(packfsdp never overwrites what it did not write)"
+        )
+
+
 def own_run_id(path: Path, resume: str) -> str:
     """The run id of ``path``: the recorded one when this start continues it, a new one for a new run."""
-    job = os.environ.get("TORCHELASTIC_RUN_ID", "none")
+    job = job_token()
     recorded = _read_json(path / RUN_FILE)
-    restart = job != "none" and recorded.get("torchrun_id") == job
+    restart = job != "none" and recorded.get("job_token") == job
     if recorded.get("run_id") and (resume not in ("none", "") or restart):
         return recorded["run_id"]
     previous = [name for name in PREVIOUS_RUN_SIGNS if (path / name).exists()]
@@ -89,7 +130,7 @@ def own_run_id(path: Path, resume: str) -> str:
             "or give a new run_dir"
         )
     run_id = uuid.uuid4().hex[:12]
-    (path / RUN_FILE).write_text(json.dumps({"run_id": run_id, "torchrun_id": job, "created": datetime.now().isoformat()}))
+    (path / RUN_FILE).write_text(json.dumps({"run_id": run_id, "job_token": job, "created": datetime.now().isoformat()}))
     return run_id
 
 
@@ -97,7 +138,8 @@ def take_lock(path: Path) -> None:
     """Create ``<path>/.lock`` for this process, taking over a stale one; refuse a live one."""
     lock = path / LOCK_FILE
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
-          "torchrun_id": os.environ.get("TORCHELASTIC_RUN_ID", "none"), "since": datetime.now().isoformat()}
+          "job_token": job_token(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+          "since": datetime.now().isoformat()}
     try:  # no lock yet: create it exclusively, so two runs starting at once cannot both get it
         with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
             f.write(json.dumps(me))
@@ -120,7 +162,9 @@ def _stale(held: dict, me: dict) -> bool:
     """An earlier attempt of this job, or a process that is gone (same host: the pid and its start time)."""
     if not held.get("pid"):  # unreadable or empty: its writer died between creating and writing it
         return True
-    if held.get("torchrun_id") not in (None, "none") and held.get("torchrun_id") == me["torchrun_id"]:
+    if held.get("job_token") not in (None, "none") and held.get("job_token") == me["job_token"]:
+        return True
+    if held.get("slurm_job") and held.get("slurm_job") == me["slurm_job"]:  # a requeue of this SLURM job
         return True
     if held.get("host") != me["host"]:
         return False
@@ -161,23 +205,26 @@ def choose_run_dir(cfg: JobConfig) -> Path:
     the directory it chose under that id and a restarted attempt takes it from there."""
     job = multirun_job_tag()
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
-    marker = Path(cfg.output_root) / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
+    token = job_token()
+    marker = Path(cfg.output_root).expanduser() / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
+    recorded = _read_json(marker) if marker is not None and not marker.is_symlink() else {}
     if cfg.run_dir:
-        chosen = Path(cfg.run_dir) / job if job else Path(cfg.run_dir)
-    elif marker is not None and marker.is_file():
-        chosen = Path(marker.read_text().strip())
+        chosen = Path(cfg.run_dir).expanduser() / job if job else Path(cfg.run_dir).expanduser()
+    elif recorded.get("job_token") == token and recorded.get("dir"):  # an attempt of this very job, not a reused id
+        chosen = Path(recorded["dir"])
         log.info("torchrun attempt %s of run %s: reusing %s",
                  os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), run_id, chosen)
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
-        chosen = Path(cfg.output_root) / cfg.name / stamp
+        chosen = Path(cfg.output_root).expanduser() / cfg.name / stamp
         suffix = 1
         while chosen.exists():
-            chosen = Path(cfg.output_root) / cfg.name / f"{stamp}-{suffix}"
+            chosen = Path(cfg.output_root).expanduser() / cfg.name / f"{stamp}-{suffix}"
             suffix += 1
         if marker is not None:
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(str(chosen))
+            marker.unlink(missing_ok=True)  # never written through a link
+            marker.write_text(json.dumps({"dir": str(chosen), "job_token": token}))
     chosen.mkdir(parents=True, exist_ok=True)
     return chosen
 

@@ -218,6 +218,15 @@ def redact(text: str) -> str:
     return SECRET_PATTERNS.sub(REDACTED, text)
 
 
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` safe for a terminal: control characters (an ESC from a data file's role or content would
+    recolour, move or clear the user's terminal) shown as ``\\x1b``-style escapes; tabs and newlines kept."""
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", text)
+
+
 def redact_tree(tree: Any) -> Any:
     """A copy of a nested dict/list with secret-named keys' values and secret strings redacted."""
     if isinstance(tree, dict):

@@ -21,7 +21,7 @@ from omegaconf import DictConfig
 from trainer.config import ConfigError, JobConfig
 
 from trainer.compose import config_dir, open_mapping_overrides, register_configs, to_job_config
-from trainer.safety import redact
+from trainer.safety import printable, redact
 
 log = logging.getLogger("trainer")
 
@@ -41,13 +41,20 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     from trainer.guard import describe_failure
     from trainer.loop import Trainer
 
+    from trainer.preemption import SetupInterrupted, signals_end_setup
+
     trainer = None
     try:
-        trainer = Trainer(cfg)
+        with signals_end_setup():  # a signal before the loop: a packfsdp: line and exit 75, not a traceback
+            trainer = Trainer(cfg)
         result = trainer.train()
+    except SetupInterrupted as e:
+        exit_interrupted_setup(e.signal_name)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         where = f"step {trainer.step + 1}" if trainer is not None else "setup"
         raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
+    if result.get("preempted"):  # before the teardown's barrier: every rank's line is out before any exits
+        announce_preempted(result)
     if keep_process_group:
         distributed.barrier()  # every rank finishes this job before any starts the next
     else:
@@ -65,7 +72,7 @@ def hydra_main(raw: DictConfig) -> dict | None:
         cfg = to_job_config(raw)
         cfg.validate_world(distributed.world_size())  # from WORLD_SIZE: before any process group exists
     except ConfigError as e:
-        print(f"packfsdp: config error: {redact(str(e))}", file=sys.stderr)
+        print(f"packfsdp: config error: {printable(redact(str(e)))}", file=sys.stderr)
         sys.exit(2)
     multirun = bool(multirun_job_tag())
     if multirun:
@@ -92,8 +99,10 @@ def hydra_main(raw: DictConfig) -> dict | None:
     return result
 
 
-def exit_preempted(result: dict) -> None:
-    """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank, ``PREEMPTED_EXIT_CODE``."""
+def announce_preempted(result: dict) -> None:
+    """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank. Written while the process
+    group is up, before the teardown's barrier: the first rank to exit makes torchrun SIGTERM the others,
+    which must have written theirs by then."""
     from trainer import distributed
     from trainer.preemption import PREEMPTED_EXIT_CODE
 
@@ -103,6 +112,27 @@ def exit_preempted(result: dict) -> None:
         f"(exit code {PREEMPTED_EXIT_CODE})\n"
     )
     sys.stderr.flush()
+
+
+def exit_interrupted_setup(signal_name: str) -> None:
+    """A stop signal during setup: no step was trained since the last checkpoint, so there is nothing to
+    save; one line and ``PREEMPTED_EXIT_CODE`` (no collective: the other ranks may be anywhere in setup)."""
+    from trainer import distributed
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
+    sys.stderr.write(
+        f"packfsdp: rank {distributed.rank()}: preempted ({signal_name}) during setup, before any step was "
+        f"trained; nothing to save: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})\n"
+    )
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(PREEMPTED_EXIT_CODE)
+
+
+def exit_preempted(result: dict) -> None:
+    """Exit with ``PREEMPTED_EXIT_CODE`` (the line was written by ``announce_preempted``)."""
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
     sys.exit(PREEMPTED_EXIT_CODE)
 
 

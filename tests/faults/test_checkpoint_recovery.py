@@ -11,6 +11,7 @@ import pytest
 
 from tests.unit.test_checkpoint import distcp_file, make_state, saved
 from trainer.checkpoint import Checkpointer, complete_checkpoints
+from trainer.checkpoint.ownership import write_marker
 from trainer.config import CheckpointConfig, ConfigError
 from trainer.metrics import trim_metrics
 
@@ -41,6 +42,8 @@ def test_step_folders_left_by_a_kill_are_cleaned_at_the_next_save(tmp_path):
     (checkpointer.dir / "step_00000001").mkdir()  # a kill mid-prune: the manifest already gone
     (checkpointer.dir / "step_00000001" / "__0_0.distcp").write_bytes(b"x")
     (checkpointer.dir / "step_00000002.pruned").mkdir()
+    for leftover in ("step_00000001", "step_00000002.pruned"):  # packfsdp's marker is written first
+        write_marker(checkpointer.dir / leftover, None)
     checkpointer.save(6, state, tokens_seen=6, total_steps=10)
     assert sorted(p.name for p in checkpointer.dir.iterdir()) == ["step_00000003", "step_00000006"]
     assert [p.name for p in complete_checkpoints(checkpointer.dir)] == ["step_00000003", "step_00000006"]

@@ -16,7 +16,7 @@ from tests.faults.conftest import train_process
 from tests.unit.test_checkpoint import make_state, train_a_little
 from trainer.checkpoint import Checkpointer, complete_checkpoints
 from trainer.config import CheckpointConfig
-from trainer.run_dir import LOCK_FILE, RUN_FILE, RunDirError, _process_start, own_run_id, take_lock
+from trainer.run_dir import LOCK_FILE, RUN_FILE, RunDirError, _process_start, job_token, own_run_id, take_lock
 
 
 def write_lock(path, **fields) -> None:
@@ -36,11 +36,14 @@ def test_a_live_lock_refuses_a_second_run_and_a_stale_one_is_taken_over(tmp_path
     take_lock(tmp_path)  # its process is gone: stale
     assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
     # Another host's lock cannot be checked by pid, unless it is an earlier attempt of this very job
-    # (a torchrun restart, a SLURM requeue: same rendezvous id).
-    write_lock(tmp_path, host="elsewhere", pid=1, torchrun_id="job-a")
+    # (a torchrun restart: the same agent's job token; a SLURM requeue: the same SLURM_JOB_ID).
+    write_lock(tmp_path, host="elsewhere", pid=1, job_token="elsewhere:1:99")
     with pytest.raises(RunDirError):
         take_lock(tmp_path)
-    write_lock(tmp_path, host="elsewhere", pid=1, torchrun_id="job-b")
+    write_lock(tmp_path, host="elsewhere", pid=1, job_token=job_token())
+    take_lock(tmp_path)
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    write_lock(tmp_path, host="elsewhere", pid=1, slurm_job="4242")
     take_lock(tmp_path)
 
 

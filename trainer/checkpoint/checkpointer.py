@@ -34,6 +34,7 @@ from trainer.checkpoint.discovery import (
     MANIFEST,
     TRAINER_STATE,
     CheckpointError,
+    DamagedCheckpointsError,
     checkpoint_name,
     complete_checkpoints,
     dcp_failure,
@@ -41,7 +42,8 @@ from trainer.checkpoint.discovery import (
     is_checkpoint_name,
     read_json,
 )
-from trainer.checkpoint.manifest import file_stamps, fsync_dir, verify_checkpoint, write_manifest
+from trainer.checkpoint.manifest import file_stamps, fsync_dir, sizes_match, verify_checkpoint, write_manifest
+from trainer.checkpoint.ownership import claim_checkpoint_dir, marked_by, write_marker
 from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
 from trainer.config import CheckpointConfig, ConfigError
@@ -109,15 +111,19 @@ class Checkpointer:
         job_config: dict | None = None,
     ) -> None:
         self.cfg = cfg
-        self.dir = Path(cfg.dir) if cfg.dir else Path(run_dir) / "checkpoints"
+        self.dir = Path(cfg.dir).expanduser() if cfg.dir else Path(run_dir) / "checkpoints"
         self.seed = seed
         self.run_id, self.job_config = run_id, job_config
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
+        self.run_dir = Path(run_dir)
         self._verified: tuple[Path, tuple] | None = None
         """The checkpoint ``resolve`` already verified (rank 0), so ``load`` does not hash it twice."""
+        self._damaged: set[str] = set()
+        """This run's checkpoints that did not verify (rank 0): kept as they are, never pruned or replaced."""
 
     def check_writable(self) -> None:
-        """Fail on every rank, now, when the checkpoint dir cannot be written (not at the first save)."""
+        """Fail on every rank, now, when the checkpoint dir cannot be written (not at the first save), belongs
+        to another run or holds files packfsdp did not write (``ownership``)."""
 
         def probe() -> None:
             try:
@@ -130,6 +136,8 @@ class Checkpointer:
                     f"checkpoint dir {self.dir} is not writable ({e.strerror or e}); fix its permissions or set "
                     "checkpoint.dir to a writable folder"
                 ) from None
+            if self.run_id is not None:
+                claim_checkpoint_dir(self.dir, self.run_id, self.run_dir)
 
         distributed.on_rank0_then_all(probe)
 
@@ -168,15 +176,24 @@ class Checkpointer:
         if others:
             log.warning("resume=auto: ignoring %d checkpoint(s) of another run in %s (%s)",
                         len(others), self.dir, ", ".join(others[:3]))
+        failures = []
         for path in reversed(self.own_checkpoints()):
             try:
                 if self.cfg.verify:
                     verify_checkpoint(path)
             except CheckpointError as e:
-                log.warning("resume=auto: skipping %s, it does not verify: %s", path.name, e)
+                log.warning("resume=auto: skipping %s, it does not verify (kept as it is): %s", path.name, e)
+                self._damaged.add(path.name)
+                failures.append((path.name, e))
                 continue
             self._verified = (path, file_stamps(path))
             return path
+        if failures:  # damaged state is refused, never started over (and then pruned or replaced)
+            raise DamagedCheckpointsError(
+                f"resume=auto: none of the {len(failures)} checkpoint(s) of this run in {self.dir} verifies "
+                f"({', '.join(name for name, _ in failures)}; newest: {failures[0][1]}); restore them, resume from "
+                "a copy with resume=PATH, or start a new run with a new run_dir"
+            )
         return None
 
     def check_config(self, path: Path, allowed: list[str], grad_accum: int) -> None:
@@ -201,9 +218,14 @@ class Checkpointer:
         final = self.dir / checkpoint_name(step)
         tmp = final.with_name(final.name + ".tmp")
         if distributed.is_rank0():
-            for stale in self.dir.glob("step_*.tmp"):  # left by a save that crashed
-                shutil.rmtree(stale, ignore_errors=True)
-            (tmp / "rng").mkdir(parents=True)
+            for stale in self.dir.glob("step_*.tmp"):  # left by a save of this run that crashed
+                if marked_by(stale, self.run_id):
+                    shutil.rmtree(stale, ignore_errors=True)
+            if final.exists() and not marked_by(final, self.run_id):
+                raise CheckpointError(f"{final} exists and was not written by this run; not replacing it")
+            tmp.mkdir(parents=True)
+            write_marker(tmp, self.run_id)
+            (tmp / "rng").mkdir()
         distributed.barrier()
 
         # A forward under no_grad (eval) leaves blocks with reshard_after_forward=False gathered; save the
@@ -253,16 +275,21 @@ class Checkpointer:
         """Rank 0: manifest, then the atomic rename that makes the checkpoint count, then pruning."""
         write_manifest(tmp, step)
         replaced = None
+        if final.exists() and self._is_damaged(final):  # kept for the user under another name, never replaced
+            kept = final.with_name(f"{final.name}.damaged-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(final, kept)
+            log.warning("%s did not verify: kept as %s, the new save takes its name", final, kept.name)
         if final.exists():  # the same step saved again: keep the old copy until the new one is in place
             replaced = final.with_name(final.name + ".replaced")
-            shutil.rmtree(replaced, ignore_errors=True)
+            if marked_by(replaced, self.run_id):
+                shutil.rmtree(replaced, ignore_errors=True)
             os.replace(final, replaced)
         os.replace(tmp, final)
         fsync_dir(self.dir)
         if replaced is not None:
             shutil.rmtree(replaced, ignore_errors=True)
         if self.cfg.keep_last > 0:  # this run's only; keep_last counts the one just written, never pruned
-            others = [p for p in self.own_checkpoints() if p != final]
+            others = [p for p in self.own_checkpoints() if p != final and not self._is_damaged(p)]
             for old in others[: max(len(others) - (self.cfg.keep_last - 1), 0)]:
                 # Renamed first: a kill during the removal leaves a folder that is never loaded, not a
                 # step folder that lost its manifest half-way through.
@@ -275,11 +302,17 @@ class Checkpointer:
         """Leftovers of a kill (a step folder without a manifest, a half-pruned or replaced one): never
         loadable, so removed. ``.tmp`` folders are the next save's to clear."""
         for path in self.dir.glob("step_*"):
-            if not path.is_dir() or path.name.endswith(".tmp"):
+            if not path.is_dir() or path.name.endswith(".tmp") or ".damaged-" in path.name:
+                continue
+            if not marked_by(path, self.run_id):  # another tool's or another run's: never removed
                 continue
             if not is_checkpoint_name(path.name) or not (path / MANIFEST).is_file():
                 log.info("removing %s: left incomplete by an interrupted save or prune", path)
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _is_damaged(self, path: Path) -> bool:
+        """Known not to verify (``resolve``), or its files' sizes differ from its manifest (cheap: no hashing)."""
+        return path.name in self._damaged or not sizes_match(path)
 
     # ------------------------------------------------------------------------------------------------ load
     def load(self, path: Path, state: TrainingState, total_steps: int) -> Restored:

@@ -6,6 +6,8 @@ import json
 import re
 from pathlib import Path
 
+from trainer.config import ConfigError
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 TRAINER_STATE = "trainer_state.json"
@@ -15,6 +17,10 @@ _NAME = re.compile(r"^step_(\d{8,})$")
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete, corrupted or does not fit this run."""
+
+
+class DamagedCheckpointsError(CheckpointError, ConfigError):
+    """``resume=auto`` found this run's checkpoints and none verifies: refused (exit code 2), not restarted."""
 
 
 def dcp_failure(exc: BaseException, what: str) -> CheckpointError:

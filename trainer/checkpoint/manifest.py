@@ -47,6 +47,7 @@ def verify_checkpoint(directory: str | Path) -> dict:
         files = manifest["files"]
     except (OSError, ValueError, KeyError) as e:
         raise CheckpointError(f"{directory}: unreadable {MANIFEST} ({e}); the checkpoint is incomplete or damaged")
+    _check_complete(directory, files)
     for rel, expected in files.items():
         path = directory / rel
         if not path.is_file():
@@ -64,6 +65,56 @@ def verify_checkpoint(directory: str | Path) -> dict:
             )
     # Files the manifest does not list (an editor's backup, a copy tool's marker) are never read: ignored.
     return manifest
+
+
+def _check_complete(directory: Path, files: dict) -> None:
+    """The manifest lists every file loading reads: DCP's ``.metadata``, each data file it names (every byte
+    range inside the size the manifest records), the trainer state and every rank's RNG file; an empty or
+    edited manifest would otherwise "verify" anything."""
+    from trainer.checkpoint.discovery import TRAINER_STATE
+    from trainer.checkpoint.safe_load import SafeFileSystemReader
+
+    for rel in (".metadata", TRAINER_STATE):
+        if rel not in files:
+            raise CheckpointError(f"{directory}: the manifest does not list {rel}; the checkpoint is incomplete or damaged")
+    _check_listed(directory, files, ".metadata")
+    try:
+        metadata = SafeFileSystemReader(str(directory)).read_metadata()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 -- a damaged pickle raises anything; one line naming the file
+        raise CheckpointError(f"{directory}: unreadable DCP .metadata ({type(e).__name__}: {e})") from None
+    for info in (metadata.storage_data or {}).values():
+        rel = str(info.relative_path)
+        if rel not in files:
+            raise CheckpointError(f"{directory}: the manifest does not list {rel}, which the DCP metadata needs")
+        if info.offset + info.length > files[rel]["bytes"]:
+            raise CheckpointError(f"{directory}: {rel} is shorter than the DCP metadata says")
+    try:
+        world_size = int(json.loads((directory / TRAINER_STATE).read_text()).get("world_size", 1))
+    except (OSError, ValueError, TypeError) as e:
+        raise CheckpointError(f"{directory}: unreadable {TRAINER_STATE} ({e})") from None
+    for rank in range(world_size):
+        rel = f"rng/rank_{rank:05d}.safetensors"
+        if rel not in files:
+            raise CheckpointError(f"{directory}: the manifest does not list {rel} (rank {rank}'s RNG state)")
+
+
+def _check_listed(directory: Path, files: dict, rel: str) -> None:
+    """One listed file is exactly as the manifest records it (checked before it is parsed)."""
+    path = directory / rel
+    if not path.is_file() or path.stat().st_size != files[rel]["bytes"] or sha256_file(path) != files[rel]["sha256"]:
+        raise CheckpointError(f"{directory}: file {rel} is missing or does not match the manifest")
+
+
+def sizes_match(directory: str | Path) -> bool:
+    """A cheap check (no hashing): the manifest is readable and every file it lists has its recorded size."""
+    directory = Path(directory)
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+        return bool(files) and all((directory / rel).stat().st_size == e["bytes"] for rel, e in files.items())
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def file_stamps(directory: str | Path) -> tuple:

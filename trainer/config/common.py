@@ -60,3 +60,32 @@ def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
 def check_positive(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+MAX_SETTING = 1e15
+"""No number a setting takes is larger (seconds, minutes, rates, sizes): a bigger one is a typo or an attack,
+and breaks a timer, an allocation or a float cast far from the config."""
+
+
+def check_finite_settings(settings: Any, key: str = "") -> None:
+    """Every number under a config (dataclass fields, and the dicts and lists inside them: optimizer kwargs,
+    ``config_overrides``) is finite and at most ``MAX_SETTING`` in size; refused in one line naming the key.
+    Generic on purpose: a new float field is covered without being listed."""
+    import dataclasses
+    import math
+
+    if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
+        items = [(f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)]
+    elif isinstance(settings, dict):
+        items = list(settings.items())
+    elif isinstance(settings, (list, tuple)):
+        items = list(enumerate(settings))
+    else:
+        if isinstance(settings, (int, float)) and not isinstance(settings, bool):
+            if not math.isfinite(settings):
+                raise ConfigError(f"{key}={settings} is not a finite number; give a finite value")
+            if abs(settings) > MAX_SETTING:
+                raise ConfigError(f"{key}={settings} is out of range (at most {MAX_SETTING:g} in size)")
+        return
+    for name, value in items:
+        check_finite_settings(value, f"{key}.{name}" if key else str(name))

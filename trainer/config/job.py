@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config.common import GENERATED_SOURCES, ConfigError, check_positive, stated_context
+from trainer.config.common import GENERATED_SOURCES, ConfigError, check_finite_settings, check_positive, stated_context
 from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
 from trainer.config.training import (
     CheckpointConfig,
@@ -61,6 +61,7 @@ class JobConfig:
     """Steps excluded from the run summary's throughput averages (warm-up, allocator growth)."""
 
     def validate(self) -> None:
+        check_finite_settings(self)  # nan/inf anywhere (optim.lr=inf, guard.collective_timeout_s=inf): one line
         for part in (
             self.model, self.data, self.packing, self.parallel, self.optim, self.loss, self.logger, self.eval,
             self.checkpoint, self.guard, self.peft,
@@ -109,6 +110,7 @@ class JobConfig:
             context: the model's context length when known (``trainer.pipeline`` checks again with it);
                 before the model exists, the size set in ``model.random_init``/``config_overrides`` if any.
         """
+        check_budget_fits_memory(self.packing.token_budget)
         if not self.packing.packed or self.packing.splits_examples:
             return
         if context is None:
@@ -144,3 +146,23 @@ class JobConfig:
                 "one replica per node)"
             )
 
+
+BATCH_BYTES_PER_TOKEN = 64
+"""The least a micro-batch costs per token of its budget before the model sees it: the collated int64
+tensors (input ids, labels, positions, document ids) and the packer's per-token arrays."""
+
+
+def check_budget_fits_memory(token_budget: int) -> None:
+    """A ``packing.token_budget`` whose micro-batch alone cannot fit this machine's memory is one line, not
+    an allocation that wakes the kernel's OOM killer (which may take other processes with it)."""
+    import os
+
+    try:
+        memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return
+    if token_budget * BATCH_BYTES_PER_TOKEN > memory:
+        raise ConfigError(
+            f"packing.token_budget={token_budget} needs at least {token_budget * BATCH_BYTES_PER_TOKEN / 2**30:.0f} "
+            f"GiB per micro-batch, more than this machine's {memory / 2**30:.0f} GiB; lower it"
+        )

@@ -34,6 +34,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.arrays import ArrayWriter, open_arrays
 from trainer.data.bad_records import BadRecords
+from trainer.data.cache_integrity import build_errors, build_lock, seal, verified
 from trainer.data.examples import TokenizedDataset
 from trainer.data.parts import Places, is_table, source_parts
 from trainer.data.render import RENDER_VERSION, Outcome, RowProblems, render_batch, render_outcomes, stats_of
@@ -70,23 +71,27 @@ def cache_folder(cfg: DataConfig, key: str) -> Path:
 
 
 def build_cache(folder: Path, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, key: str) -> None:
-    """Write ``folder`` unless it is complete (``stats.json`` is written last): the source rendered into a
-    temporary folder, renamed into place (atomic: a half-written cache is never picked up)."""
-    if (folder / "stats.json").is_file():
-        log.info("data %s: tokenized dataset read from the cache %s", cfg.source, folder)
-        return
-    log.info("data %s: tokenizing once into %s", cfg.source, folder)
-    tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    writer = ArrayWriter(tmp)
-    try:
-        write_source(cfg, tokenizer, max_length, writer, key)
-        writer.finish()
-    except BaseException:  # a bad record (or an interrupt) leaves no half-written folder behind
+    """Write ``folder`` unless it is complete and verifies (``trainer.data.cache_integrity``): the source
+    rendered into a temporary folder, sealed with its checksums, renamed into place (atomic: a half-written
+    cache is never picked up). Two jobs building one cache are serialised: the second waits and reuses it."""
+    with build_lock(folder):
+        if verified(folder, max_length):
+            log.info("data %s: tokenized dataset read from the cache %s", cfg.source, folder)
+            return
+        log.info("data %s: tokenizing once into %s", cfg.source, folder)
+        tmp = folder.with_name(f"{folder.name}.tmp{os.getpid()}")
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    shutil.rmtree(folder, ignore_errors=True)
-    tmp.rename(folder)
+        try:
+            with build_errors(tmp):
+                writer = ArrayWriter(tmp)
+                write_source(cfg, tokenizer, max_length, writer, key)
+                writer.finish()
+                seal(tmp)
+        except BaseException:  # a bad record (or an interrupt) leaves no half-written folder behind
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        shutil.rmtree(folder, ignore_errors=True)
+        tmp.rename(folder)
 
 
 def open_cache(folder: Path, cfg: DataConfig) -> TokenizedDataset:

@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
 import numpy as np
+
+from trainer.data.cache_integrity import load_hashes, save_hashes
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +93,12 @@ class TokenizedDataset:
         ``trainer.evaluate``). Computed once per cache folder and seed, then read from there."""
         if seed not in self.hashes:
             path = self.folder / f"content_hashes_{seed}.npy" if self.folder else None
-            if path is not None and path.is_file():
-                self.hashes[seed] = np.load(path)
-            else:
+            if path is not None and (saved := load_hashes(path)) is not None and len(saved) == len(self.offsets) - 1:
+                self.hashes[seed] = saved
+            else:  # none yet, or one that fails its checksum: computed (again)
                 self.hashes[seed] = example_hashes(self.tokens, self.offsets, seed)
-                if path is not None:  # atomic: ranks computing it at once each write a whole file
-                    tmp = path.with_name(f"{path.stem}.{os.getpid()}.tmp.npy")
-                    np.save(tmp, self.hashes[seed])
-                    os.replace(tmp, path)
+                if path is not None:
+                    save_hashes(path, self.hashes[seed])
         return self._base(self.hashes[seed])
 
     def example_span(self, i: int) -> tuple[int, int]:

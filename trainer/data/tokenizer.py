@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
 from trainer.data.bad_records import BadRecords
+from trainer.data.cache_integrity import build_lock
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, apply_template_setting
 from trainer.data.mixture import mix_components
 from trainer.data.parts import is_table, source_parts
@@ -74,14 +76,16 @@ def local_tokenizer(
     path = Path(cache_dir) / "tokenizers" / f"bpe-{vocab_size}-{digest}"
 
     def train_into_cache() -> None:
-        if (path / "tokenizer.json").is_file():
-            return
-        log.info("training a byte-level BPE tokenizer (vocab %d)", vocab_size)
-        tokenizer = train_bpe_tokenizer(texts(), vocab_size, extra_special_tokens)
-        tmp = path.with_name(path.name + ".tmp")
-        tokenizer.save_pretrained(tmp)
-        shutil.rmtree(path, ignore_errors=True)
-        tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
+        with build_lock(path):  # two jobs at once: one trains, the other waits and reuses it
+            if (path / "tokenizer.json").is_file():
+                return
+            log.info("training a byte-level BPE tokenizer (vocab %d)", vocab_size)
+            tokenizer = train_bpe_tokenizer(texts(), vocab_size, extra_special_tokens)
+            tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
+            shutil.rmtree(tmp, ignore_errors=True)
+            tokenizer.save_pretrained(tmp)
+            shutil.rmtree(path, ignore_errors=True)  # an incomplete one (no tokenizer.json)
+            tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
 
     on_rank0_then_all(train_into_cache)  # a bad data path fails on every rank, not only on rank 0
     return AutoTokenizer.from_pretrained(path)

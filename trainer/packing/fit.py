@@ -14,6 +14,8 @@ in O(n log n) for the sort plus a near-linear pass, so 1M items pack in well und
 
 from __future__ import annotations
 
+import bisect
+
 import numpy as np
 
 from trainer.packing.bins import Bins
@@ -64,41 +66,53 @@ def best_fit_decreasing(
 
 
 class _OpenBinsByRoom:
-    """``best_fit_decreasing``'s open bins: one stack of bin ids per remaining room value."""
+    """``best_fit_decreasing``'s open bins: one stack of bin ids per remaining room value that some open bin
+    has, and those rooms sorted. Both grow with the number of bins, never with the budget (a budget of
+    ``1e12`` tokens costs nothing here)."""
 
     def __init__(self, budget: int) -> None:
         self.budget = budget
-        self.stacks: list[list[int]] = [[] for _ in range(budget + 1)]  # open bin ids by remaining room
-        self.held = np.zeros(budget + 1, dtype=np.int64)  # len(stacks[room])
+        self.stacks: dict[int, list[int]] = {}  # open bin ids by remaining room
+        self.rooms: list[int] = []  # the keys of ``stacks``, increasing
         self.n_bins = 0
 
     def put(self, ids: list[int], room: int) -> None:
-        if room > 0:
-            self.stacks[room].extend(ids)
-            self.held[room] += len(ids)
+        if room <= 0 or not ids:
+            return
+        if room not in self.stacks:
+            self.stacks[room] = []
+            bisect.insort(self.rooms, room)
+        self.stacks[room].extend(ids)
+
+    def _take(self, room: int, used: int) -> list[int]:
+        """The last ``used`` bins of room ``room`` (all of them when ``used`` is their number)."""
+        stack = self.stacks[room]
+        ids = stack[-used:]
+        del stack[-used:]
+        if not stack:
+            del self.stacks[room]
+            del self.rooms[bisect.bisect_left(self.rooms, room)]
+        return ids
 
     def fill_tightest(self, s: int, need: int) -> tuple[list[np.ndarray], int]:
         """Place up to ``need`` items of size ``s`` into open bins, tightest fitting room first. Returns the
-        bin id of each placed item (in parts, in placement order) and how many items are left."""
-        budget, stacks, held = self.budget, self.stacks, self.held
+        bin id of each placed item (in parts, in placement order) and how many items are left. A bin it
+        fills is left with ``room % s < s``, so it never comes back into this group's range."""
         parts: list[np.ndarray] = []
-        if not (need and held[s:budget].any()):
-            return parts, need
-        per_bin = np.arange(s, budget) // s
-        reach = np.cumsum(held[s:budget] * per_bin)
-        stop = int(np.searchsorted(reach, need))  # first room (offset from s) that completes the group
-        for room in (np.flatnonzero(held[s : s + stop]) + s).tolist():  # rooms used up entirely
-            ids, t = stacks[room], room // s
-            stacks[room], held[room] = [], 0
-            parts.append(np.repeat(np.asarray(ids, dtype=np.int64), t))
-            need -= t * len(ids)
-            self.put(ids, room - t * s)
-        if stop < budget - s and need:  # the room where the group ends: some of its bins
-            room, t = stop + s, (stop + s) // s
-            used = -(-need // t)
-            ids = stacks[room][-used:]
-            del stacks[room][-used:]
-            held[room] -= used
+        while need:
+            i = bisect.bisect_left(self.rooms, s)
+            if i == len(self.rooms):
+                break
+            room = self.rooms[i]
+            t, held = room // s, len(self.stacks[room])
+            if t * held <= need:  # the whole room is used up
+                ids = self._take(room, held)
+                parts.append(np.repeat(np.asarray(ids, dtype=np.int64), t))
+                need -= t * held
+                self.put(ids, room - t * s)
+                continue
+            used = -(-need // t)  # the room where the group ends: some of its bins
+            ids = self._take(room, used)
             last = need - t * (used - 1)
             parts.append(np.repeat(np.asarray(ids, dtype=np.int64), [t] * (used - 1) + [last]))
             self.put(ids[:-1], room - t * s)
@@ -115,27 +129,27 @@ class _OpenBinsByRoom:
         self.put(ids[:-1], self.budget - t * s)
         self.put(ids[-1:], self.budget - last * s)
         self.n_bins += new
-        return np.repeat(np.asarray(ids, dtype=np.int64), t)[:need]
+        return np.repeat(np.asarray(ids, dtype=np.int64), [t] * (new - 1) + [last])  # never t x new items
 
 
 def _best_fit_decreasing_capped(sizes: np.ndarray, budget: int, cap: int, rng: np.random.Generator | None) -> np.ndarray:
     """Best-fit decreasing one item at a time, for a cap on items per bin (rooms alone no longer decide).
 
-    Open bins are indexed by their remaining room: ``room_mask`` has bit ``c`` set when some bin has exactly
-    ``c`` tokens of room, so "the fullest bin that still fits ``s``" is the lowest set bit at or above ``s``.
+    Open bins are kept by their remaining room (a stack per room some bin has, the rooms sorted), so "the
+    fullest bin that still fits ``s``" is the first room at or above ``s``: memory grows with the bins.
     """
     order = decreasing_order(sizes, rng)
     bin_of = [0] * len(sizes)
     counts: list[int] = []
-    by_room: list[list[int]] = [[] for _ in range(budget + 1)]
-    room_mask = 0
+    by_room: dict[int, list[int]] = {}
+    rooms: list[int] = []
     for i, s in zip(order.tolist(), sizes[order].tolist()):
-        fitting = room_mask >> s
-        if fitting:
-            room = s + (fitting & -fitting).bit_length() - 1
+        j = bisect.bisect_left(rooms, s)
+        if j < len(rooms):
+            room = rooms[j]
             b = by_room[room].pop()
             if not by_room[room]:
-                room_mask &= ~(1 << room)
+                del by_room[room], rooms[j]
             counts[b] += 1
         else:
             b, room = len(counts), budget
@@ -143,8 +157,9 @@ def _best_fit_decreasing_capped(sizes: np.ndarray, budget: int, cap: int, rng: n
         bin_of[i] = b
         left = room - s
         if left > 0 and counts[b] < cap:
-            if not by_room[left]:
-                room_mask |= 1 << left
+            if left not in by_room:
+                by_room[left] = []
+                bisect.insort(rooms, left)
             by_room[left].append(b)
     return np.asarray(bin_of, dtype=np.int64)
 
@@ -196,9 +211,9 @@ def first_fit_decreasing(
             per_bin = min(budget // s, cap)
             new = -(-need // per_bin)
             new_ids = np.arange(n_bins, n_bins + new)
-            targets.append(np.repeat(new_ids, per_bin)[:need])
             new_count = np.full(new, per_bin, dtype=np.int64)
             new_count[-1] = need - per_bin * (new - 1)
+            targets.append(np.repeat(new_ids, new_count))  # never per_bin x new items (a budget of 1e12)
             ids, room, count = np.r_[ids, new_ids], np.r_[room, budget - new_count * s], np.r_[count, new_count]
             n_bins += new
         bin_of[order[lo:hi]] = np.concatenate(targets)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -35,7 +37,7 @@ log = logging.getLogger("trainer.tools.export")
 FORMATS = ("merged", "adapter")
 USAGE = (
     "usage: packfsdp export checkpoint=PATH out=DIR [format=merged|adapter] [dtype=float32|bfloat16|float16] "
-    "[attn_implementation=sdpa]"
+    "[attn_implementation=sdpa] [overwrite=false]"
 )
 MODEL_PREFIX = "model.model."
 """Flat DCP keys of the model: the ``model`` group, then the wrapper's ``model`` attribute (the HF model)."""
@@ -43,9 +45,18 @@ MODEL_PREFIX = "model.model."
 
 def export(
     checkpoint: str | Path, out: str | Path, dtype: str | None = None, attn_implementation: str = "sdpa",
-    format: str = "merged",
+    format: str = "merged", overwrite: bool = False,
 ) -> Path:
-    """Write ``out`` (safetensors weights, config, tokenizer) from ``checkpoint``; returns ``out``."""
+    """Write ``out`` (safetensors weights, config, tokenizer) from ``checkpoint``; returns ``out``.
+
+    ``out`` must be new or empty unless ``overwrite``: then it is replaced as a whole (written beside it and
+    renamed into place, so no stale shard or index of the old model stays)."""
+    out = Path(out).expanduser()
+    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
+        raise CheckpointError(
+            f"out={out} is not empty; packfsdp never overwrites files it did not write: give a new folder, "
+            "or add overwrite=true to replace it"
+        )
     path = find_checkpoint(checkpoint)
     manifest = verify_checkpoint(path)
     hf_dir = path / HF_DIR
@@ -61,8 +72,8 @@ def export(
     torch_dtype = DTYPES[dtype] if dtype else next(iter(model.parameters())).dtype
     model = model.to(torch_dtype).eval()
 
-    out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    final, out = out, out.with_name(f".{out.name}.export-{os.getpid()}")
+    out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
     state = json.loads((path / TRAINER_STATE).read_text())
@@ -74,8 +85,20 @@ def export(
         "dtype": str(torch_dtype).removeprefix("torch."),
         "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
     }, indent=1))
-    log.info("exported %s (step %d) to %s: %s, %s safetensors", path, state["step"], out, format, torch_dtype)
-    return out
+    _replace(final, out)
+    log.info("exported %s (step %d) to %s: %s, %s safetensors", path, state["step"], final, format, torch_dtype)
+    return final
+
+
+def _replace(final: Path, written: Path) -> None:
+    """Move the finished export into place (the old folder, empty or overwrite=true, goes as a whole)."""
+    if final.is_symlink() or (final.exists() and not final.is_dir()):
+        final.unlink()
+    elif final.exists():
+        old = final.with_name(f".{final.name}.old-{os.getpid()}")
+        os.replace(final, old)
+        shutil.rmtree(old)
+    os.replace(written, final)
 
 
 def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation: str) -> torch.nn.Module:
@@ -117,13 +140,15 @@ def parse_args(argv: list[str]) -> dict[str, str]:
     args = {}
     for arg in argv:
         key, sep, value = arg.partition("=")
-        if not sep or key not in ("checkpoint", "out", "dtype", "attn_implementation", "format"):
+        if not sep or key not in ("checkpoint", "out", "dtype", "attn_implementation", "format", "overwrite"):
             raise SystemExit(f"packfsdp export: unexpected argument {arg!r}\n{USAGE}")
         args[key] = value
     if "checkpoint" not in args or "out" not in args:
         raise SystemExit(USAGE)
     if args.get("format") not in (None, *FORMATS):
         raise SystemExit(f"packfsdp export: format must be one of {', '.join(FORMATS)}")
+    if args.get("overwrite") not in (None, "true", "false"):
+        raise SystemExit("packfsdp export: overwrite must be true or false")
     if args.get("dtype") not in (None, *DTYPES):
         raise SystemExit(f"packfsdp export: dtype must be one of {', '.join(DTYPES)}")
     return args
@@ -134,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
         export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
-               args.get("format", "merged"))
+               args.get("format", "merged"), overwrite=args.get("overwrite") == "true")
     except CheckpointError as e:
         print(f"packfsdp export: {e}", file=sys.stderr)
         sys.exit(2)

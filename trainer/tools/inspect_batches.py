@@ -23,6 +23,7 @@ from trainer.config import ConfigError
 
 from trainer.compose import compose_job_config, register_configs
 from trainer.packing import piece_starts
+from trainer.safety import printable
 
 if TYPE_CHECKING:
     from trainer.collate import Batch
@@ -121,7 +122,8 @@ def main(argv: list[str] | None = None) -> None:
         batch = data.collate(dataset, indices, tokenizer.pad_token_id)
         # A split piece (packing=bfd_split|wrapped) starts at its offset inside the example, not at 0.
         starts = piece_starts(indices)
-        print("\n".join(describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"], starts)))
+        lines = describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"], starts)
+        print("\n".join(printable(line) for line in lines))  # decoded data: no raw escape codes
 
 
 if __name__ == "__main__":

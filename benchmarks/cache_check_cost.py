@@ -1,0 +1,47 @@
+"""What verifying the tokenized cache costs when it is opened (``trainer/data/cache_integrity.py``), at 1M
+generated examples (lengths 2-255): ``python benchmarks/cache_check_cost.py [FOLDER]``. Figures: docs/data.md."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from trainer.data.arrays import ArrayWriter, open_arrays
+from trainer.data.cache_integrity import CHECKSUMS, check_consistent, check_files, seal
+
+
+def main(folder: Path) -> None:
+    shutil.rmtree(folder, ignore_errors=True)
+    rng = np.random.default_rng(0)
+    writer = ArrayWriter(folder)
+    for _ in range(10):
+        lengths = rng.integers(2, 256, 100_000)
+        n = int(lengths.sum())
+        writer.add(rng.integers(0, 50000, n).astype(np.int32), rng.random(n) < 0.6, lengths)
+    writer.finish()
+    t = time.perf_counter()
+    seal(folder)
+    sealed = time.perf_counter() - t
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    for _ in range(2):  # the second: warm page cache, as a restart finds it
+        t = time.perf_counter()
+        check_files(folder, json.loads((folder / CHECKSUMS).read_text()))
+        sums = time.perf_counter() - t
+        t = time.perf_counter()
+        check_consistent(folder, 256)
+        consistent = time.perf_counter() - t
+        t = time.perf_counter()
+        open_arrays(folder)
+        mapped = time.perf_counter() - t
+        print(f"1M examples, {size / 2**20:.0f} MiB: seal {sealed:.2f} s; open check: checksums {sums:.2f} s + "
+              f"consistency {consistent:.2f} s; open_arrays alone {mapped:.3f} s")
+    shutil.rmtree(folder)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/packfsdp_cache_check_cost"))
