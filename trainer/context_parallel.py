@@ -326,3 +326,25 @@ def register_cp_attention() -> None:
 
 
 register_cp_attention()
+
+
+# ------------------------------------------------------------------------------------------- the group
+def new_cp_group(world_size: int, cp: int, rank: int):
+    """This rank's CP group: ranks ``g*C .. g*C + C - 1`` (cp innermost, so a group lives inside a node).
+    Every rank creates every group (``new_group`` is collective); ``None`` when ``cp == 1``."""
+    if cp == 1:
+        return None
+    mine = None
+    for start in range(0, world_size, cp):
+        group = dist.new_group(list(range(start, start + cp)))
+        if start <= rank < start + cp:
+            mine = group
+    return mine
+
+
+def check_same_row(batch: Batch, group, device: torch.device) -> None:
+    """Fail unless every rank of the CP group holds the same row (a hash of its ``cu_seqlens``)."""
+    h = torch.tensor([row_hash(batch.cu_seqlens), -row_hash(batch.cu_seqlens)], dtype=torch.float64, device=device)
+    dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
+    if h[0] != -h[1]:
+        raise RuntimeError("packfsdp: the ranks of a context-parallel group hold different rows (sampler bug)")

@@ -24,6 +24,7 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
+from trainer.context_parallel import check_same_row, new_cp_group, shard_batch
 from trainer.data import load_tokenizer
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
@@ -85,6 +86,11 @@ class Trainer:
         log.info("loss: %s", self.loss_impl)
         if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
             self.startup_self_check(model)
+        self.cp = cfg.parallel.cp
+        model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
+        if self.cp > 1:
+            log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens",
+                     self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget)
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
@@ -159,6 +165,7 @@ class Trainer:
             self.checkpointer.check_config(path, self.cfg.resume_allow_changes, self.cfg.grad_accum)
             restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
             self.step, self.tokens_seen = restored.step, restored.tokens_seen
+        self.first_step = self.step  # the CP row check runs on the first step after start or resume
         if self.rank == 0:  # steps (and evals) logged after the checkpoint, or by a restart from scratch
             trim_metrics(self.run_dir, self.step)
 
@@ -180,7 +187,12 @@ class Trainer:
         batches = []
         for _ in range(self.cfg.grad_accum):
             _, indices, last_of_epoch = self.sampler.next_microbatch()
-            batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id).to(self.device))
+            batch = self.collate(self.dataset, indices, self.tokenizer.pad_token_id)
+            if self.cp > 1:  # the group's row, this rank's shard of it
+                if self.step == self.first_step:
+                    check_same_row(batch, self.model.cp_group, self.device)
+                batch = shard_batch(batch, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split)
+            batches.append(batch.to(self.device))
             self.faults.on_batch(batches[-1])
             if last_of_epoch:
                 break

@@ -66,3 +66,17 @@ def test_cli_path_imports_no_heavy_library():
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ""
+
+
+def test_context_parallel_world_checks():
+    from tests.conftest import compose_job
+    from trainer.config import ConfigError
+
+    cfg = compose_job(["parallel.cp=3"])
+    with pytest.raises(ConfigError, match="parallel.cp=3 does not divide the world size 4"):
+        cfg.validate_world(4)
+    with pytest.raises(ConfigError, match="needs a packed strategy"):
+        compose_job(["parallel.cp=2", "packing=none"]).validate_world(2)
+    cfg = compose_job(["parallel.cp=2", "packing.token_budget=512"])
+    cfg.validate_world(4)
+    assert cfg.row_budget == 1024
