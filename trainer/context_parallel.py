@@ -348,3 +348,21 @@ def check_same_row(batch: Batch, group, device: torch.device) -> None:
     dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
     if h[0] != -h[1]:
         raise RuntimeError("packfsdp: the ranks of a context-parallel group hold different rows (sampler bug)")
+
+
+def row_lengths(bin_: np.ndarray, lengths: np.ndarray) -> list[int]:
+    """Segment lengths of a bin: whole examples (1-D indices) or pieces (``(example, start, end)`` rows)."""
+    bin_ = np.asarray(bin_)
+    if bin_.ndim == 2:
+        return [int(e - s) for _, s, e in bin_]
+    return [int(n) for n in lengths[bin_]]
+
+
+def split_skew(rows: list[list[int]], cp: int, split: str) -> float:
+    """Mean over rows of the group's attention-cost skew (max rank / mean rank - 1) for ``split``."""
+    skews = []
+    for lengths in rows:
+        cost = attention_cost(lengths, cp, split)
+        if cost.mean() > 0:
+            skews.append(cost.max() / cost.mean() - 1)
+    return float(np.mean(skews)) if skews else 0.0

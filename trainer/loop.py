@@ -24,7 +24,7 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
-from trainer.context_parallel import check_same_row, new_cp_group, shard_batch
+from trainer.context_parallel import check_same_row, new_cp_group, row_lengths, shard_batch, split_skew
 from trainer.data import load_tokenizer
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
@@ -89,8 +89,11 @@ class Trainer:
         self.cp = cfg.parallel.cp
         model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
         if self.cp > 1:
-            log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens",
-                     self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget)
+            rows = [row_lengths(b, self.dataset.lengths) for round_ in self.sampler.plan(0).rounds[:64] for b in round_]
+            log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
+                     "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%",
+                     self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget,
+                     100 * split_skew(rows, self.cp, "contiguous"), 100 * split_skew(rows, self.cp, "balanced"))
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
