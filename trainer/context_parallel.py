@@ -329,6 +329,19 @@ register_cp_attention()
 
 
 # ------------------------------------------------------------------------------------------- the group
+def refuse_unshardable(model: torch.nn.Module, cp: int) -> None:
+    """A model that cannot be made exact under cp > 1, refused in one line: length-dependent rope types
+    (``dynamic``, ``longrope``) need each example's *global* length, which one rank's shard does not show."""
+    from trainer.config import ConfigError
+    from trainer.model.rope import length_dependent_rope_modules
+
+    if cp > 1 and (found := length_dependent_rope_modules(model)):
+        raise ConfigError(
+            f"parallel.cp={cp}: {type(model).__name__}'s rotary embedding {found[0][0]!r} depends on each example's "
+            "whole length (dynamic/longrope rope), which a context-parallel shard does not see; use parallel.cp=1"
+        )
+
+
 def new_cp_group(world_size: int, cp: int, rank: int):
     """This rank's CP group: ranks ``g*C .. g*C + C - 1`` (cp innermost, so a group lives inside a node).
     Every rank creates every group (``new_group`` is collective); ``None`` when ``cp == 1``."""

@@ -24,7 +24,7 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
-from trainer.context_parallel import check_same_row, new_cp_group, row_lengths, shard_batch, split_skew
+from trainer.context_parallel import check_same_row, new_cp_group, refuse_unshardable, row_lengths, shard_batch, split_skew
 from trainer.data import load_tokenizer
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
@@ -87,6 +87,7 @@ class Trainer:
         if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
             self.startup_self_check(model)
         self.cp = cfg.parallel.cp
+        refuse_unshardable(model.model, self.cp)
         model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
         if self.cp > 1:
             rows = [row_lengths(b, self.dataset.lengths) for round_ in self.sampler.plan(0).rounds[:64] for b in round_]
