@@ -115,11 +115,14 @@ class JobConfig:
             context = stated_context(self.model.init_fields())
         longest = self.longest_in_context(context)
         if self.row_budget < longest:
+            cp = self.parallel.cp
+            per_rank = -(-longest // cp)
+            row = f" x parallel.cp={cp}" if cp > 1 else ""
             raise ConfigError(
-                f"packing.token_budget={self.packing.token_budget} x parallel.cp={self.parallel.cp} cannot hold one example of {longest} tokens "
+                f"packing.token_budget={self.packing.token_budget}{row} cannot hold one example of {longest} tokens "
                 f"(data.max_length={self.data.max_length}, model context {context or 'unknown'}) and strategy "
-                f"{self.packing.strategy} does not split examples; set packing.token_budget>={longest} "
-                f"or data.max_length<={self.packing.token_budget}"
+                f"{self.packing.strategy} does not split examples; set packing.token_budget>={per_rank} "
+                f"or data.max_length<={self.row_budget}"
             )
 
     def longest_in_context(self, context: int | None) -> int:
