@@ -19,10 +19,10 @@ class _Module:
     is_causal = True
 
 
-def _row(dtype):
+def _row(dtype, device="cpu"):
     g = torch.Generator().manual_seed(0)
     n = sum(LENGTHS)
-    return [torch.randn(1, h, n, 8, generator=g, dtype=torch.float32).to(dtype).requires_grad_() for h in (4, 2, 2)]
+    return [torch.randn(1, h, n, 8, generator=g).to(device, dtype).requires_grad_() for h in (4, 2, 2)]
 
 
 def _cp_row(q, k, v, kernel, split, window):
@@ -30,10 +30,10 @@ def _cp_row(q, k, v, kernel, split, window):
     cu = [0]
     for n in LENGTHS:
         cu.append(cu[-1] + n)
-    shards = plan_shards(cu, CP, split)
+    shards = [s.to(q.device) for s in plan_shards(cu, CP, split)]
     index_all = torch.cat([s.index for s in shards]).clamp(min=0)
     k_all, v_all = k[:, :, index_all], v[:, :, index_all]  # the all-gather's result, in rank order
-    out = torch.zeros(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype)
+    out = torch.zeros(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype, device=q.device)
     for s in shards:
         keep = s.index >= 0
         local_q = q[:, :, s.index.clamp(min=0)]
