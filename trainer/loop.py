@@ -62,6 +62,8 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.tokens_seen = 0
         """Label tokens trained on so far, over all ranks (restored on resume)."""
+        self.first_step = 0
+        """The step this process started at (0, or the resumed one): the CP row check runs right after it."""
         self.setup()
 
     # ------------------------------------------------------------------------------------------------ setup
