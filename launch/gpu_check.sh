@@ -194,6 +194,9 @@ fi
 
 # --- a. real kernels: packed == one by one at real head dims (tests/unit/test_model_families.py)
 step gpu_tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/unit
+# context parallelism (also among the gpu tests above; its own line in summary.txt): the kernels' bottom-right
+# alignment (seqlen_q < seqlen_k), one rank's CP attention vs the full row, bf16
+step cp_attention 60 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/unit/test_context_parallel_gpu.py
 
 # --- b. a 20-step trainer run per backend, their losses side by side, one compiled run
 ((DRY_RUN)) && echo "(flash_attn joins the backends when it imports there)"

@@ -23,6 +23,7 @@ and ``num_positions`` (positions the model computes, pads included), so the metr
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -45,6 +46,9 @@ class Batch:
     num_label_tokens: int = 0
     num_positions: int = 0
     example_ids: list[int] = field(default_factory=list)
+    cp_shard: Any = None
+    """Context parallel only: this rank's ``trainer.context_parallel.CPShard`` of the row; ``labels`` are
+    then already shifted (``labels[t]`` is what position ``t`` predicts) and ``cu_seqlens`` is the row's."""
 
     @property
     def packed(self) -> bool:
@@ -56,10 +60,13 @@ class Batch:
             move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
             self.max_seqlen, move(self.attention_mask), self.num_examples, self.num_tokens,
             self.num_label_tokens, self.num_positions, self.example_ids,
+            None if self.cp_shard is None else self.cp_shard.to(device),
         )
 
     def model_inputs(self) -> dict:
         """Keyword arguments for ``VarlenCausalLM.forward``."""
+        if self.cp_shard is not None:
+            return {"input_ids": self.input_ids, "position_ids": self.position_ids, "cp_shard": self.cp_shard}
         if self.packed:
             return {"input_ids": self.input_ids, "position_ids": self.position_ids,
                     "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}

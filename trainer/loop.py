@@ -24,6 +24,7 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
+from trainer.context_parallel import check_same_row, new_cp_group, refuse_unshardable, row_lengths, shard_batch, split_skew
 from trainer.data import load_tokenizer
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
@@ -61,6 +62,8 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.tokens_seen = 0
         """Label tokens trained on so far, over all ranks (restored on resume)."""
+        self.first_step = 0
+        """The step this process started at (0, or the resumed one): the CP row check runs right after it."""
         self.setup()
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -85,6 +88,15 @@ class Trainer:
         log.info("loss: %s", self.loss_impl)
         if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
             self.startup_self_check(model)
+        self.cp = cfg.parallel.cp
+        refuse_unshardable(model.model, self.cp)
+        model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
+        if self.cp > 1:
+            rows = [row_lengths(b, self.dataset.lengths) for round_ in self.sampler.plan(0).rounds[:64] for b in round_]
+            log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
+                     "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%",
+                     self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget,
+                     100 * split_skew(rows, self.cp, "contiguous"), 100 * split_skew(rows, self.cp, "balanced"))
         self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
@@ -159,6 +171,7 @@ class Trainer:
             self.checkpointer.check_config(path, self.cfg.resume_allow_changes, self.cfg.grad_accum)
             restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
             self.step, self.tokens_seen = restored.step, restored.tokens_seen
+        self.first_step = self.step  # the CP row check runs on the first step after start or resume
         if self.rank == 0:  # steps (and evals) logged after the checkpoint, or by a restart from scratch
             trim_metrics(self.run_dir, self.step)
 
@@ -180,7 +193,12 @@ class Trainer:
         batches = []
         for _ in range(self.cfg.grad_accum):
             _, indices, last_of_epoch = self.sampler.next_microbatch()
-            batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id).to(self.device))
+            batch = self.collate(self.dataset, indices, self.tokenizer.pad_token_id)
+            if self.cp > 1:  # the group's row, this rank's shard of it
+                if self.step == self.first_step:
+                    check_same_row(batch, self.model.cp_group, self.device)
+                batch = shard_batch(batch, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split)
+            batches.append(batch.to(self.device))
             self.faults.on_batch(batches[-1])
             if last_of_epoch:
                 break

@@ -16,6 +16,7 @@ Heavy imports (torch, transformers) happen inside the functions, so importing th
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -87,7 +88,11 @@ def build_training_data(
         load_dataset(cfg.data, tokenizer, max_length),
         cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
     )
-    sampler = build_sampler(dataset.lengths, cfg.packing, rank, world_size, cfg.seed, grad_accum=cfg.grad_accum)
+    # Context parallel: bins of C x token_budget tokens are planned and dealt to the world / C data-parallel
+    # groups; every rank of a group (cp innermost: ranks g*C .. g*C + C - 1) gets the same bin and shards it.
+    cp = cfg.parallel.cp
+    packing = dataclasses.replace(cfg.packing, token_budget=cfg.row_budget)
+    sampler = build_sampler(dataset.lengths, packing, rank // cp, world_size // cp, cfg.seed, grad_accum=cfg.grad_accum)
     collate = collate_packed if cfg.packing.packed else collate_padded
     return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
 

@@ -37,6 +37,8 @@ def padded_equivalent_positions(batch: Batch) -> int:
     if not batch.packed:
         return batch.num_positions
     if batch.num_examples == 0:
+        if batch.cp_shard is not None and batch.cp_shard.rank > 0:
+            return 0  # a context-parallel row is counted once, on the group's first rank
         return batch.num_positions  # a filler costs the same either way
     return batch.num_examples * batch.max_seqlen
 

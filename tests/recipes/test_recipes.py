@@ -75,7 +75,8 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
 def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
     """Every CPU recipe, packed and padded, as one Hydra sweep on 2 ranks: each job runs a few steps in its
     own run directory, and the process group carries over from job to job."""
-    cpu_recipes = [n for n in RECIPES if compose_job([f"recipe={n}"]).parallel.device != "cuda"]
+    cpu_recipes = [n for n in RECIPES if compose_job([f"recipe={n}"]).parallel.device != "cuda"
+                   and compose_job([f"recipe={n}"]).parallel.cp == 1]  # cp>1 has no padded run: the test below
     sweep = ["-m", "trainer.train", "-m", f"recipe={','.join(cpu_recipes)}", "packing=none,bfd", *QUICK]
     proc = run_torchrun(sweep, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=400)
     assert_ok(proc)
@@ -95,6 +96,30 @@ def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
             assert f"packing={saved['packing']['strategy']}" in run.name
             if name == "cpu_chat_sft":  # response-only loss: prompts are in the tokens but carry no label
                 assert summary["dataset"]["label_tokens"] < 0.6 * summary["dataset"]["tokens"]
+
+
+def step_losses(root) -> list[float]:
+    """The per-step losses of the one run under ``root`` (its ``metrics.jsonl``)."""
+    (metrics,) = root.glob("outputs/*/*/metrics.jsonl")
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    return [row["loss"] for row in rows if "loss" in row and "step" in row and row.get("kind", "train") == "train"]
+
+
+@pytest.mark.slow
+def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budget(tmp_path):
+    """The CPU context-parallel recipe: 2 ranks sharding each row (cp=2) train the same per-step losses as 1
+    rank packing rows of twice the per-rank budget (cp=1), within 1e-4 (fp32)."""
+    quick = ["max_steps=3", "data.num_dialogs=120", "optim.warmup_steps=1", "logger.peak_tflops=1",
+             "checkpoint.every_steps=0", "parallel=fsdp_fp32"]
+    runs = {}
+    for nproc, extra in ((2, ["parallel.cp=2"]), (1, ["parallel.cp=1", "packing.token_budget=1024"])):
+        cwd = tmp_path / f"cp{nproc}"
+        cwd.mkdir()
+        proc = run_torchrun(["-m", "trainer.train", "recipe=cpu_long_context", *quick, *extra], nproc=nproc,
+                            cwd=cwd, env={"PYTHONPATH": str(REPO)}, timeout=300)
+        assert_ok(proc)
+        runs[nproc] = step_losses(cwd)
+    assert len(runs[2]) == 3 and runs[2] == pytest.approx(runs[1], abs=1e-4)
 
 
 OWN_RECIPE = """\

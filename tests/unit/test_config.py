@@ -29,7 +29,7 @@ def test_bad_values_raise_config_errors(override, message):
     "arg, expected",
     [
         ("recipe=nope",
-         "packfsdp: unknown recipe 'nope'; choose one of: cpu_chat_lora, cpu_chat_sft, cpu_dailydialog, gpt2_dailydialog, qwen_chat_lora, qwen_chat_sft"),
+         "packfsdp: unknown recipe 'nope'; choose one of: cpu_chat_lora, cpu_chat_sft, cpu_dailydialog, cpu_long_context, gpt2_dailydialog, qwen_chat_lora, qwen_chat_sft"),
         ("packing=foo", "packfsdp: unknown packing 'foo'; choose one of:"),
         ("packing.token_budget=-5", "packfsdp: config error: packing.token_budget must be a positive number"),
     ],
@@ -66,3 +66,17 @@ def test_cli_path_imports_no_heavy_library():
     out = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == ""
+
+
+def test_context_parallel_world_checks():
+    from tests.conftest import compose_job
+    from trainer.config import ConfigError
+
+    cfg = compose_job(["parallel.cp=3"])
+    with pytest.raises(ConfigError, match="parallel.cp=3 does not divide the world size 4"):
+        cfg.validate_world(4)
+    with pytest.raises(ConfigError, match="needs a packed strategy"):
+        compose_job(["parallel.cp=2", "packing=none"]).validate_world(2)
+    cfg = compose_job(["parallel.cp=2", "packing.token_budget=512"])
+    cfg.validate_world(4)
+    assert cfg.row_budget == 1024

@@ -39,7 +39,7 @@ def dry_run(tmp_path_factory):
 
 def test_every_step_is_composed_and_nothing_ran(dry_run):
     stdout, steps, out, _ = dry_run
-    assert list(steps) == ["gpu_tests", *(f"train_{b}" for b in BACKENDS), "backend_losses", "throughput_gpt2",
+    assert list(steps) == ["gpu_tests", "cp_attention", *(f"train_{b}" for b in BACKENDS), "backend_losses", "throughput_gpt2",
                            "throughput_qwen", "train_compile"]
     assert steps["gpu_tests"][1:] == ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/unit"]
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "summary.txt"]  # nothing measured

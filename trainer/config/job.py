@@ -116,12 +116,15 @@ class JobConfig:
         if context is None:
             context = stated_context(self.model.init_fields())
         longest = self.longest_in_context(context)
-        if self.packing.token_budget < longest:
+        if self.row_budget < longest:
+            cp = self.parallel.cp
+            per_rank = -(-longest // cp)
+            row = f" x parallel.cp={cp}" if cp > 1 else ""
             raise ConfigError(
-                f"packing.token_budget={self.packing.token_budget} cannot hold one example of {longest} tokens "
+                f"packing.token_budget={self.packing.token_budget}{row} cannot hold one example of {longest} tokens "
                 f"(data.max_length={self.data.max_length}, model context {context or 'unknown'}) and strategy "
-                f"{self.packing.strategy} does not split examples; set packing.token_budget>={longest} "
-                f"or data.max_length<={self.packing.token_budget}"
+                f"{self.packing.strategy} does not split examples; set packing.token_budget>={per_rank} "
+                f"or data.max_length<={self.row_budget}"
             )
 
     def longest_in_context(self, context: int | None) -> int:
@@ -133,17 +136,32 @@ class JobConfig:
         examples, at most one micro-batch's ``packing.token_budget``. So every example fits the model and one
         micro-batch, in packed and padded runs alike."""
         longest = self.longest_in_context(context)
-        return longest if self.packing.splits_examples else min(longest, self.packing.token_budget)
+        return longest if self.packing.splits_examples else min(longest, self.row_budget)
+
+    @property
+    def row_budget(self) -> int:
+        """Tokens of one packed row: ``packing.token_budget`` per rank times the context-parallel degree."""
+        return self.packing.token_budget * self.parallel.cp
 
     def validate_world(self, world_size: int) -> None:
         """The launch fits the config: checked from ``WORLD_SIZE`` before the process group starts (the one
         check of the mesh shape; ``parallel.build_mesh`` relies on it)."""
-        replicas = self.parallel.dp_replicate
-        if replicas is not None and world_size % replicas != 0:
+        cp = self.parallel.cp
+        if world_size % cp != 0:
             raise ConfigError(
-                f"parallel.dp_replicate={replicas} does not divide the world size {world_size}; "
-                f"launch a multiple of {replicas} ranks or change parallel.dp_replicate (the number of nodes: "
-                "one replica per node)"
+                f"parallel.cp={cp} does not divide the world size {world_size}; launch a multiple of {cp} ranks"
+            )
+        if cp > 1 and not self.packing.packed:
+            raise ConfigError(f"parallel.cp={cp} needs a packed strategy: packing={self.packing.strategy} pads "
+                              "rectangles, which cannot be sharded along the sequence (use packing=bfd)")
+        if cp > 1 and self.data.streaming:
+            raise ConfigError(f"parallel.cp={cp} cannot be combined with data.streaming=true (a stream is dealt per rank)")
+        replicas = self.parallel.dp_replicate
+        if replicas is not None and world_size % (replicas * cp) != 0:
+            shape = f"parallel.dp_replicate={replicas}" + (f" x parallel.cp={cp}" if cp > 1 else "")
+            raise ConfigError(
+                f"{shape} does not divide the world size {world_size}; launch a multiple of {replicas * cp} ranks "
+                "or change parallel.dp_replicate (the number of nodes: one replica per node)"
             )
 
 

@@ -236,8 +236,16 @@ class ParallelConfig:
     """``torch.compile`` each transformer block's forward."""
     compile_backend: str = "inductor"
     """Backend for ``compile`` (``inductor``; ``aot_eager`` compiles fast, for tests and debugging)."""
+    cp: int = 1
+    """Context-parallel degree C: each packed row holds ``C x packing.token_budget`` tokens and is sharded along
+    the sequence over C neighbouring ranks (``trainer.context_parallel``); the world is dp x cp, cp innermost."""
+    cp_split: str = "balanced"
+    """How a row is cut over the CP group: ``contiguous`` (equal slices) or ``balanced`` (head/tail zigzag per
+    long example, short ones placed by attention cost: about equal attention work per rank)."""
 
     def validate(self) -> None:
+        check_positive("parallel.cp", self.cp)
+        check_choice("parallel.cp_split", self.cp_split, ("contiguous", "balanced"))
         check_choice("parallel.activation_checkpointing", self.activation_checkpointing, ("none", "full", "every_k"))
         check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
         if self.dp_replicate is not None:

@@ -103,3 +103,23 @@ def generate_chats(num_chats: int = 2000, seed: int = 1234) -> list[list[dict]]:
         messages += [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(turns)]
         chats.append(messages)
     return chats
+
+
+def generate_reasoning_traces(num_traces: int = 600, seed: int = 1234, mean_tokens: int = 420,
+                              max_tokens: int = 2000) -> list[list[str]]:
+    """Return ``num_traces`` long-context examples shaped like reasoning-trace SFT data: a short question
+    turn, then one long "thinking + answer" turn whose length is log-normal with a heavy right tail (mean
+    ~``mean_tokens``, capped at ``max_tokens``), so a good share exceeds one rank's budget and wants
+    context parallelism (``recipe=cpu_long_context``). A pure function of its arguments."""
+    rng = np.random.default_rng(seed + 2)
+    sigma = 0.9
+    mu = np.log(mean_tokens) - sigma**2 / 2
+    trace_tokens = np.clip(np.rint(rng.lognormal(mu, sigma, size=num_traces)), 8, max_tokens).astype(np.int64)
+    question_tokens = _turn_lengths(rng, num_traces)
+    words = np.array(_WORDS)
+    traces = []
+    for q, t in zip(question_tokens, trace_tokens):
+        question = " ".join(words[rng.integers(0, len(words), size=int(q) - 1)]) + "?"
+        trace = " ".join(words[rng.integers(0, len(words), size=int(t) - 1)]) + "."
+        traces.append([question[:1].upper() + question[1:], trace[:1].upper() + trace[1:]])
+    return traces

@@ -12,8 +12,10 @@ trainer normalises it by the global label count.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
+from trainer.collate import IGNORE_INDEX
 from trainer.loss import HeadLoss, LogitTransform, head_matches_logits, label_positions, liger_available, naive_summed_loss
 from trainer.model.attention import AttentionBackend
 from trainer.model.packed_layout import packed_attention_kwargs
@@ -35,6 +37,10 @@ class VarlenCausalLM(nn.Module):
         self.padded_attention = padded_attention(type(model))
         self.loss = HeadLoss()
         """The loss ``forward(..., labels=...)`` runs: naive until ``use_loss`` picks one."""
+        self.cp_group = None
+        """Context parallel: the process group a sharded row's keys/values are gathered over."""
+        self.cp_gather = None
+        """Context parallel, one process (tests, GPU check): replaces the all-gather."""
 
     @property
     def config(self):
@@ -48,17 +54,39 @@ class VarlenCausalLM(nn.Module):
         max_seqlen: int | None = None,
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        cp_shard=None,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``; with ``labels``, the summed token loss (fp32 scalar) instead,
         through the loss implementation ``use_loss`` picked. The loss runs here, inside the root module's
         forward, because that is where FSDP2 holds the head's parameters gathered."""
-        inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
+        if cp_shard is not None:
+            inputs = self.context_parallel_inputs(input_ids, position_ids, cp_shard)
+        else:
+            inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
         if labels is None or self.loss.impl == "naive":
             logits = self.model(**inputs).logits
-            return logits if labels is None else naive_summed_loss(logits, labels)
-        hidden, targets = label_positions(self.model.base_model(**inputs).last_hidden_state, labels)
+            if labels is None:
+                return logits
+            if cp_shard is not None:  # labels already shifted before the row was sharded
+                return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
+            return naive_summed_loss(logits, labels)
+        hidden = self.model.base_model(**inputs).last_hidden_state
+        if cp_shard is not None:  # pre-shifted: one dummy position after the last makes label_positions' shift a no-op
+            hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
+        hidden, targets = label_positions(hidden, labels)
         head = self.model.get_output_embeddings()
         return self.loss(hidden, head.weight, head.bias, targets)
+
+    def context_parallel_inputs(self, input_ids, position_ids, cp_shard) -> dict:
+        """A rank's shard of a context-parallel row (``trainer.context_parallel``): the CP attention all-gathers
+        keys/values over ``cp_group`` and runs the configured backend's kernel with separate q/k boundaries."""
+        from trainer.context_parallel import CP_ATTENTION
+
+        self.model.config._attn_implementation = CP_ATTENTION
+        return dict(
+            input_ids=input_ids, position_ids=position_ids, use_cache=False, cp_shard=cp_shard,
+            cp_group=self.cp_group, cp_gather=self.cp_gather, cp_kernel=self.backend.name,
+        )
 
     def attention_inputs(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask) -> dict:
         """The transformers call's keyword arguments; selects the attention for a packed or padded batch."""

@@ -1,0 +1,127 @@
+"""Context-parallel cases on 4 gloo ranks (``tests.distributed.workers``): every case runs a packed row sharded
+over CP groups of C ranks (C = 2: two groups, C = 4: one) and compares the group's logits, summed loss and
+every parameter gradient with the same examples (or pieces) run one by one without CP, in fp32."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from trainer.collate import collate_packed
+from trainer.context_parallel import shard_batch
+from trainer.model import VarlenCausalLM, resolve_backend
+
+TOL = 1e-5
+
+
+class Examples:
+    """A dataset stand-in: ``example(i)`` -> (token ids, loss mask)."""
+
+    def __init__(self, lengths: list[int], vocab: int, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        self.tokens = [rng.integers(1, vocab, n) for n in lengths]
+
+    def example(self, i: int):
+        tok = self.tokens[i]
+        return tok, np.ones(len(tok), dtype=bool)
+
+
+def tiny_model(family: str) -> VarlenCausalLM:
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=256, vocab_size=97,
+                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    else:  # GQA, layer 1 a sliding-window layer of 5 tokens
+        model = Qwen2ForCausalLM(Qwen2Config(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=5,
+            max_window_layers=1, layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False,
+        ))
+    return VarlenCausalLM(model.float(), resolve_backend("sdpa_varlen", torch.device("cpu")))
+
+
+def grads(model) -> dict[str, torch.Tensor]:
+    return {n: (p.grad.clone() if p.grad is not None else torch.zeros_like(p)) for n, p in model.named_parameters()}
+
+
+def reference(model, data: Examples, items) -> tuple[torch.Tensor, float, dict]:
+    """Logits (row order), summed loss and gradients of every item run alone."""
+    model.zero_grad(set_to_none=True)
+    logits, total = [], 0.0
+    for item in items:
+        batch = collate_packed(data, np.asarray([item]))
+        logits.append(model(**batch.model_inputs())[0].detach())
+        loss = model(**batch.model_inputs(), labels=batch.labels)
+        loss.backward()
+        total += float(loss.detach())
+    return torch.cat(logits), total, grads(model)
+
+
+def context_parallel(model, data: Examples, items, cp: int, split: str, group) -> tuple[torch.Tensor, float, dict]:
+    """The CP group's logits (row order), summed loss and summed gradients of the same items as one row."""
+    model.zero_grad(set_to_none=True)
+    model.cp_group = group
+    row = collate_packed(data, np.asarray(items))
+    local = shard_batch(row, cp, dist.get_rank(group), split)
+    logits = model(**local.model_inputs())[0].detach()
+    loss = model(**local.model_inputs(), labels=local.labels)
+    loss.backward()
+    g = grads(model)
+    for t in g.values():
+        dist.all_reduce(t, group=group)
+    parts = [torch.empty_like(logits) for _ in range(cp)]
+    dist.all_gather(parts, logits.contiguous(), group=group)
+    index = [torch.empty_like(local.cp_shard.index) for _ in range(cp)]
+    dist.all_gather(index, local.cp_shard.index, group=group)
+    full = torch.zeros(int(row.cu_seqlens[-1]), logits.shape[-1])
+    for part, idx in zip(parts, index):
+        full[idx[idx >= 0]] = part[idx >= 0]
+    total = torch.tensor([float(loss)], dtype=torch.float64)
+    dist.all_reduce(total, group=group)
+    model.cp_group = None
+    return full, float(total), g
+
+
+def pieces_of(lengths: list[int], cut: int) -> list[list[int]]:
+    """``bfd_split``-like pieces: each example cut every ``cut`` tokens."""
+    return [[e, s, min(n, s + cut)] for e, n in enumerate(lengths) for s in range(0, n, cut)]
+
+
+CASES = {
+    # name: (lengths, items or None for whole examples)
+    "one_example_divisible": ([48], None),
+    "one_example_not_divisible": ([37], None),
+    "fifty_short": ([int(x) for x in np.random.default_rng(3).integers(1, 6, 50)], None),
+    "start_on_last_slot": ([7, 9, 8], None),  # 24 tokens: an example starts on a rank's last slot (cp=4: 6/rank)
+    "one_token_at_boundary": ([6, 1, 5, 12], None),
+    "window_crossing_ranks": ([3, 29, 4], None),
+    "bfd_split_pieces": ([30, 11], "pieces"),
+    "row_shorter_than_cp": ([1, 2], None),
+    "filler": ([1], None),
+}
+
+
+def run_cases(cache: str) -> dict:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    groups = {c: [dist.new_group(list(range(g, g + c))) for g in range(0, world, c)] for c in (2, 4)}
+    results = {}
+    for family in ("gpt2", "qwen2"):
+        model = tiny_model(family)
+        for name, (lengths, how) in CASES.items():
+            data = Examples(lengths, 97, seed=len(results))
+            items = pieces_of(lengths, 8) if how == "pieces" else list(range(len(lengths)))
+            ref_logits, ref_loss, ref_grads = reference(model, data, items)
+            for cp in (2, 4):
+                group = groups[cp][rank // cp]
+                for split in ("contiguous", "balanced"):
+                    logits, loss, g = context_parallel(model, data, items, cp, split, group)
+                    worst = max(float((g[n] - ref_grads[n]).abs().max()) for n in g)
+                    results[f"{family}/{name}/cp{cp}/{split}"] = {
+                        "logits": float((logits - ref_logits).abs().max()),
+                        "loss": abs(loss - ref_loss) / max(abs(ref_loss), 1.0),
+                        "grad": worst,
+                    }
+    return results

@@ -1,0 +1,62 @@
+"""One rank's context-parallel attention against the full row in one process, the all-gather replaced by the
+row's own keys/values (``full_keys_stand_in``): ``sdpa_varlen`` (explicit lower-right masks), and, through
+the kernel doubles, ``flash_attn`` and ``torch_varlen`` called with ``cu_seqlens_q != cu_seqlens_k`` (their
+bottom-right causal alignment), with a sliding window crossing the ranks' boundaries and GQA."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer.context_parallel import cp_attention, plan_shards
+from trainer.model.backends_sdpa import sdpa_varlen_attention
+
+LENGTHS = [3, 29, 1, 9, 14]
+CP = 4
+
+
+class _Module:
+    is_causal = True
+
+
+def _row(dtype, device="cpu"):
+    g = torch.Generator().manual_seed(0)
+    n = sum(LENGTHS)
+    return [torch.randn(1, h, n, 8, generator=g).to(device, dtype).requires_grad_() for h in (4, 2, 2)]
+
+
+def _cp_row(q, k, v, kernel, split, window):
+    """The row's attention output and q/k/v gradients, assembled from every rank's CP attention."""
+    cu = [0]
+    for n in LENGTHS:
+        cu.append(cu[-1] + n)
+    shards = [s.to(q.device) for s in plan_shards(cu, CP, split)]
+    index_all = torch.cat([s.index for s in shards]).clamp(min=0)
+    k_all, v_all = k[:, :, index_all], v[:, :, index_all]  # the all-gather's result, in rank order
+    out = torch.zeros(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype, device=q.device)
+    for s in shards:
+        keep = s.index >= 0
+        local_q = q[:, :, s.index.clamp(min=0)]
+        stand_in = iter([k_all, v_all])
+        o, _ = cp_attention(_Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel,
+                            cp_gather=lambda x, group: next(stand_in), sliding_window=window)
+        out = out.index_put((torch.zeros_like(s.index[keep]), s.index[keep]), o[0][keep].to(out.dtype))
+    return out
+
+
+@pytest.mark.parametrize("split", ["contiguous", "balanced"])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("kernel", ["sdpa_varlen", "flash_attn", "torch_varlen"])
+def test_cp_attention_equals_full_row(kernel, window, split, request):
+    if kernel != "sdpa_varlen":
+        request.getfixturevalue("simulated_gpu_fp32")
+    q, k, v = _row(torch.float32)
+    cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
+    ref, _ = sdpa_varlen_attention(_Module(), q, k, v, None, scaling=0.35, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
+                                   sliding_window=window)
+    ref_grads = torch.autograd.grad((ref * ref).sum(), (q, k, v))
+    out = _cp_row(q, k, v, kernel, split, window)
+    grads = torch.autograd.grad((out * out).sum(), (q, k, v))
+    assert (out - ref).abs().max() < 1e-5
+    for a, b in zip(grads, ref_grads):
+        assert (a - b).abs().max() < 1e-5
