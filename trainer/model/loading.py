@@ -12,9 +12,10 @@ from trainer.config import ModelConfig
 from trainer.config.common import model_config  # the one reader of a model's config, imported here too
 from trainer.library_errors import library_load
 from trainer.model.attention import AttentionBackend
+from trainer.model.config_verdict import verify_config
 from trainer.model.families import RELAY_BOUNDARIES, check_family
 from trainer.model.rope import apply_per_example_rope
-from trainer.model.wrapper import VarlenCausalLM
+from trainer.model.wrapper import VarlenCausalLM, decoder_of
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,8 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     attention needs (``trainer.pipeline.resolve_attention``).
 
     A family packfsdp cannot train packed exactly is refused first, from its config alone
-    (``trainer.model.families``: one line, the family and the reason).
+    (``trainer.model.families``: one line, the family and the reason), then the config itself: a tiny
+    float64 replica of it, packed vs one by one (``trainer.model.config_verdict``, cached by config hash).
 
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.
@@ -35,7 +37,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     torch.manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     if cfg.name_or_path:
-        check_family(model_config(cfg), cfg.self_check)
+        config = model_config(cfg)
+        check_family(config, cfg.self_check)
+        verify_config(config)
         with library_load(f"model.name_or_path={cfg.name_or_path}"):
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path,
@@ -54,7 +58,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         }
         config = model_config(cfg, base=special)
         check_family(config, cfg.self_check)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
+        verify_config(config)
+        with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.use_cache = False
@@ -95,8 +101,10 @@ def relay_boundaries(model: torch.nn.Module) -> int:
     def hand_over(_module, args, kwargs):
         return args, {**boundaries, **kwargs}
 
-    model.register_forward_pre_hook(remember, with_kwargs=True)
-    model.register_forward_hook(forget, with_kwargs=True, always_call=True)
+    # On the decoder stack: the causal LM hands it the boundaries, and the chunked loss calls it directly.
+    decoder = decoder_of(model)
+    decoder.register_forward_pre_hook(remember, with_kwargs=True)
+    decoder.register_forward_hook(forget, with_kwargs=True, always_call=True)
     hooked = [m for m in model.modules() if _calls_attention_interface(type(m))]
     for module in hooked:
         module.register_forward_pre_hook(hand_over, with_kwargs=True)

@@ -27,6 +27,15 @@ def padded_attention(model_class: type) -> str:
     return PADDED_ATTENTION if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder stack (the module whose output the head reads): ``base_model``, or the
+    ``model`` attribute where ``base_model`` is the causal LM itself (Llama 4 text: prefix ``language_model``)."""
+    for candidate in (model.base_model, getattr(model, "model", None)):
+        if isinstance(candidate, nn.Module) and candidate is not model:
+            return candidate
+    raise RuntimeError(f"cannot find the decoder of {type(model).__name__} (the chunked loss needs its hidden states)")
+
+
 class VarlenCausalLM(nn.Module):
     def __init__(self, model: nn.Module, backend: AttentionBackend) -> None:
         super().__init__()
@@ -56,7 +65,7 @@ class VarlenCausalLM(nn.Module):
         if labels is None or self.loss.impl == "naive":
             logits = self.model(**inputs).logits
             return logits if labels is None else naive_summed_loss(logits, labels)
-        hidden, targets = label_positions(self.model.base_model(**inputs).last_hidden_state, labels)
+        hidden, targets = label_positions(decoder_of(self.model)(**inputs).last_hidden_state, labels)
         head = self.model.get_output_embeddings()
         return self.loss(hidden, head.weight, head.bias, targets)
 
@@ -105,7 +114,7 @@ class VarlenCausalLM(nn.Module):
         self.eval()
         try:
             reference = self.model(**inputs).logits
-            hidden = self.model.base_model(**inputs).last_hidden_state
+            hidden = decoder_of(self.model)(**inputs).last_hidden_state
         finally:
             self.train(was_training)
         ours, _ = transform.apply(nn.functional.linear(hidden, head.weight, head.bias).float())
