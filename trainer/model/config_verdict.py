@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from trainer.model.families import FamilyRefusedError
+from trainer.model.prepare import prepare_model
 from trainer.model.family_probe import NO_DROPOUT, SHRINK, differences, run_alone, run_packed
 
 log = logging.getLogger(__name__)
@@ -121,7 +122,6 @@ def _compare(config, dtype: torch.dtype) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM
 
     from trainer.model.attention import AttentionNeeds, resolve_backend
-    from trainer.model.loading import prepare_model
 
     torch.manual_seed(0)
     try:
