@@ -48,3 +48,12 @@ def test_chunked_loss_keeps_the_boundary_relay():
     loss = model(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32), 7,
                  labels=ids)
     assert torch.isfinite(loss)
+
+
+def test_window_kept_only_in_the_mask_is_refused(tmp_path, monkeypatch):
+    """qwen2_moe with sliding layers: the window never reaches the attention function (float32: MoE kernels)."""
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4096, num_hidden_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(FamilyRefusedError, match="'qwen2_moe'.*sliding_attention.*sliding_window=4096"):
+        verify_config(config)

@@ -142,22 +142,25 @@ def _exact(diffs: tuple[float, float, torch.dtype]) -> bool:
     return diffs[0] <= logits and diffs[1] <= grads
 
 
-def candidate_settings(config) -> list[tuple[str, dict]]:
-    """(setting named in a refusal, overrides that switch it off) for the token-mixing settings ``config`` has."""
+def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
+    """(setting named in a refusal, overrides that switch it off) for the token-mixing settings ``config`` has;
+    sizes in the names are the ``user`` config's (the replica's are shrunk)."""
     values = config.to_dict()
+    shown = values | ({k: v for k, v in user.to_dict().items() if k in SMALL} if user is not None else {})
     out = []
     kinds = list(dict.fromkeys(values.get("layer_types") or []))
     for kind in kinds:
         if "attention" not in str(kind):
             other = next((k for k in kinds if "attention" in str(k)), "full_attention")
             out.append((f"layer_types contains {kind!r}", {"layer_types": [other if k == kind else k for k in values["layer_types"]]}))
-    if "sliding_attention" in kinds:
-        out.append(("sliding-window layers (layer_types 'sliding_attention')",
-                    {"layer_types": ["full_attention" if k == "sliding_attention" else k for k in values["layer_types"]]}))
+    for kind in kinds:  # windowed / chunked attention layers, full otherwise
+        if "attention" in str(kind) and kind != "full_attention":
+            size = next((f" ({n}={shown[n]})" for n in ("sliding_window", "attention_chunk_size") if values.get(n) and n.split("_")[0][:5] in kind), "")
+            out.append((f"layer_types {kind!r}{size}", {"layer_types": ["full_attention" if k == kind else k for k in values["layer_types"]]}))
     for name in ("sliding_window", "attention_chunk_size", "window_size", "chunk_size"):
         if values.get(name):
             off = {name: None} | ({"use_sliding_window": False} if name == "sliding_window" and "use_sliding_window" in values else {})
-            label = f"{name}={values[name]}" + (" (use_sliding_window=true)" if values.get("use_sliding_window") else "")
+            label = f"{name}={shown[name]}" + (" (use_sliding_window=true)" if values.get("use_sliding_window") else "")
             out.append((label, off))
     for name in ("rope_parameters", "rope_scaling"):
         rope = values.get(name)
@@ -222,7 +225,7 @@ def _judge(config, family: str) -> tuple[str, str]:
             if "softcapping" not in str(e):
                 return "refused", f"model family {family!r} cannot be trained packed exactly with this config: {first_line(e)}"
             replica.attn_logit_softcapping = None  # the kernel's softcap is the backend's check, not the config's
-            return _judge_diffs(replica, family, None)
+            return _judge_diffs(replica, family, None, config)
         except FamilyRefusedError as e:
             return "refused", str(e)
         except Unbuildable as e:
@@ -230,16 +233,16 @@ def _judge(config, family: str) -> tuple[str, str]:
             return "unbuildable", ""
         except Exception as e:  # noqa: BLE001 - the replica crashes packed or alone
             return "refused", f"model family {family!r} cannot be trained packed with this config: the tiny replica fails: {type(e).__name__}: {first_line(e)}"
-        return _judge_diffs(replica, family, diffs)
+        return _judge_diffs(replica, family, diffs, config)
 
 
-def _judge_diffs(replica, family: str, diffs) -> tuple[str, str]:
+def _judge_diffs(replica, family: str, diffs, user=None) -> tuple[str, str]:
     diffs = diffs if diffs is not None else compare(replica)
     if _exact(diffs):
         log.info("config verdict: %s exact for this config (%s replica: |logit diff| %.1g, |grad diff| %.1g)", family, diffs[2], *diffs[:2])
         return "exact", ""
     setting = "a setting of this config"
-    for label, off in candidate_settings(replica):
+    for label, off in candidate_settings(replica, user):
         try:
             trial = type(replica).from_dict(replica.to_dict() | off)
             if _exact(compare(trial)):
