@@ -137,7 +137,11 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     from trainer.model import DTYPES, AttentionNeeds, resolve_backend
     from trainer.model_config import model_config
 
-    needs = AttentionNeeds.of(model_config(cfg.model))
+    from trainer.errors import library_load
+
+    what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
+    with library_load(what):  # a config transformers rejects (dbrx from a bare config): one line
+        needs = AttentionNeeds.of(model_config(cfg.model))
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
 
 

@@ -94,7 +94,7 @@ def test_representative_families_probe_as_the_table_says(family):
 
 
 def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch):
-    monkeypatch.setattr("trainer.model.loading.RELAY_BOUNDARIES", frozenset())
+    monkeypatch.setattr("trainer.model.prepare.RELAY_BOUNDARIES", frozenset())
     result = probe("stablelm")
     assert result.outcome == "error" and "without cu_seq_lens_q" in result.detail, result.line()
 

@@ -55,7 +55,7 @@ WINDOW_DROPPED_REASON = "its attention does not pass its sliding window on to th
 
 RELAY_BOUNDARIES = frozenset({"stablelm", "nemotron"})
 """Families whose decoder layers drop the attention keyword arguments: ``build_model`` hands the example
-boundaries to their attention modules directly (``trainer.model.loading.relay_boundaries``); then exact."""
+boundaries to their attention modules directly (``trainer.model.prepare.relay_boundaries``); then exact."""
 
 EXACT: frozenset[str] = frozenset(
     {

@@ -155,7 +155,7 @@ def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides
 
     from trainer.model.attention import AttentionNeeds, resolve_backend
     from trainer.model.families import FamilyRefusedError, binding_window_dropped
-    from trainer.model.loading import prepare_model
+    from trainer.model.prepare import prepare_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 
 import torch
@@ -12,8 +11,9 @@ from trainer.config import DTYPE_NAMES, ModelConfig
 from trainer.model_config import model_config
 from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
-from trainer.model.families import RELAY_BOUNDARIES, check_family
-from trainer.model.rope import apply_per_example_rope
+from trainer.model.config_verdict import verify_config
+from trainer.model.families import check_family
+from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM
 
 log = logging.getLogger(__name__)
@@ -27,7 +27,8 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     attention needs (``trainer.pipeline.resolve_attention``).
 
     A family packfsdp cannot train packed exactly is refused first, from its config alone
-    (``trainer.model.families``: one line, the family and the reason).
+    (``trainer.model.families``: one line, the family and the reason), then the config itself: a tiny
+    float64 replica of it, packed vs one by one (``trainer.model.config_verdict``, cached by config hash).
 
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.
@@ -35,7 +36,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     torch.manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     if cfg.name_or_path:
-        check_family(model_config(cfg), cfg.self_check)
+        config = model_config(cfg)
+        check_family(config, cfg.self_check)
+        verify_config(config)
         with library_load(f"model.name_or_path={cfg.name_or_path}"):
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path,
@@ -54,7 +57,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         }
         config = model_config(cfg, base=special)
         check_family(config, cfg.self_check)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
+        verify_config(config)
+        with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
         model.resize_token_embeddings(len(tokenizer))
     model.config.use_cache = False
@@ -64,50 +69,3 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         cfg.dtype,
     )
     return prepare_model(model, backend)
-
-
-def prepare_model(model: torch.nn.Module, backend: AttentionBackend) -> VarlenCausalLM:
-    """A built transformers causal LM made exact for packed rows and wrapped for varlen batches: rope
-    computed per example where its frequencies depend on the length (``trainer.model.rope``), and the
-    example boundaries handed to the attention modules of a family whose layers drop them
-    (``families.RELAY_BOUNDARIES``)."""
-    apply_per_example_rope(model)
-    if getattr(model.config, "model_type", None) in RELAY_BOUNDARIES:
-        relay_boundaries(model)
-    return VarlenCausalLM(model, backend)
-
-
-BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-
-
-def relay_boundaries(model: torch.nn.Module) -> int:
-    """Hand the packed boundaries the model was called with to every attention module (those that call
-    transformers' attention interface) that did not receive them; returns how many modules were hooked."""
-    boundaries: dict = {}
-
-    def remember(_module, _args, kwargs):
-        boundaries.clear()
-        boundaries.update({k: kwargs[k] for k in BOUNDARY_KWARGS if kwargs.get(k) is not None})
-
-    def forget(_module, _args, _kwargs, _output):
-        boundaries.clear()
-
-    def hand_over(_module, args, kwargs):
-        return args, {**boundaries, **kwargs}
-
-    model.register_forward_pre_hook(remember, with_kwargs=True)
-    model.register_forward_hook(forget, with_kwargs=True, always_call=True)
-    hooked = [m for m in model.modules() if _calls_attention_interface(type(m))]
-    for module in hooked:
-        module.register_forward_pre_hook(hand_over, with_kwargs=True)
-    return len(hooked)
-
-
-def _calls_attention_interface(cls: type) -> bool:
-    """The module's forward calls transformers' attention interface and takes ``**kwargs`` to pass on."""
-    try:
-        source = inspect.getsource(cls.forward)
-        takes_kwargs = any(p.kind is p.VAR_KEYWORD for p in inspect.signature(cls.forward).parameters.values())
-    except (OSError, TypeError, ValueError):  # no source (a builtin module): not an attention layer of transformers
-        return False
-    return takes_kwargs and "ALL_ATTENTION_FUNCTIONS" in source

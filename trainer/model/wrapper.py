@@ -29,6 +29,15 @@ def padded_attention(model_class: type) -> str:
     return PADDED_ATTENTION if getattr(model_class, "_supports_sdpa", True) else "eager"
 
 
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The causal LM's decoder stack (the module whose output the head reads): ``base_model``, or the
+    ``model`` attribute where ``base_model`` is the causal LM itself (Llama 4 text: prefix ``language_model``)."""
+    for candidate in (model.base_model, getattr(model, "model", None)):
+        if isinstance(candidate, nn.Module) and candidate is not model:
+            return candidate
+    raise RuntimeError(f"cannot find the decoder of {type(model).__name__} (the chunked loss needs its hidden states)")
+
+
 class VarlenCausalLM(nn.Module):
     def __init__(self, model: nn.Module, backend: AttentionBackend) -> None:
         super().__init__()
@@ -70,7 +79,7 @@ class VarlenCausalLM(nn.Module):
             if cp_shard is not None:  # labels already shifted before the row was sharded
                 return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
             return naive_summed_loss(logits, labels)
-        hidden = self.model.base_model(**inputs).last_hidden_state
+        hidden = decoder_of(self.model)(**inputs).last_hidden_state
         if cp_shard is not None:  # pre-shifted: one dummy position after the last makes label_positions' shift a no-op
             hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
         hidden, targets = label_positions(hidden, labels)
@@ -133,7 +142,7 @@ class VarlenCausalLM(nn.Module):
         self.eval()
         try:
             reference = self.model(**inputs).logits
-            hidden = self.model.base_model(**inputs).last_hidden_state
+            hidden = decoder_of(self.model)(**inputs).last_hidden_state
         finally:
             self.train(was_training)
         ours, _ = transform.apply(nn.functional.linear(hidden, head.weight, head.bias).float())

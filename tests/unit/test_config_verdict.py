@@ -1,0 +1,59 @@
+"""The config verdict: a tiny float64 replica of the user's config, packed vs one by one."""
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from trainer.model.config_verdict import replica_config, verify_config
+from trainer.model.families import FamilyRefusedError
+
+
+def test_lfm2_conv_layers_are_refused_naming_the_setting(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model("lfm2", layer_types=["conv", "full_attention", "conv", "conv"], num_hidden_layers=4)
+    with pytest.raises(FamilyRefusedError, match="'lfm2'.*layer_types contains 'conv'"):
+        verify_config(config)
+    with pytest.raises(FamilyRefusedError, match="'conv'"):  # the cached verdict refuses the same way
+        verify_config(config)
+    assert len(list((tmp_path / "verdicts").iterdir())) == 1
+
+
+def test_plain_config_is_exact_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model("llama", num_hidden_layers=3)
+    assert verify_config(config) == "exact"
+    assert verify_config(config) == "cached:exact"
+
+
+def test_replica_keeps_each_layer_pattern_and_shrinks_windows():
+    config = AutoConfig.for_model("lfm2", layer_types=["conv"] * 10 + ["full_attention"] * 6, num_hidden_layers=16)
+    replica = replica_config(config)
+    assert sorted(set(replica.layer_types)) == ["conv", "full_attention"] and replica.num_hidden_layers <= 6
+    qwen = replica_config(AutoConfig.for_model("qwen2", use_sliding_window=True, sliding_window=4096))
+    assert qwen.sliding_window < 21  # crossed by the replica's longest example
+
+
+def test_chunked_loss_keeps_the_boundary_relay():
+    """stablelm drops the boundaries in its layers; the chunked loss must go through the relay too."""
+    from trainer.model.attention import resolve_backend
+    from trainer.model.prepare import prepare_model
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.for_model("stablelm", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    torch.manual_seed(0)
+    model = prepare_model(AutoModelForCausalLM.from_config(config), resolve_backend("sdpa_varlen", torch.device("cpu")))
+    model.use_loss("chunked")
+    ids = torch.randint(3, 64, (1, 12))
+    loss = model(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32), 7,
+                 labels=ids)
+    assert torch.isfinite(loss)
+
+
+def test_window_kept_only_in_the_mask_is_refused(tmp_path, monkeypatch):
+    """qwen2_moe with sliding layers: the window never reaches the attention function (float32: MoE kernels)."""
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4096, num_hidden_layers=2,
+                                  layer_types=["sliding_attention", "full_attention"])
+    with pytest.raises(FamilyRefusedError, match="'qwen2_moe'.*sliding_attention.*sliding_window=4096"):
+        verify_config(config)
