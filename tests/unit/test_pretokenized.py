@@ -128,3 +128,19 @@ def test_columns_are_detected_and_a_local_tokenizer_is_refused(tmp_path, cache_d
     path = write_rows([{"input_ids": [1, 2, 3]}], tmp_path / "ids.jsonl", "jsonl")
     with pytest.raises(ConfigError, match="pre-tokenized .* model.tokenizer=DIR_OR_HUB_ID"):
         load_tokenizer(ModelConfig(tokenizer_vocab_size=300), DataConfig(source="jsonl", path=path, cache_dir=cache_dir))
+
+
+def test_one_float_row_is_named_alone_on_the_cached_route(tmp_path, chat_tokenizer, cache_dir):
+    """One float id row types the whole column float in Arrow; the cached route reads such a file line by
+    line, so the error names that row's line and a skip drops that row only (not all of them)."""
+    from trainer.data.cache import build_dataset
+
+    rows = [{"input_ids": [5, 6, 7, 8 + i % 5]} for i in range(60)]
+    rows[29] = {"input_ids": [5, 6.5, 7]}
+    path = write_rows(rows, tmp_path / "ids.jsonl", "jsonl")
+    cfg = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"))
+    with pytest.raises(BadRecordError, match=r"ids.jsonl:30: .*integers only"):
+        build_dataset(chat_tokenizer, cfg, 64, "float-row")
+    skip = DataConfig(source="jsonl", path=path, cache_dir=str(tmp_path / "cache"), on_bad_record="skip")
+    ds = build_dataset(chat_tokenizer, skip, 64, "float-row-skip")
+    assert len(ds) == 59 and ds.stats.dropped_bad == 1

@@ -25,7 +25,7 @@ from pathlib import Path
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.sources import check_hf_path, check_source, open_hf_dataset, shipped
-from trainer.data.tables import FORMATS, TableFormat, rows_to_records, table_files
+from trainer.data.tables import FORMATS, TableFormat, detect_columns, rows_to_records, table_files
 from trainer.errors import library_load
 
 log = logging.getLogger(__name__)
@@ -133,8 +133,26 @@ def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, s
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
         log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
         return rows_to_records(fmt.read([file], bad), cfg, bad)
+    if (column := _float_token_column(ds, cfg)) is not None:
+        # One float in one row types the whole column float in Arrow: every row would then look bad (or be
+        # skipped). The line reader reads each row as written, so only the bad row is named (or skipped).
+        log.info("data %s: %s has column %r typed float by datasets; reading it line by line", cfg.source, file, column)
+        return rows_to_records(fmt.read([file], bad), cfg, bad)
     check_not_empty(file, len(ds), bad)
     return ds if len(ds) else None
+
+
+def _float_token_column(ds, cfg: DataConfig) -> str | None:
+    """A pre-tokenized id column (``input_ids``, ``labels``) that ``datasets`` typed as floats, if any."""
+    import datasets
+
+    columns = dict(cfg.columns) or detect_columns(ds.column_names)
+    for field in ("input_ids", "labels"):
+        feature = ds.features.get(columns.get(field, ""))
+        inner = getattr(feature, "feature", None)  # Sequence / List of a Value
+        if isinstance(inner, datasets.Value) and inner.dtype.startswith("float"):
+            return columns[field]
+    return None
 
 
 def _open_hf(cfg: DataConfig, streaming: bool):
