@@ -24,6 +24,7 @@ from trainer.config.common import (
     LOCAL_PATH_PREFIXES,
     LOSS_IMPLS,
     ConfigError,
+    retired_key,
     stated_context,
 )
 from trainer.config.job import JobConfig
@@ -55,5 +56,6 @@ __all__ = [
     "PackingConfig",
     "ParallelConfig",
     "PeftConfig",
+    "retired_key",
     "stated_context",
 ]

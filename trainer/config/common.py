@@ -52,6 +52,20 @@ they are streamed)."""
 
 
 
+RETIRED_KEYS: dict[str, str] = {
+    "packing.oversize": "removed: training never let it act (every example is cut to data.max_length and a "
+    "strategy that packs whole examples needs packing.token_budget >= data.max_length, checked at build); "
+    "drop the key (data.overlong decides what happens to a long example)",
+}
+"""Keys that once existed, each with the one line that says where its fact lives now (``retired_key``)."""
+
+
+def retired_key(key: str) -> str | None:
+    """``packfsdp``'s one line for a key the schema no longer has, or ``None`` for a key it never had."""
+    key = key.lstrip("+~")
+    return f"{key}: {RETIRED_KEYS[key]}" if key in RETIRED_KEYS else None
+
+
 def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")

@@ -8,7 +8,7 @@ from typing import Any
 
 # Light registries (numpy only): the choice lists and strategy facts below come from them.
 from trainer.packing.balance import WORK_MEASURES
-from trainer.packing.strategies import OVERSIZE_RULES, STRATEGIES, get_strategy
+from trainer.packing.strategies import STRATEGIES, get_strategy
 
 from trainer.config.common import (
     DTYPE_NAMES,
@@ -175,10 +175,6 @@ class PackingConfig:
     """Shuffle the order of micro-batches (packed bins or padded batches) every epoch, after packing."""
     padded_batch_size: int | None = None
     """Padded strategies only: examples per micro-batch. ``None`` matches the packed run (see above)."""
-    oversize: str = "error"
-    """``bfd``/``ffd``: an example longer than ``token_budget`` is an ``error`` or is ``drop``-ped (counted,
-    logged). The trainer truncates examples to the budget first (``data.overlong``), so this guards other
-    callers; ``bfd_split`` and ``wrapped`` cut such examples instead."""
     balance: str = "tokens"
     """What the ranks are balanced on per step: ``tokens`` or ``attention`` (sum of squared lengths)."""
     megabatch_factor: int = 50
@@ -186,7 +182,6 @@ class PackingConfig:
 
     def validate(self) -> None:
         check_choice("packing.strategy", self.strategy, tuple(STRATEGIES))
-        check_choice("packing.oversize", self.oversize, OVERSIZE_RULES)
         check_choice("packing.balance", self.balance, tuple(WORK_MEASURES))
         check_positive("packing.token_budget", self.token_budget)
         if self.token_budget < (least := get_strategy(self.strategy).min_budget):
