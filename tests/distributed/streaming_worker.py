@@ -24,7 +24,7 @@ from trainer.data import stream as streaming
 
 def streaming_overrides(cache_dir: str, **extra) -> list[str]:
     base = {
-        "recipe": "cpu_chat_sft", "data.streaming": "true", "data.num_dialogs": 300, "data.stream_buffer": 4,
+        "recipe": "cpu_chat_sft", "data.streaming": "true", "data.num_records": 300, "data.stream_buffer": 4,
         "data.stream_eval_records": 100, "eval.holdout_fraction": 0.1, "data.cache_dir": cache_dir,
         "data.max_length": 256, "packing.token_budget": 256, "max_steps": 5, "checkpoint.every_steps": 2,
         "checkpoint.keep_last": 0, "eval.every": 0, "model.self_check": "false", "logger.peak_tflops": 1,

@@ -37,6 +37,7 @@ def one_error_line(capsys, overrides: list[str]) -> str:
         ("+packing.token_buget=512", "unknown key 'packing.token_buget'; did you mean packing.token_budget?"),
         # retired keys: one line saying where the fact went
         ("packing.oversize=drop", "packing.oversize: removed: training never let it act"),
+        ("data.num_dialogs=40", "data.num_dialogs is now data.num_records; set that instead"),
         ("+packing.oversize=drop", "packing.oversize: removed: training never let it act"),
         # zero and negative sizes
         ("packing.token_budget=0", "packing.token_budget must be a positive"),
@@ -124,3 +125,11 @@ def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strate
         assert (stats.dropped_oversize, stats.dropped_oversize_tokens) == (1, 300)
     else:
         assert stats.split_examples == 1 and stats.pieces >= 3 and stats.tokens >= lengths.sum()
+
+
+def test_a_retired_key_inside_a_mixture_item_names_its_new_name():
+    from trainer.config import ConfigError, DataConfig
+    from trainer.data.mixture import mix_components
+
+    with pytest.raises(ConfigError, match=r"^data.mix\[1\]: data.num_dialogs is now data.num_records"):
+        mix_components(DataConfig(mix=[{"source": "chat_synthetic"}, {"source": "chat_synthetic", "num_dialogs": 9}]))

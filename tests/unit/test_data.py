@@ -111,7 +111,7 @@ def test_parquet_without_dialog_column_names_the_file(tmp_path):
 
 
 def test_dataset_cache_is_reused(tmp_path, tokenizer, monkeypatch):
-    cfg = DataConfig(num_dialogs=20, cache_dir=str(tmp_path))
+    cfg = DataConfig(num_records=20, cache_dir=str(tmp_path))
     first = load_dataset(cfg, tokenizer, max_length=256)
     import trainer.data as data
 

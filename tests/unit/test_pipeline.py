@@ -20,7 +20,7 @@ from trainer.config import (
 from trainer.compose import compose_job_config
 from trainer.packing import STRATEGIES, WORK_MEASURES
 
-SMALL = ["recipe=cpu_dailydialog", "data.num_dialogs=300"]
+SMALL = ["recipe=cpu_dailydialog", "data.num_records=300"]
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))

@@ -100,7 +100,7 @@ def saved_dataset(path, rows: int):
 def test_state_round_trip_continues_with_identical_micro_batches(tmp_path, tokenizer, source, monkeypatch):
     monkeypatch.setattr(streaming, "STREAM_CHUNK", 4)  # positions inside a file, not only at its end
     cfg = {"jsonl": lambda: stream_cfg(tmp_path, rows=41), "hf": lambda: saved_dataset(tmp_path / "saved", 41),
-           "dailydialog_synthetic": lambda: DataConfig(num_dialogs=60, streaming=True)}[source]()
+           "dailydialog_synthetic": lambda: DataConfig(num_records=60, streaming=True)}[source]()
     first = sampler_for(cfg, tokenizer, 1, 2, window=5)
     while first.stream.passes == 0:  # save inside the second pass: a pass boundary was crossed
         bins_of(first, 1)
@@ -155,7 +155,7 @@ def test_a_file_datasets_cannot_parse_is_an_error_or_a_counted_skip(tmp_path, to
 
 
 def test_held_out_examples_never_train_and_form_the_eval_set(tokenizer):
-    cfg = DataConfig(num_dialogs=200, streaming=True, stream_eval_records=200)
+    cfg = DataConfig(num_records=200, streaming=True, stream_eval_records=200)
     holdout = (0.2, 0)
     eval_set, probe = head_sets(cfg, tokenizer, 512, holdout, None)
     assert eval_set is not None and holdout_mask(eval_set, *holdout).all()

@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.config.common import RENAMED_KEYS
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -46,8 +47,10 @@ def _covered(key: str, names: list[str] | tuple[str, ...]) -> bool:
 
 
 def changed_keys(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
-    """Keys whose value differs (keys the saved config does not have, written by older code, are skipped)."""
-    old, new = flatten(saved), flatten(current)
+    """Keys whose value differs (keys the saved config does not have, written by older code, are skipped;
+    keys it has under a former name are compared under the new one)."""
+    old = {RENAMED_KEYS.get(k, k): v for k, v in flatten(saved).items()}
+    new = flatten(current)
     return {k: (old[k], new.get(k)) for k in sorted(old) if k in new and old[k] != new[k]}
 
 

@@ -52,18 +52,26 @@ they are streamed)."""
 
 
 
-RETIRED_KEYS: dict[str, str] = {
-    "packing.oversize": "removed: training never let it act (every example is cut to data.max_length and a "
-    "strategy that packs whole examples needs packing.token_budget >= data.max_length, checked at build); "
-    "drop the key (data.overlong decides what happens to a long example)",
+RENAMED_KEYS: dict[str, str] = {
+    "data.num_dialogs": "data.num_records",  # it sizes the generated chats as well as the dialogs
 }
-"""Keys that once existed, each with the one line that says where its fact lives now (``retired_key``)."""
+"""Keys that were renamed: old -> new. The old name is refused in one line naming the new one, and a
+checkpoint's saved config is read under the new names (``trainer.checkpoint.config_check``)."""
+
+REMOVED_KEYS: dict[str, str] = {
+    "packing.oversize": "training never let it act (every example is cut to data.max_length and a strategy "
+    "that packs whole examples needs packing.token_budget >= data.max_length, checked at build); drop the key "
+    "(data.overlong decides what happens to a long example)",
+}
+"""Keys that were removed, each with why and what to do instead."""
 
 
 def retired_key(key: str) -> str | None:
-    """``packfsdp``'s one line for a key the schema no longer has, or ``None`` for a key it never had."""
+    """The one line for a key the schema no longer has (renamed or removed), ``None`` for one it never had."""
     key = key.lstrip("+~")
-    return f"{key}: {RETIRED_KEYS[key]}" if key in RETIRED_KEYS else None
+    if key in RENAMED_KEYS:
+        return f"{key} is now {RENAMED_KEYS[key]}; set that instead"
+    return f"{key}: removed: {REMOVED_KEYS[key]}" if key in REMOVED_KEYS else None
 
 
 def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:

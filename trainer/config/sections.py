@@ -39,8 +39,9 @@ class DataConfig:
     plugins: list[str] = field(default_factory=list)
     """Python modules imported before the source is looked up, so they can ``register_source`` their own
     formats: dotted module names (importable from the working directory) or paths to ``.py`` files."""
-    num_dialogs: int = 13118
-    """Synthetic source only: how many dialogs to generate."""
+    num_records: int = 13118
+    """Generated sources only (``dailydialog_synthetic``: dialogs, ``chat_synthetic``: chats): how many records
+    to generate."""
     loss_on: str = "auto"
     """Which tokens carry loss: ``auto`` (chat: assistant messages only; dialogs and documents: all),
     ``responses`` (chat: assistant messages; dialogs: every second turn, the replies) or ``all``."""
@@ -82,7 +83,7 @@ class DataConfig:
         check_choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
         check_choice("data.mix_by", self.mix_by, ("examples", "tokens"))
         check_positive("data.max_length", self.max_length)
-        check_positive("data.num_dialogs", self.num_dialogs)
+        check_positive("data.num_records", self.num_records)
         if self.limit is not None:
             check_positive("data.limit", self.limit)
         if self.num_proc is not None:

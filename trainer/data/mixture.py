@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from trainer.config import ConfigError, DataConfig
+from trainer.config import ConfigError, DataConfig, retired_key
 from trainer.data.examples import DatasetStats, TokenizedDataset
 
 
@@ -32,6 +32,8 @@ def mix_components(cfg: DataConfig) -> list[tuple[DataConfig, float]]:
         item = dict(item)
         weight = float(item.pop("weight", 1.0))
         unknown = sorted(set(item) - names)
+        if retired := next((r for name in unknown if (r := retired_key(f"data.{name}"))), None):
+            raise ConfigError(f"data.mix[{k}]: {retired}")
         if unknown or weight <= 0:
             raise ConfigError(f"data.mix[{k}]: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
                                                     f"weight must be > 0, got {weight}"))

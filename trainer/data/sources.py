@@ -109,13 +109,13 @@ def plugin_path(plugin: str) -> Path:
 @register_source("dailydialog_synthetic")
 def dailydialog_synthetic(cfg: DataConfig) -> list[Record]:
     """The generated DailyDialog-like corpus (offline; see ``trainer.data.synthetic``)."""
-    return [{"turns": d} for d in generate_dialogs(cfg.num_dialogs, cfg.seed)]
+    return [{"turns": d} for d in generate_dialogs(cfg.num_records, cfg.seed)]
 
 
 @register_source("chat_synthetic")
 def chat_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated chat conversations (system / user / assistant; offline; see ``trainer.data.synthetic``)."""
-    return [{"messages": m} for m in generate_chats(cfg.num_dialogs, cfg.seed)]
+    return [{"messages": m} for m in generate_chats(cfg.num_records, cfg.seed)]
 
 
 @register_source("dailydialog")
