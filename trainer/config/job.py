@@ -50,7 +50,10 @@ class JobConfig:
     """Leave the loop after this many steps (checkpointing first) while the schedule still spans
     ``max_steps``/``epochs``: a planned stop, e.g. before a job's time limit, to resume later."""
     seed: int = 1234
-    """Seeds model init, data order and dropout."""
+    """Seeds the training: the model's random init (and LoRA's), the order of micro-batches every epoch and
+    each step's torch/numpy/python RNG (dropout). Not the data: a run's three seeds each seed one fact, so
+    one can change without the others. ``data.seed``: which records (the generated sources, the mixture's
+    draw; part of the data cache's key); ``eval.holdout_seed``: which of them are held out for eval."""
     epochs: int = 1
     """Epochs over the data when ``max_steps`` is not set."""
     max_steps: int | None = None

@@ -55,7 +55,8 @@ class DataConfig:
     """A malformed line or record (bad JSON, not UTF-8, a missing column, an unknown chat role, an empty
     file): ``error`` names its file and line; ``skip`` leaves it out, counted and logged."""
     seed: int = 1234
-    """Seed of the synthetic generator (the corpus is a pure function of it)."""
+    """Seeds which records there are: the generated sources' corpus and the mixture's draw (``data.mix``);
+    part of the data cache's key. Training's randomness is the top-level ``seed`` (see there)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
     """Where the locally trained tokenizer and tokenized datasets are cached."""
     mix: list[dict[str, Any]] = field(default_factory=list)
