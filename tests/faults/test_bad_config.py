@@ -39,6 +39,8 @@ def one_error_line(capsys, overrides: list[str]) -> str:
         ("packing.oversize=drop", "packing.oversize: removed: training never let it act"),
         ("data.num_dialogs=40", "data.num_dialogs is now data.num_records; set that instead"),
         ("+packing.oversize=drop", "packing.oversize: removed: training never let it act"),
+        ("data.streaming=true", "data.streaming is now data.stream.enabled; set that instead"),
+        ("data.mix_by=tokens", "data.mix_by is now data.mixture.by; set that instead"),
         # zero and negative sizes
         ("packing.token_budget=0", "packing.token_budget must be a positive"),
         ("grad_accum=-1", "grad_accum must be a positive number"),
@@ -128,8 +130,9 @@ def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strate
 
 
 def test_a_retired_key_inside_a_mixture_item_names_its_new_name():
-    from trainer.config import ConfigError, DataConfig
+    from trainer.config import ConfigError, DataConfig, MixtureConfig
     from trainer.data.mixture import mix_components
 
-    with pytest.raises(ConfigError, match=r"^data.mix\[1\]: data.num_dialogs is now data.num_records"):
-        mix_components(DataConfig(mix=[{"source": "chat_synthetic"}, {"source": "chat_synthetic", "num_dialogs": 9}]))
+    items = [{"source": "chat_synthetic"}, {"source": "chat_synthetic", "num_dialogs": 9}]
+    with pytest.raises(ConfigError, match=r"^data.mixture.sources\[1\]: data.num_dialogs is now data.num_records"):
+        mix_components(DataConfig(mixture=MixtureConfig(sources=items)))

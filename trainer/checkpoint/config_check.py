@@ -23,7 +23,7 @@ JOB_CONFIG = "job_config.json"
 HARMLESS = (
     "max_steps", "stop_after_steps", "summary_skip_steps", "name", "output_root", "run_dir", "resume",
     "resume_allow_changes", "logger", "checkpoint", "guard", "eval.every", "eval.max_examples",
-    "data.cache_dir", "data.plugins", "data.stream_eval_records", "model.attention", "model.self_check",
+    "data.cache_dir", "data.plugins", "data.stream.eval_records", "model.attention", "model.self_check",
     "model.self_check_tolerance",
     "parallel.device", "parallel.backend", "parallel.dp_replicate", "parallel.reshard_after_forward",
     "parallel.activation_checkpointing", "parallel.activation_checkpointing_every", "parallel.cpu_offload",

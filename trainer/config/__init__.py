@@ -28,7 +28,7 @@ from trainer.config.common import (
     stated_context,
 )
 from trainer.config.job import JobConfig
-from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
+from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
     PEFT_METHODS, CheckpointConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
 )
@@ -50,11 +50,13 @@ __all__ = [
     "GuardConfig",
     "JobConfig",
     "LoggerConfig",
+    "MixtureConfig",
     "LossConfig",
     "ModelConfig",
     "OptimConfig",
     "PackingConfig",
     "ParallelConfig",
+    "StreamConfig",
     "PeftConfig",
     "retired_key",
     "stated_context",

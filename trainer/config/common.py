@@ -54,6 +54,11 @@ they are streamed)."""
 
 RENAMED_KEYS: dict[str, str] = {
     "data.num_dialogs": "data.num_records",  # it sizes the generated chats as well as the dialogs
+    "data.streaming": "data.stream.enabled",
+    "data.stream_buffer": "data.stream.buffer",
+    "data.stream_eval_records": "data.stream.eval_records",
+    "data.mix": "data.mixture.sources",
+    "data.mix_by": "data.mixture.by",
 }
 """Keys that were renamed: old -> new. The old name is refused in one line naming the new one, and a
 checkpoint's saved config is read under the new names (``trainer.checkpoint.config_check``)."""

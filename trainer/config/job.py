@@ -82,18 +82,19 @@ class JobConfig:
         self.validate_streaming()
 
     def validate_streaming(self) -> None:
-        """``data.streaming=true`` needs a run length and packs online by best fit, one source at a time."""
-        if not self.data.streaming:
+        """``data.stream.enabled=true`` needs a run length and packs online by best fit, one source at a time."""
+        if not self.data.stream.enabled:
             return
         if self.max_steps is None:
             raise ConfigError(
-                "data.streaming=true: a stream has no known length, so epochs cannot size the run; set max_steps "
+                "data.stream.enabled=true: a stream has no known length, so epochs cannot size the run; set max_steps "
                 "(each rank's share of the stream is read again from its start when it runs out)"
             )
         refused = {
             "packing.strategy": (self.packing.strategy != "bfd", f"={self.packing.strategy} (streaming packs "
-                                 "online by best fit within data.stream_buffer examples: packing.strategy=bfd)"),
-            "data.mix": (bool(self.data.mix), " (mixtures are not streamed yet: stream one source)"),
+                                 "online by best fit within data.stream.buffer examples: packing.strategy=bfd)"),
+            "data.mixture.sources": (bool(self.data.mixture.sources),
+                                     " (mixtures are not streamed yet: stream one source)"),
             "data.limit": (self.data.limit is not None, " (a stream has no head to cut: set max_steps)"),
             "model.tokenizer": (
                 self.model.tokenizer_name() == "local_bpe" and self.data.source not in GENERATED_SOURCES,
@@ -103,7 +104,7 @@ class JobConfig:
         }
         for key, (bad, why) in refused.items():
             if bad:
-                raise ConfigError(f"data.streaming=true cannot be combined with {key}{why}")
+                raise ConfigError(f"data.stream.enabled=true cannot be combined with {key}{why}")
 
     def validate_budget(self, context: int | None = None) -> None:
         """Under a strategy that packs whole examples, one example of the longest allowed length must fit

@@ -261,17 +261,12 @@ SHIPPED_TABLES = {"jsonl": jsonl, "parquet": parquet, "csv": csv, "hf": hf}
 """The shipped table sources, as registered (``shipped``)."""
 
 
-STREAM_SETTINGS = ("streaming", "stream_buffer", "stream_eval_records")
-"""``DataConfig`` fields that say how records are read (``trainer.data.stream``), not which."""
-
-
 def source_fingerprint(cfg: DataConfig) -> str:
     """What the records depend on: the config and, for local files and plugin modules, their size and
     modification time (an edited file or source function re-tokenizes)."""
     check_source(cfg)
     parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
-    for key in STREAM_SETTINGS:  # how the records are read, not which: cached datasets keep their key
-        parts.pop(key)
+    parts.pop("stream")  # how the records are read, not which: cached datasets keep their key
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()

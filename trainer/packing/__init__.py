@@ -2,7 +2,7 @@
 
 ``strategies`` (none, sorted, ffd, bfd, bfd_split, wrapped) -> ``balance`` (even out, deal, skew) ->
 ``sampler`` (per-epoch plans, exact resume on any world size); ``bins`` holds many bins as slices of one
-table. A stream (``data.streaming=true``) is packed by ``online`` instead: best fit within a bounded window
+table. A stream (``data.stream.enabled=true``) is packed by ``online`` instead: best fit within a bounded window
 of examples, resumable with the window's contents.
 """
 

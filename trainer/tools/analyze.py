@@ -128,11 +128,12 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
 
 
 def mixture_lines(dataset, cfg: JobConfig, figures: dict) -> list[str]:
-    """The shares of a ``data.mix`` mixture (nothing for one source); its figures go to ``figures["mix"]``."""
+    """The shares of a ``data.mixture`` of sources (nothing for one source); its figures go to
+    ``figures["mix"]``."""
     if not hasattr(dataset, "shares"):
         return []
     figures["mix"] = dataset.shares()
-    return ["", f"mixture (data.mix_by={cfg.data.mix_by}, seed {cfg.data.seed}):"] + [
+    return ["", f"mixture (data.mixture.by={cfg.data.mixture.by}, seed {cfg.data.seed}):"] + [
         f"  {s['source']:<40} {s['examples']:>9} examples ({s['unique_examples']} unique) "
         f"{100 * s['example_share']:>6.2f}% of examples {100 * s['token_share']:>6.2f}% of tokens"
         for s in figures["mix"]
@@ -162,9 +163,9 @@ def run(argv: list[str]) -> dict:
     setup_logging(0)
     logging.getLogger("trainer.packing").setLevel(logging.WARNING)  # the report prints its own figures
     cfg = compose_job_config(overrides)
-    if cfg.data.streaming:
+    if cfg.data.stream.enabled:
         raise ConfigError("analyze reports on the whole dataset, which a stream never holds; run it without "
-                          "data.streaming (benchmarks/stream_fill.py measures the online packing's fill)")
+                          "data.stream.enabled (benchmarks/stream_fill.py measures the online packing's fill)")
     dataset = build_training_data(cfg).dataset
     lines, figures = packing_report(dataset, cfg, worlds)
     png = png or Path(cfg.output_root) / "analyze" / f"{cfg.name}_lengths.png"
