@@ -128,7 +128,7 @@ def main() -> None:
     torch.manual_seed(0)
 
     cache = os.environ.get("PACKFSDP_CACHE", str(Path.home() / ".cache" / "packfsdp"))
-    data_cfg = DataConfig(num_dialogs=args.num_dialogs, cache_dir=cache)
+    data_cfg = DataConfig(num_records=args.num_dialogs, cache_dir=cache)
     model_cfg = ModelConfig(family="gpt2", config_overrides=TINY)
     tokenizer = load_tokenizer(model_cfg, data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=min(args.budgets))

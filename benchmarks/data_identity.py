@@ -107,8 +107,8 @@ def write_sources(root: Path, chats: int) -> dict[str, dict]:
     (root / "plugin_src.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows))
     write_chats(root / "big.jsonl", chats)
     return {
-        "dailydialog_synthetic": {"source": "dailydialog_synthetic", "num_dialogs": 400},
-        "chat_synthetic": {"source": "chat_synthetic", "num_dialogs": 300},
+        "dailydialog_synthetic": {"source": "dailydialog_synthetic", "num_records": 400},
+        "chat_synthetic": {"source": "chat_synthetic", "num_records": 300},
         "jsonl_bad_skip": {"source": "jsonl", "path": str(root / "chats.jsonl"), "on_bad_record": "skip"},
         "jsonl_folder_limit": {"source": "jsonl", "path": str(folder), "limit": 100},
         "jsonl_drop_responses": {"source": "jsonl", "path": str(folder), "overlong": "drop", "loss_on": "all"},
@@ -119,7 +119,7 @@ def write_sources(root: Path, chats: int) -> dict[str, dict]:
         "pretokenized": {"source": "jsonl", "path": str(root / "ids.jsonl")},
         "plugin": {"source": "identity_plugin", "path": str(root / "plugin_src.jsonl"),
                    "plugins": [str(root / "plugin_jsonl.py")]},
-        "mixture": {"mix": [{"source": "chat_synthetic", "num_dialogs": 200, "weight": 2.0},
+        "mixture": {"mix": [{"source": "chat_synthetic", "num_records": 200, "weight": 2.0},
                             {"source": "jsonl", "path": str(folder), "weight": 1.0}], "mix_by": "examples"},
         f"chats_{chats}": {"source": "jsonl", "path": str(root / "big.jsonl"), "num_proc": 2},
     }
@@ -198,7 +198,7 @@ def run(chats: int, workdir: Path | None) -> dict:
         sources = write_sources(root, chats)
         cache = str(root / "cache")
         tokenizer = load_tokenizer(ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
-                                   data_cfg(source="chat_synthetic", num_dialogs=200, cache_dir=cache))
+                                   data_cfg(source="chat_synthetic", num_records=200, cache_dir=cache))
         result = {}
         for name, keys in sources.items():
             cfg = data_cfg(cache_dir=cache, **keys)

@@ -33,7 +33,7 @@ SIZES = {
              "++model.random_init.num_key_value_heads=2", "parallel.param_dtype=float32"],
 }
 MODES = {"full": ["peft=none"], "lora": []}
-QUICK = ["data.limit=400", "data.num_dialogs=400", "optim.warmup_steps=1", "logger.peak_tflops=1",
+QUICK = ["data.limit=400", "data.num_records=400", "optim.warmup_steps=1", "logger.peak_tflops=1",
          "logger.progress_bar=false", "checkpoint.at_end=false", "eval.holdout_fraction=0"]
 
 

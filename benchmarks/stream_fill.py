@@ -1,4 +1,4 @@
-"""Fill of online buffered best fit (``data.streaming=true``) against global best-fit decreasing.
+"""Fill of online buffered best fit (``data.stream.enabled=true``) against global best-fit decreasing.
 
     python benchmarks/stream_fill.py [--budgets 512 1024 2048] [--windows 64 256 1024 4096]
 

@@ -36,7 +36,7 @@ def cache_dir() -> str:
 def small_data_cfg(cache_dir):
     from trainer.config import DataConfig
 
-    return DataConfig(num_dialogs=300, cache_dir=cache_dir)
+    return DataConfig(num_records=300, cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="session")

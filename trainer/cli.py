@@ -10,7 +10,7 @@ import sys
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 
-from trainer.config import CODE_OPTIONS
+from trainer.config import CODE_OPTIONS, retired_key
 from trainer.errors import first_line
 
 from trainer.compose import config_dir, to_job_config
@@ -53,6 +53,8 @@ def one_line(exc: BaseException) -> str:
     cause = exc.__cause__ or exc
     first = first_line(cause, limit=None)
     key = getattr(cause, "full_key", None)
+    if key and (retired := retired_key(key)):  # a key the schema no longer has: say where its fact went
+        return retired
     return redact(f"{key}: {first}" if key and key not in first else first)
 
 

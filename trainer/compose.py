@@ -14,7 +14,7 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from omegaconf import MissingMandatoryValue, OmegaConf
 
-from trainer.config import CODE_OPTIONS, ConfigError, JobConfig
+from trainer.config import CODE_OPTIONS, ConfigError, JobConfig, retired_key
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -55,6 +55,8 @@ def _check_known_keys(raw: Any, node: Any, path: str = "") -> None:
     for key in raw.keys():
         where = f"{path}{key}"
         if key not in names:
+            if retired := retired_key(where):
+                raise ConfigError(retired)
             close = difflib.get_close_matches(str(key), names, n=1)
             hint = f"; did you mean {path}{close[0]}?" if close else ""
             raise ConfigError(f"unknown key {where!r}{hint}")

@@ -101,7 +101,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
         same = {"the number of optimizer steps": self.total_steps}
-        if not cfg.data.streaming:  # a stream's examples are dealt as read: each rank counts its own
+        if not cfg.data.stream.enabled:  # a stream's examples are dealt as read: each rank counts its own
             same["the number of examples"] = len(self.dataset)
         distributed.check_same_on_all_ranks(same, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
@@ -113,7 +113,7 @@ class Trainer:
         self.resume()
         self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
-        if not cfg.data.streaming:  # a stream's length is unknown (pipeline logs its window instead)
+        if not cfg.data.stream.enabled:  # a stream's length is unknown (pipeline logs its window instead)
             log.info(
                 "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
                 len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,

@@ -2,7 +2,7 @@
 
 ``build_training_data`` runs stages 1-2 of the data flow for a config: tokenizer -> tokenized dataset
 (examples clamped to the model's context and, unless the strategy splits them, to the token budget) ->
-held-out split (eval) -> this rank's sampler; with ``data.streaming=true``, this rank's share of the stream
+held-out split (eval) -> this rank's sampler; with ``data.stream.enabled=true``, this rank's share of the stream
 packed online instead (``streaming_training_data``). ``trainer.loop.Trainer``, ``packfsdp analyze`` and
 ``packfsdp inspect`` all call it, so they see the same examples.
 
@@ -82,7 +82,7 @@ def build_training_data(
         context = model_context(cfg.model)
     cfg.validate_budget(context)
     max_length = cfg.max_example_length(context)
-    if cfg.data.streaming:
+    if cfg.data.stream.enabled:
         return streaming_training_data(cfg, tokenizer, max_length, rank, world_size)
     dataset, eval_dataset = split_holdout(
         load_dataset(cfg.data, tokenizer, max_length),
@@ -98,7 +98,7 @@ def build_training_data(
 
 
 def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int) -> TrainingData:
-    """``data.streaming=true``: this rank's share of the stream (``trainer.data.stream``), packed online
+    """``data.stream.enabled=true``: this rank's share of the stream (``trainer.data.stream``), packed online
     (``trainer.packing.online``); the eval set and the self-check's examples come from the stream's head."""
     from trainer.collate import collate_packed
     from trainer.data import source_fingerprint
@@ -108,10 +108,10 @@ def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, ran
     holdout = (cfg.eval.holdout_fraction, cfg.eval.holdout_seed)
     eval_dataset, probe = head_sets(cfg.data, tokenizer, max_length, holdout, cfg.eval.max_examples)
     stream = ExampleStream(cfg.data, tokenizer, max_length, rank, world_size, holdout)
-    sampler = StreamingSampler(stream, cfg.packing, cfg.data.stream_buffer, rank, world_size,
+    sampler = StreamingSampler(stream, cfg.packing, cfg.data.stream.buffer, rank, world_size,
                                fingerprint=source_fingerprint(cfg.data))
     log.info("streaming %s: packed online from a window of %d examples per rank; the run is max_steps=%d steps",
-             cfg.data.source, cfg.data.stream_buffer, cfg.max_steps)
+             cfg.data.source, cfg.data.stream.buffer, cfg.max_steps)
     return TrainingData(tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe)
 
 

@@ -19,9 +19,10 @@ Three rules, each enforced in one place:
    ``token_budget``) and token-shaped strings are replaced by ``***`` in every log line (a filter on the root
    handler), in the saved ``config.yaml``, a sweep's ``multirun.yaml`` and run-folder names, in error lines,
    in the config handed to wandb and in the command line wandb records.
-3. **No pickle from disk.** ``load_tensors`` reads safetensors, or ``torch.load`` with
-   ``weights_only=True`` (a pickle that names anything but tensors and plain containers is refused with
-   one line naming the file).
+3. **No pickle from disk.** Tensors are loaded in one home, ``trainer.checkpoint.safe_load``:
+   ``load_tensor_file`` reads safetensors, or ``torch.load`` with ``weights_only=True`` (a pickle that names
+   anything but tensors and plain containers is refused with an ``UnsafeFileError`` line naming the file), and
+   ``load_tensors`` fills a state dict from a DCP checkpoint with a restricted unpickler.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ import logging
 import os
 import re
 import types
-from pathlib import Path
 from typing import Any
 
 from trainer.config import ConfigError
@@ -266,29 +266,3 @@ class RedactingFilter(logging.Filter):
                 record.exc_info, record.exc_text = None, None
                 record.msg = f"{record.msg}: {type(exc).__name__}: {text}"
         return True
-
-
-# ------------------------------------------------------------------------------------------------ files
-def load_tensors(path: str | Path, map_location: Any = "cpu") -> Any:
-    """Load tensors from ``path`` without ever unpickling arbitrary objects.
-
-    ``.safetensors`` files go through safetensors; anything else through ``torch.load(weights_only=True)``,
-    which refuses a pickle that references anything beyond tensors and plain containers. The refusal is
-    re-raised as ``UnsafeFileError`` naming the file.
-    """
-    import torch
-
-    path = Path(path)
-    if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
-        return load_file(str(path), device=str(map_location))
-    try:
-        return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises UnpicklingError (or RuntimeError) on a refused global
-        if "weights_only" in str(e) or "Unsupported global" in str(e) or type(e).__name__ == "UnpicklingError":
-            raise UnsafeFileError(
-                f"{path}: refused to load: it is a pickle that is not plain tensors (it could run code on load). "
-                "Only safetensors or torch.save'd tensors are loaded"
-            ) from None
-        raise

@@ -74,7 +74,7 @@ def run_case(tied: bool, cfg: ParallelConfig, tokenizer, dataset, cache: str) ->
 
 
 def run_cases(cache: str) -> dict[str, dict]:
-    data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
+    data_cfg = DataConfig(num_records=300, cache_dir=cache)
     tokenizer = load_tokenizer(ModelConfig(family="gpt2"), data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
     return {name: run_case(tied, cfg, tokenizer, dataset, cache) for name, (tied, cfg) in CASES.items()}

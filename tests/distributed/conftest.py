@@ -16,7 +16,7 @@ def overrides(cache_dir: str, **extra) -> list[str]:
         "parallel": "fsdp_fp32",
         "parallel.device": "cpu",
         "parallel.backend": "gloo",
-        "data.num_dialogs": 300,
+        "data.num_records": 300,
         "data.cache_dir": cache_dir,
         "packing.token_budget": 512,
         # ++: the preset leaves config_overrides empty, and Hydra refuses new keys in an existing mapping without it

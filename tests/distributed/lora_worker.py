@@ -75,7 +75,7 @@ def run_case(family: str, parallel: str, tokenizer, microbatches, rank: int) -> 
 
 def run_cases(cache: str) -> dict[str, dict]:
     rank = distributed.rank()
-    data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
+    data_cfg = DataConfig(num_records=300, cache_dir=cache)
     tokenizer = load_tokenizer(ModelConfig(), data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
     microbatches = [collate_packed(dataset, list(range(3 * i, 3 * i + 3)), tokenizer.pad_token_id) for i in range(4)]

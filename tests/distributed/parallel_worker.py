@@ -43,7 +43,7 @@ CASES = {
 def run_cases(cache: str) -> dict[str, dict]:
     device = torch.device("cpu")
     rank = distributed.rank()
-    data_cfg = DataConfig(num_dialogs=300, cache_dir=cache)
+    data_cfg = DataConfig(num_records=300, cache_dir=cache)
     model_cfg = ModelConfig(
         family="gpt2",
         config_overrides=dict(n_layer=3, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,

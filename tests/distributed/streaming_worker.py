@@ -1,6 +1,6 @@
 """Worker for tests/distributed/test_streaming_resume.py, run under torchrun with 2 gloo ranks on CPU.
 
-Two streaming runs of ``recipe=cpu_chat_sft data.streaming=true`` in one launch (a second torchrun start-up
+Two streaming runs of ``recipe=cpu_chat_sft data.stream.enabled=true`` in one launch (a second torchrun start-up
 would double the test's time): the whole run (5 steps, checkpoints at 2, 4 and 5), then a run resumed from its
 step-2 checkpoint in another run dir. Rank 0 writes, per run, the example ids of every step (all ranks),
 the final eval loss and whether the final parameters and optimizer state are equal, to ``argv[1]``.
@@ -24,8 +24,8 @@ from trainer.data import stream as streaming
 
 def streaming_overrides(cache_dir: str, **extra) -> list[str]:
     base = {
-        "recipe": "cpu_chat_sft", "data.streaming": "true", "data.num_dialogs": 300, "data.stream_buffer": 4,
-        "data.stream_eval_records": 100, "eval.holdout_fraction": 0.1, "data.cache_dir": cache_dir,
+        "recipe": "cpu_chat_sft", "data.stream.enabled": "true", "data.num_records": 300, "data.stream.buffer": 4,
+        "data.stream.eval_records": 100, "eval.holdout_fraction": 0.1, "data.cache_dir": cache_dir,
         "data.max_length": 256, "packing.token_budget": 256, "max_steps": 5, "checkpoint.every_steps": 2,
         "checkpoint.keep_last": 0, "eval.every": 0, "model.self_check": "false", "logger.peak_tflops": 1,
     }

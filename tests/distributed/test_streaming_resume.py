@@ -1,4 +1,4 @@
-"""Streaming on 2 gloo ranks (``recipe=cpu_chat_sft data.streaming=true``, ``streaming_worker.py``): a run
+"""Streaming on 2 gloo ranks (``recipe=cpu_chat_sft data.stream.enabled=true``, ``streaming_worker.py``): a run
 resumed from its step-2 checkpoint trains steps 3-5 on the same micro-batches, with the same losses, eval
 loss and final parameters as the uninterrupted run, and both ranks take every step."""
 

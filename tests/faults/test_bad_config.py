@@ -35,6 +35,12 @@ def one_error_line(capsys, overrides: list[str]) -> str:
         ("logger.wandb=maybe", "logger.wandb: Value 'maybe' is not a valid bool"),
         ("no_such_key=3", "Key 'no_such_key' not in 'JobConfig'"),
         ("+packing.token_buget=512", "unknown key 'packing.token_buget'; did you mean packing.token_budget?"),
+        # retired keys: one line saying where the fact went
+        ("packing.oversize=drop", "packing.oversize: removed: training never let it act"),
+        ("data.num_dialogs=40", "data.num_dialogs is now data.num_records; set that instead"),
+        ("+packing.oversize=drop", "packing.oversize: removed: training never let it act"),
+        ("data.streaming=true", "data.streaming is now data.stream.enabled; set that instead"),
+        ("data.mix_by=tokens", "data.mix_by is now data.mixture.by; set that instead"),
         # zero and negative sizes
         ("packing.token_budget=0", "packing.token_budget must be a positive"),
         ("grad_accum=-1", "grad_accum must be a positive number"),
@@ -111,13 +117,22 @@ def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strate
     from trainer.packing import build_sampler
 
     lengths = np.array([40, 300, 60, 50])
-    cfg = PackingConfig(strategy=strategy, token_budget=128, oversize=oversize)
+    cfg = PackingConfig(strategy=strategy, token_budget=128)
     if outcome == "error":
         with pytest.raises(ValueError, match="longer than|over"):
-            build_sampler(lengths, cfg, 0, 1, seed=0).plan(0)
+            build_sampler(lengths, cfg, 0, 1, seed=0, oversize=oversize).plan(0)
         return
-    stats = build_sampler(lengths, cfg, 0, 1, seed=0).plan(0).stats
+    stats = build_sampler(lengths, cfg, 0, 1, seed=0, oversize=oversize).plan(0).stats
     if outcome == "dropped":
         assert (stats.dropped_oversize, stats.dropped_oversize_tokens) == (1, 300)
     else:
         assert stats.split_examples == 1 and stats.pieces >= 3 and stats.tokens >= lengths.sum()
+
+
+def test_a_retired_key_inside_a_mixture_item_names_its_new_name():
+    from trainer.config import ConfigError, DataConfig, MixtureConfig
+    from trainer.data.mixture import mix_components
+
+    items = [{"source": "chat_synthetic"}, {"source": "chat_synthetic", "num_dialogs": 9}]
+    with pytest.raises(ConfigError, match=r"^data.mixture.sources\[1\]: data.num_dialogs is now data.num_records"):
+        mix_components(DataConfig(mixture=MixtureConfig(sources=items)))

@@ -95,3 +95,12 @@ def test_resume_with_a_wider_model_is_one_line_naming_the_key(copy_of_finished_r
     assert len([line for line in lines if line.startswith("packfsdp:")]) == 1 and "Traceback" not in out.stderr
     (line,) = [line for line in lines if line.startswith("packfsdp:")]
     assert "model.config_overrides.n_embd: 32 -> 64" in line and "data.loss_on: 'auto' -> 'all'" in line
+
+
+def test_a_renamed_key_in_a_saved_config_is_compared_under_its_new_name():
+    from trainer.checkpoint.config_check import check_resume_config
+
+    saved = {"data": {"num_dialogs": 300}}  # written before data.num_records had its name
+    check_resume_config(saved, {"data": {"num_records": 300}}, [], 1, 1, "ckpt")
+    with pytest.raises(ConfigError, match=r"data.num_records: 300 -> 400"):
+        check_resume_config(saved, {"data": {"num_records": 400}}, [], 1, 1, "ckpt")

@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from trainer.safety import UnsafeFileError, load_tensors
+from trainer.checkpoint.safe_load import load_tensor_file as load_tensors
+from trainer.safety import UnsafeFileError
 
 
 class Payload:

@@ -54,7 +54,7 @@ def sweep(tmp_path_factory) -> tuple[str, dict[str, Path]]:
             "-m", "tests.gpu_sim.simulated_train", "-m", "recipe=cpu_chat_sft",
             f"model.attention={','.join([REFERENCE, *KERNEL_BACKENDS])}",
             f"max_steps={STEPS}", "optim.warmup_steps=1",  # the full learning rate at once: losses move more
-            "data.num_dialogs=200", "packing.token_budget=1024", f"run_dir={root / 'runs'}",
+            "data.num_records=200", "packing.token_budget=1024", f"run_dir={root / 'runs'}",
             "logger.peak_tflops=1",  # MFU is not under test; measuring the CPU takes seconds per rank
         ],
         cwd=root, env={"PYTHONPATH": str(REPO)},

@@ -19,7 +19,7 @@ def test_compare_command_writes_report_plots_and_eval(tmp_path, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", sys.argv[:])  # the tool dispatcher hands argv on through sys.argv
     # In this process (saves an interpreter start): what `python -m trainer.tools compare ...` runs. The two
     # runs themselves are torchrun processes, as from the command line.
-    tools.main(["compare", "recipe=cpu_dailydialog", "max_steps=4", "data.num_dialogs=400", "eval.every=2",
+    tools.main(["compare", "recipe=cpu_dailydialog", "max_steps=4", "data.num_records=400", "eval.every=2",
                   "eval.holdout_fraction=0.1", "packing.token_budget=512", "data.max_length=512", "grad_accum=1",
                   "summary_skip_steps=1", "logger.peak_tflops=1",  # the CPU peak probe (seconds a run) is covered elsewhere
                   "--nproc", "2", "--out", str(out)])

@@ -18,7 +18,7 @@ from trainer.compose import recipe_dirs
 RECIPES = sorted(p.stem for d in recipe_dirs() for p in d.glob("*.yaml"))
 # Keep CPU runs tiny: few records, two steps (the summary keeps the second), a fixed peak (measuring this
 # CPU matmul rate takes a moment per process; the own-recipe run below still measures it).
-QUICK = ["max_steps=2", "summary_skip_steps=1", "data.limit=200", "data.num_dialogs=200", "optim.warmup_steps=1",
+QUICK = ["max_steps=2", "summary_skip_steps=1", "data.limit=200", "data.num_records=200", "optim.warmup_steps=1",
          "logger.peak_tflops=1"]
 
 
@@ -188,7 +188,7 @@ def test_weights_from_a_local_save_pretrained_folder(tmp_path, cache_dir):
 
     tokenizer = load_tokenizer(
         ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
-        DataConfig(source="chat_synthetic", num_dialogs=100, cache_dir=cache_dir),
+        DataConfig(source="chat_synthetic", num_records=100, cache_dir=cache_dir),
     )
     torch.manual_seed(0)
     config = AutoConfig.for_model(

@@ -22,7 +22,7 @@ def my_model(tmp_path_factory, cache_dir):
     from trainer.config import DataConfig, ModelConfig
     from trainer.data import load_records, load_tokenizer
 
-    chats = DataConfig(source="chat_synthetic", num_dialogs=80, cache_dir=cache_dir)
+    chats = DataConfig(source="chat_synthetic", num_records=80, cache_dir=cache_dir)
     tokenizer = load_tokenizer(ModelConfig(chat_template="chatml", tokenizer_vocab_size=512), chats)
     root = tmp_path_factory.mktemp("user")
     folder = root / "my-llama"

@@ -44,7 +44,7 @@ NOT_PREFIX_STABLE = (
 
 @pytest.fixture(scope="module")
 def chat_cfg(cache_dir):
-    return DataConfig(source="chat_synthetic", num_dialogs=200, cache_dir=cache_dir)
+    return DataConfig(source="chat_synthetic", num_records=200, cache_dir=cache_dir)
 
 
 @pytest.fixture(scope="module")

@@ -111,10 +111,26 @@ def test_parquet_without_dialog_column_names_the_file(tmp_path):
 
 
 def test_dataset_cache_is_reused(tmp_path, tokenizer, monkeypatch):
-    cfg = DataConfig(num_dialogs=20, cache_dir=str(tmp_path))
+    cfg = DataConfig(num_records=20, cache_dir=str(tmp_path))
     first = load_dataset(cfg, tokenizer, max_length=256)
     import trainer.data as data
 
     monkeypatch.setattr(data, "load_records", lambda cfg: pytest.fail("records re-read despite the cache"))
     second = load_dataset(cfg, tokenizer, max_length=256)
     assert np.array_equal(first.tokens, second.tokens)
+
+
+def test_each_seed_seeds_one_fact():
+    """``data.seed`` picks the records (and keys the cache); ``seed`` and ``eval.holdout_seed`` leave them alone."""
+    from dataclasses import replace
+
+    from trainer.config import EvalConfig, JobConfig
+    from trainer.data import source_fingerprint
+
+    job = JobConfig(data=DataConfig(num_records=20))
+    key = source_fingerprint(job.data)
+    for other in (replace(job, seed=job.seed + 1), replace(job, eval=EvalConfig(holdout_seed=5))):
+        assert source_fingerprint(other.data) == key
+        assert load_records(other.data) == load_records(job.data)
+    reseeded = replace(job.data, seed=job.data.seed + 1)
+    assert source_fingerprint(reseeded) != key and load_records(reseeded) != load_records(job.data)

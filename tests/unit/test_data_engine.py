@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import trainer.data.cache as engine
-from trainer.config import DataConfig
+from trainer.config import DataConfig, MixtureConfig
 from trainer.data import load_dataset, load_records
 from trainer.data.bad_records import BadRecordError
 from tests.data_oracle import render_records
@@ -101,9 +101,9 @@ def test_batched_chat_rendering_equals_apply_chat_template(tokenizer):
 
 
 def mix_cfg(tmp_path, by="examples", seed=0) -> DataConfig:
-    return DataConfig(cache_dir=str(tmp_path), mix_by=by, seed=seed, mix=[
-        {"source": "dailydialog_synthetic", "num_dialogs": 40, "weight": 1.0},
-        {"source": "chat_synthetic", "num_dialogs": 120, "weight": 1.0}])
+    return DataConfig(cache_dir=str(tmp_path), seed=seed, mixture=MixtureConfig(by=by, sources=[
+        {"source": "dailydialog_synthetic", "num_records": 40, "weight": 1.0},
+        {"source": "chat_synthetic", "num_records": 120, "weight": 1.0}]))
 
 
 def test_mixture_shares_by_examples_and_tokens_deterministic_by_seed(tmp_path, tokenizer):
@@ -128,8 +128,8 @@ def test_analyze_reports_the_mixture(tmp_path, cache_dir):
     from trainer.tools import analyze
 
     overrides = ["recipe=cpu_dailydialog", f"data.cache_dir={cache_dir}", f"output_root={tmp_path}",
-                 "data.mix=[{source: dailydialog_synthetic, num_dialogs: 60, weight: 3}, "
-                 "{source: chat_synthetic, num_dialogs: 60, weight: 1}]", "--world-sizes", "2"]
+                 "data.mixture.sources=[{source: dailydialog_synthetic, num_records: 60, weight: 3}, "
+                 "{source: chat_synthetic, num_records: 60, weight: 1}]", "--world-sizes", "2"]
     figures = analyze.run(overrides)
     shares = [s["example_share"] for s in figures["mix"]]
     assert abs(shares[0] - 0.75) < 0.05 and abs(shares[1] - 0.25) < 0.05  # 3:1, the hold-out aside
@@ -139,7 +139,7 @@ def test_held_out_draw_is_computed_once_per_cache(tmp_path, tokenizer, monkeypat
     import trainer.data.examples as dataset_module
     from trainer.evaluate import holdout_mask
 
-    cfg = DataConfig(num_dialogs=60, cache_dir=str(tmp_path))
+    cfg = DataConfig(num_records=60, cache_dir=str(tmp_path))
     ds = load_dataset(cfg, tokenizer, max_length=256)
     held = holdout_mask(ds, 0.3, seed=7)
     assert (ds.folder / "content_hashes_7.npy").is_file() and 0 < held.sum() < len(ds)

@@ -7,7 +7,7 @@ from trainer.tools import inspect_batches as batch_inspect
 
 def test_inspector_shows_boundaries_positions_and_loss(capsys, cache_dir):
     batch_inspect.main([
-        "recipe=cpu_dailydialog", "num_batches=2", "show_tokens=5", "data.num_dialogs=300",
+        "recipe=cpu_dailydialog", "num_batches=2", "show_tokens=5", "data.num_records=300",
         "data.loss_on=responses", f"data.cache_dir={cache_dir}",
     ])
     out = capsys.readouterr().out
@@ -18,6 +18,6 @@ def test_inspector_shows_boundaries_positions_and_loss(capsys, cache_dir):
 
 
 def test_inspector_shows_padded_rows(capsys, cache_dir):
-    batch_inspect.main(["packing=none", "num_batches=1", "data.num_dialogs=300", f"data.cache_dir={cache_dir}"])
+    batch_inspect.main(["packing=none", "num_batches=1", "data.num_records=300", f"data.cache_dir={cache_dir}"])
     out = capsys.readouterr().out
     assert "padded:" in out and "padding" in out

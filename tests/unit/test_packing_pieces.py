@@ -70,7 +70,7 @@ def test_packing_report_runs(tmp_path, cache_dir, capsys):
 
     png = tmp_path / "hist.png"
     figures = run([
-        "recipe=cpu_dailydialog", "data.num_dialogs=300", f"data.cache_dir={cache_dir}",
+        "recipe=cpu_dailydialog", "data.num_records=300", f"data.cache_dir={cache_dir}",
         f"output_root={tmp_path}", "--png", str(png), "--world-sizes", "2,4",
     ])
     out = capsys.readouterr().out

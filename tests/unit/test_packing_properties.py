@@ -87,7 +87,8 @@ def test_pack_uses_every_example_once_or_counts_it(lengths, strategy, budget, ca
 
 
 def make_samplers(lengths, cfg, world_size, seed=7, grad_accum=1):
-    return [MicroBatchSampler(lengths, cfg, r, world_size, seed, padded_batch_size=3, grad_accum=grad_accum)
+    return [MicroBatchSampler(lengths, cfg, r, world_size, seed, padded_batch_size=3, grad_accum=grad_accum,
+                              oversize="drop")
             for r in range(world_size)]
 
 
@@ -108,7 +109,6 @@ def flat_items(rounds, lengths):
 config_st = st.builds(
     lambda strategy, budget, cap, shuffle, balance: PackingConfig(
         strategy=strategy, token_budget=budget, max_examples_per_bin=cap, shuffle=shuffle, balance=balance,
-        oversize="drop",
     ),
     strategy=st.sampled_from(NAMES),
     budget=st.integers(min_value=2, max_value=64),

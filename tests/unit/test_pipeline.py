@@ -19,9 +19,8 @@ from trainer.config import (
 )
 from trainer.compose import compose_job_config
 from trainer.packing import STRATEGIES, WORK_MEASURES
-from trainer.packing.strategies import OVERSIZE_RULES
 
-SMALL = ["recipe=cpu_dailydialog", "data.num_dialogs=300"]
+SMALL = ["recipe=cpu_dailydialog", "data.num_records=300"]
 
 
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
@@ -36,7 +35,7 @@ def test_packing_flags_come_from_the_strategy_registry(name):
 
 @pytest.mark.parametrize(
     "field, choices",
-    [("strategy", tuple(STRATEGIES)), ("oversize", OVERSIZE_RULES), ("balance", tuple(WORK_MEASURES))],
+    [("strategy", tuple(STRATEGIES)), ("balance", tuple(WORK_MEASURES))],
 )
 def test_packing_choice_lists_come_from_the_registries(field, choices):
     with pytest.raises(ConfigError) as e:

@@ -21,13 +21,13 @@ from trainer.pipeline import build_training_data
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(cache_dir):
-    chats = DataConfig(source="chat_synthetic", num_dialogs=60, cache_dir=cache_dir)
+    chats = DataConfig(source="chat_synthetic", num_records=60, cache_dir=cache_dir)
     return load_tokenizer(ModelConfig(chat_template="chatml", tokenizer_vocab_size=512), chats)
 
 
 @pytest.fixture(scope="module")
 def text_dataset(chat_tokenizer, cache_dir):
-    cfg = DataConfig(source="chat_synthetic", num_dialogs=60, cache_dir=cache_dir)
+    cfg = DataConfig(source="chat_synthetic", num_records=60, cache_dir=cache_dir)
     return render_records(load_records(cfg), chat_tokenizer, cfg, max_length=512)
 
 
@@ -80,7 +80,7 @@ def test_ids_give_the_same_examples_as_their_text(tmp_path, chat_tokenizer, text
 def test_ids_and_text_give_the_same_batches(tmp_path, chat_tokenizer, text_dataset, cache_dir):
     """Through the whole pipeline (cache, held-out split, sampler, collate): the same micro-batches."""
     path = write_rows(ids_rows(text_dataset, "labels"), tmp_path / "data.parquet", "parquet")
-    jobs = [JobConfig(data=DataConfig(source="chat_synthetic", num_dialogs=60, cache_dir=cache_dir)),
+    jobs = [JobConfig(data=DataConfig(source="chat_synthetic", num_records=60, cache_dir=cache_dir)),
             JobConfig(data=DataConfig(source="parquet", path=path, cache_dir=cache_dir))]
     data = [build_training_data(job, tokenizer=chat_tokenizer, context=512) for job in jobs]
     assert same(data[0].dataset, data[1].dataset)

@@ -1,4 +1,4 @@
-"""Streaming (``data.streaming=true``): online packing, equal steps per rank, exact resume, bad rows, refusals."""
+"""Streaming (``data.stream.enabled=true``): online packing, equal steps per rank, exact resume, bad rows, refusals."""
 
 from __future__ import annotations
 
@@ -9,12 +9,14 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from trainer.config import ConfigError, DataConfig, JobConfig, PackingConfig
+from trainer.config import ConfigError, DataConfig, JobConfig, MixtureConfig, PackingConfig, StreamConfig
 from trainer.data.bad_records import BadRecordError
 from trainer.data import stream as streaming
 from trainer.data.stream import ExampleStream, head_sets
 from trainer.evaluate import holdout_mask
 from trainer.packing.online import OnlineBestFit, StreamingSampler
+
+ON = StreamConfig(enabled=True)
 
 
 def drain(packer: OnlineBestFit, lengths: list[int]) -> list[list[int]]:
@@ -60,7 +62,7 @@ def write_jsonl(path, rows):
 
 def stream_cfg(tmp_path, rows: int = 7, **extra) -> DataConfig:
     rows = [{"text": " ".join(["word"] * (3 + (7 * k) % 40))} for k in range(rows)]
-    return DataConfig(source="jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", rows)), streaming=True, **extra)
+    return DataConfig(source="jsonl", path=str(write_jsonl(tmp_path / "d.jsonl", rows)), stream=ON, **extra)
 
 
 def sampler_for(cfg: DataConfig, tokenizer, rank=0, world=1, window=4, budget=256, holdout=(0.0, 0)):
@@ -93,14 +95,14 @@ def saved_dataset(path, rows: int):
 
     texts = [f"row {k} " + "word " * (k % 9) for k in range(rows)]
     datasets.Dataset.from_dict({"text": texts}).save_to_disk(str(path))
-    return DataConfig(source="hf", path=str(path), streaming=True)
+    return DataConfig(source="hf", path=str(path), stream=ON)
 
 
 @pytest.mark.parametrize("source", ["jsonl", "hf", "dailydialog_synthetic"])
 def test_state_round_trip_continues_with_identical_micro_batches(tmp_path, tokenizer, source, monkeypatch):
     monkeypatch.setattr(streaming, "STREAM_CHUNK", 4)  # positions inside a file, not only at its end
     cfg = {"jsonl": lambda: stream_cfg(tmp_path, rows=41), "hf": lambda: saved_dataset(tmp_path / "saved", 41),
-           "dailydialog_synthetic": lambda: DataConfig(num_dialogs=60, streaming=True)}[source]()
+           "dailydialog_synthetic": lambda: DataConfig(num_records=60, stream=ON)}[source]()
     first = sampler_for(cfg, tokenizer, 1, 2, window=5)
     while first.stream.passes == 0:  # save inside the second pass: a pass boundary was crossed
         bins_of(first, 1)
@@ -121,14 +123,14 @@ def test_resume_refuses_another_world_size_or_window(tmp_path, tokenizer):
     saved = sampler_for(cfg, tokenizer, 0, 2).state_dict()
     with pytest.raises(ValueError, match="world size it was saved on"):
         sampler_for(cfg, tokenizer, 0, 1).load_state_dict(saved)
-    with pytest.raises(ValueError, match="stream_buffer"):
+    with pytest.raises(ValueError, match="data.stream.buffer"):
         sampler_for(cfg, tokenizer, 0, 2, window=9).load_state_dict(saved)
 
 
 def test_bad_rows_are_named_counted_and_truncation_counted(tmp_path, tokenizer, caplog):
     rows = [{"text": "fine words here"}, {"messages": [{"role": "wizard", "content": "x"}]}, {"text": "w " * 400}]
     path = write_jsonl(tmp_path / "bad.jsonl", rows)
-    cfg = DataConfig(source="jsonl", path=str(path), streaming=True, columns={"text": "text"})
+    cfg = DataConfig(source="jsonl", path=str(path), stream=ON, columns={"text": "text"})
     with pytest.raises(ValueError):  # a row without the mapped column under on_bad_record=error
         sampler_for(replace(cfg, columns={"messages": "messages"}), tokenizer).next_microbatch()
     skip = replace(cfg, on_bad_record="skip", columns={"messages": "messages"})
@@ -147,7 +149,7 @@ def test_bad_rows_are_named_counted_and_truncation_counted(tmp_path, tokenizer, 
 def test_a_file_datasets_cannot_parse_is_an_error_or_a_counted_skip(tmp_path, tokenizer):
     (tmp_path / "a.jsonl").write_text('{"text": "one two"}\n{"text": "broken"\n')
     write_jsonl(tmp_path / "b.jsonl", [{"text": "three four five"}])
-    cfg = DataConfig(source="jsonl", path=str(tmp_path), streaming=True)
+    cfg = DataConfig(source="jsonl", path=str(tmp_path), stream=ON)
     with pytest.raises(BadRecordError, match="a.jsonl: not readable as a stream"):
         ExampleStream(cfg, tokenizer, 64).next_chunk()
     stream = ExampleStream(replace(cfg, on_bad_record="skip"), tokenizer, 64)
@@ -155,7 +157,7 @@ def test_a_file_datasets_cannot_parse_is_an_error_or_a_counted_skip(tmp_path, to
 
 
 def test_held_out_examples_never_train_and_form_the_eval_set(tokenizer):
-    cfg = DataConfig(num_dialogs=200, streaming=True, stream_eval_records=200)
+    cfg = DataConfig(num_records=200, stream=StreamConfig(enabled=True, eval_records=200))
     holdout = (0.2, 0)
     eval_set, probe = head_sets(cfg, tokenizer, 512, holdout, None)
     assert eval_set is not None and holdout_mask(eval_set, *holdout).all()
@@ -169,12 +171,12 @@ def test_held_out_examples_never_train_and_form_the_eval_set(tokenizer):
 @pytest.mark.parametrize(("change", "message"), [
     ({"max_steps": None}, "set max_steps"),
     ({"packing": PackingConfig(strategy="wrapped")}, "packing.strategy=wrapped"),
-    ({"data": DataConfig(streaming=True, mix=[{"source": "chat_synthetic"}])}, "data.mix"),
-    ({"data": DataConfig(streaming=True, limit=10)}, "data.limit"),
-    ({"data": DataConfig(streaming=True, source="hf", path="some/dataset")}, "model.tokenizer=local_bpe"),
+    ({"data": DataConfig(stream=ON, mixture=MixtureConfig(sources=[{"source": "chat_synthetic"}]))}, "data.mixture.sources"),
+    ({"data": DataConfig(stream=ON, limit=10)}, "data.limit"),
+    ({"data": DataConfig(stream=ON, source="hf", path="some/dataset")}, "model.tokenizer=local_bpe"),
 ])
 def test_impossible_streaming_configs_are_refused_in_one_line(change, message):
-    cfg = replace(JobConfig(data=DataConfig(streaming=True), max_steps=5), **change)
+    cfg = replace(JobConfig(data=DataConfig(stream=ON), max_steps=5), **change)
     with pytest.raises(ConfigError, match=message) as e:
         cfg.validate()
     assert "\n" not in str(e.value)
@@ -184,10 +186,10 @@ def test_the_chat_recipe_streams_with_one_override_and_analyze_refuses_a_stream(
     from tests.conftest import compose_job
     from trainer.tools import analyze
 
-    cfg = compose_job(["recipe=cpu_chat_sft", "data.streaming=true"])
-    assert cfg.data.streaming and cfg.max_steps and cfg.data.stream_buffer == 2048
+    cfg = compose_job(["recipe=cpu_chat_sft", "data.stream.enabled=true"])
+    assert cfg.data.stream.enabled and cfg.max_steps and cfg.data.stream.buffer == 2048
     with pytest.raises(SystemExit):
-        analyze.main(["recipe=cpu_chat_sft", "data.streaming=true"])
+        analyze.main(["recipe=cpu_chat_sft", "data.stream.enabled=true"])
     assert capsys.readouterr().err.startswith("packfsdp: config error: analyze reports on the whole dataset")
 
 
@@ -209,7 +211,7 @@ def test_a_streamed_csv_reads_cells_as_the_cached_path_does_and_names_bad_rows_b
     ``file:line`` by the line its row ends on (the first row's quoted cell spans two lines)."""
     path = tmp_path / "d.csv"
     path.write_text('prompt,response\n007,"line one\nline two"\nhello,there\n')
-    cfg = DataConfig(source="csv", path=str(path), streaming=True)
+    cfg = DataConfig(source="csv", path=str(path), stream=ON)
     stream = ExampleStream(cfg, tokenizer, 64)
     first = stream.next_chunk()[0][0]
     assert "007" in tokenizer.decode(first) and stream.stats.examples == 2

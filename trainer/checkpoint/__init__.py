@@ -31,7 +31,7 @@ from trainer.checkpoint.discovery import (
     latest_checkpoint,
 )
 from trainer.checkpoint.manifest import verify_checkpoint
-from trainer.checkpoint.safe_load import load_tensors, read_full_tensors
+from trainer.checkpoint.safe_load import load_tensor_file, load_tensors, read_full_tensors
 
 __all__ = [
     "FORMAT_VERSION",
@@ -45,6 +45,7 @@ __all__ = [
     "complete_checkpoints",
     "find_checkpoint",
     "latest_checkpoint",
+    "load_tensor_file",
     "load_tensors",
     "read_full_tensors",
     "verify_checkpoint",

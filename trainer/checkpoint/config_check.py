@@ -14,6 +14,7 @@ import logging
 from typing import Any
 
 from trainer.config import ConfigError
+from trainer.config.common import RENAMED_KEYS
 
 log = logging.getLogger("trainer.checkpoint")
 
@@ -22,7 +23,7 @@ JOB_CONFIG = "job_config.json"
 HARMLESS = (
     "max_steps", "stop_after_steps", "summary_skip_steps", "name", "output_root", "run_dir", "resume",
     "resume_allow_changes", "logger", "checkpoint", "guard", "eval.every", "eval.max_examples",
-    "data.cache_dir", "data.plugins", "data.stream_eval_records", "model.attention", "model.self_check",
+    "data.cache_dir", "data.plugins", "data.stream.eval_records", "model.attention", "model.self_check",
     "model.self_check_tolerance",
     "parallel.device", "parallel.backend", "parallel.dp_replicate", "parallel.reshard_after_forward",
     "parallel.activation_checkpointing", "parallel.activation_checkpointing_every", "parallel.cpu_offload",
@@ -46,8 +47,10 @@ def _covered(key: str, names: list[str] | tuple[str, ...]) -> bool:
 
 
 def changed_keys(saved: dict, current: dict) -> dict[str, tuple[Any, Any]]:
-    """Keys whose value differs (keys the saved config does not have, written by older code, are skipped)."""
-    old, new = flatten(saved), flatten(current)
+    """Keys whose value differs (keys the saved config does not have, written by older code, are skipped;
+    keys it has under a former name are compared under the new one)."""
+    old = {RENAMED_KEYS.get(k, k): v for k, v in flatten(saved).items()}
+    new = flatten(current)
     return {k: (old[k], new.get(k)) for k in sorted(old) if k in new and old[k] != new[k]}
 
 

@@ -1,5 +1,7 @@
-"""Loading DCP checkpoints without running pickled code: a restricted unpickler for DCP's ``.metadata``
-(it builds DCP's metadata classes and nothing else) and a planner that refuses pickled entries."""
+"""Loading tensors from disk without running pickled code, in one home: ``load_tensor_file`` for a single
+file (safetensors, or ``torch.load(weights_only=True)``), and ``load_tensors`` for a DCP checkpoint (a
+restricted unpickler for DCP's ``.metadata``, which builds DCP's metadata classes and nothing else, and a
+planner that refuses pickled entries)."""
 
 from __future__ import annotations
 
@@ -15,6 +17,30 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from trainer.checkpoint.discovery import CheckpointError, dcp_failure
+from trainer.safety import UnsafeFileError
+
+
+def load_tensor_file(path: str | Path, map_location: Any = "cpu") -> Any:
+    """Load the tensors of one file without ever unpickling arbitrary objects.
+
+    ``.safetensors`` files go through safetensors; anything else through ``torch.load(weights_only=True)``,
+    which refuses a pickle that references anything beyond tensors and plain containers. The refusal is
+    re-raised as ``UnsafeFileError`` naming the file.
+    """
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path), device=str(map_location))
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError (or RuntimeError) on a refused global
+        if "weights_only" in str(e) or "Unsupported global" in str(e) or type(e).__name__ == "UnpicklingError":
+            raise UnsafeFileError(
+                f"{path}: refused to load: it is a pickle that is not plain tensors (it could run code on load). "
+                "Only safetensors or torch.save'd tensors are loaded"
+            ) from None
+        raise
 
 
 def _metadata_classes() -> dict[tuple[str, str], Any]:

@@ -24,10 +24,11 @@ from trainer.config.common import (
     LOCAL_PATH_PREFIXES,
     LOSS_IMPLS,
     ConfigError,
+    retired_key,
     stated_context,
 )
 from trainer.config.job import JobConfig
-from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
+from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
     PEFT_METHODS, CheckpointConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
 )
@@ -49,11 +50,14 @@ __all__ = [
     "GuardConfig",
     "JobConfig",
     "LoggerConfig",
+    "MixtureConfig",
     "LossConfig",
     "ModelConfig",
     "OptimConfig",
     "PackingConfig",
     "ParallelConfig",
+    "StreamConfig",
     "PeftConfig",
+    "retired_key",
     "stated_context",
 ]

@@ -52,6 +52,33 @@ they are streamed)."""
 
 
 
+RENAMED_KEYS: dict[str, str] = {
+    "data.num_dialogs": "data.num_records",  # it sizes the generated chats as well as the dialogs
+    "data.streaming": "data.stream.enabled",
+    "data.stream_buffer": "data.stream.buffer",
+    "data.stream_eval_records": "data.stream.eval_records",
+    "data.mix": "data.mixture.sources",
+    "data.mix_by": "data.mixture.by",
+}
+"""Keys that were renamed: old -> new. The old name is refused in one line naming the new one, and a
+checkpoint's saved config is read under the new names (``trainer.checkpoint.config_check``)."""
+
+REMOVED_KEYS: dict[str, str] = {
+    "packing.oversize": "training never let it act (every example is cut to data.max_length and a strategy "
+    "that packs whole examples needs packing.token_budget >= data.max_length, checked at build); drop the key "
+    "(data.overlong decides what happens to a long example)",
+}
+"""Keys that were removed, each with why and what to do instead."""
+
+
+def retired_key(key: str) -> str | None:
+    """The one line for a key the schema no longer has (renamed or removed), ``None`` for one it never had."""
+    key = key.lstrip("+~")
+    if key in RENAMED_KEYS:
+        return f"{key} is now {RENAMED_KEYS[key]}; set that instead"
+    return f"{key}: removed: {REMOVED_KEYS[key]}" if key in REMOVED_KEYS else None
+
+
 def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ConfigError(f"{key}={value!r} is not valid; choose one of: {', '.join(choices)}")

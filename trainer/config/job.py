@@ -50,7 +50,10 @@ class JobConfig:
     """Leave the loop after this many steps (checkpointing first) while the schedule still spans
     ``max_steps``/``epochs``: a planned stop, e.g. before a job's time limit, to resume later."""
     seed: int = 1234
-    """Seeds model init, data order and dropout."""
+    """Seeds the training: the model's random init (and LoRA's), the order of micro-batches every epoch and
+    each step's torch/numpy/python RNG (dropout). Not the data: a run's three seeds each seed one fact, so
+    one can change without the others. ``data.seed``: which records (the generated sources, the mixture's
+    draw; part of the data cache's key); ``eval.holdout_seed``: which of them are held out for eval."""
     epochs: int = 1
     """Epochs over the data when ``max_steps`` is not set."""
     max_steps: int | None = None
@@ -79,18 +82,19 @@ class JobConfig:
         self.validate_streaming()
 
     def validate_streaming(self) -> None:
-        """``data.streaming=true`` needs a run length and packs online by best fit, one source at a time."""
-        if not self.data.streaming:
+        """``data.stream.enabled=true`` needs a run length and packs online by best fit, one source at a time."""
+        if not self.data.stream.enabled:
             return
         if self.max_steps is None:
             raise ConfigError(
-                "data.streaming=true: a stream has no known length, so epochs cannot size the run; set max_steps "
+                "data.stream.enabled=true: a stream has no known length, so epochs cannot size the run; set max_steps "
                 "(each rank's share of the stream is read again from its start when it runs out)"
             )
         refused = {
             "packing.strategy": (self.packing.strategy != "bfd", f"={self.packing.strategy} (streaming packs "
-                                 "online by best fit within data.stream_buffer examples: packing.strategy=bfd)"),
-            "data.mix": (bool(self.data.mix), " (mixtures are not streamed yet: stream one source)"),
+                                 "online by best fit within data.stream.buffer examples: packing.strategy=bfd)"),
+            "data.mixture.sources": (bool(self.data.mixture.sources),
+                                     " (mixtures are not streamed yet: stream one source)"),
             "data.limit": (self.data.limit is not None, " (a stream has no head to cut: set max_steps)"),
             "model.tokenizer": (
                 self.model.tokenizer_name() == "local_bpe" and self.data.source not in GENERATED_SOURCES,
@@ -100,7 +104,7 @@ class JobConfig:
         }
         for key, (bad, why) in refused.items():
             if bad:
-                raise ConfigError(f"data.streaming=true cannot be combined with {key}{why}")
+                raise ConfigError(f"data.stream.enabled=true cannot be combined with {key}{why}")
 
     def validate_budget(self, context: int | None = None) -> None:
         """Under a strategy that packs whole examples, one example of the longest allowed length must fit

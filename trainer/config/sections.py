@@ -8,7 +8,7 @@ from typing import Any
 
 # Light registries (numpy only): the choice lists and strategy facts below come from them.
 from trainer.packing.balance import WORK_MEASURES
-from trainer.packing.strategies import OVERSIZE_RULES, STRATEGIES, get_strategy
+from trainer.packing.strategies import STRATEGIES, get_strategy
 
 from trainer.config.common import (
     DTYPE_NAMES,
@@ -18,6 +18,39 @@ from trainer.config.common import (
     check_choice,
     check_positive,
 )
+
+
+@dataclass
+class StreamConfig:
+    """``data.stream``: the stream sink (``trainer.data.stream``, ``trainer.packing.online``)."""
+
+    enabled: bool = False
+    """Read the source as a stream (``datasets`` ``streaming=True``), rendered on the fly and packed online:
+    for data larger than memory or disk. Nothing is cached; needs ``max_steps`` (a stream has no known
+    length; each rank's share is read again when it ends)."""
+    buffer: int = 2048
+    """Examples the online packer chooses each bin from (more: fuller bins, more memory)."""
+    eval_records: int = 2000
+    """The eval set is the held-out examples (``eval.holdout_fraction``) among the stream's first this many
+    records."""
+
+    def validate(self) -> None:
+        check_positive("data.stream.buffer", self.buffer)
+        check_positive("data.stream.eval_records", self.eval_records)
+
+
+@dataclass
+class MixtureConfig:
+    """``data.mixture``: several sources in one training set (``trainer.data.mixture``)."""
+
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    """Each item sets one source's data fields (``source``, ``path``, ``columns``, ...; the others come from
+    ``data``) and its ``weight`` (share of the mixture). Empty: the one source of ``data``."""
+    by: str = "examples"
+    """What the weights share out: ``examples`` or ``tokens``."""
+
+    def validate(self) -> None:
+        check_choice("data.mixture.by", self.by, ("examples", "tokens"))
 
 
 @dataclass
@@ -39,8 +72,9 @@ class DataConfig:
     plugins: list[str] = field(default_factory=list)
     """Python modules imported before the source is looked up, so they can ``register_source`` their own
     formats: dotted module names (importable from the working directory) or paths to ``.py`` files."""
-    num_dialogs: int = 13118
-    """Synthetic source only: how many dialogs to generate."""
+    num_records: int = 13118
+    """Generated sources only (``dailydialog_synthetic``: dialogs, ``chat_synthetic``: chats): how many records
+    to generate."""
     loss_on: str = "auto"
     """Which tokens carry loss: ``auto`` (chat: assistant messages only; dialogs and documents: all),
     ``responses`` (chat: assistant messages; dialogs: every second turn, the replies) or ``all``."""
@@ -54,41 +88,30 @@ class DataConfig:
     """A malformed line or record (bad JSON, not UTF-8, a missing column, an unknown chat role, an empty
     file): ``error`` names its file and line; ``skip`` leaves it out, counted and logged."""
     seed: int = 1234
-    """Seed of the synthetic generator (the corpus is a pure function of it)."""
+    """Seeds which records there are: the generated sources' corpus and the mixture's draw (``data.mixture``);
+    part of the data cache's key. Training's randomness is the top-level ``seed`` (see there)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
     """Where the locally trained tokenizer and tokenized datasets are cached."""
-    mix: list[dict[str, Any]] = field(default_factory=list)
-    """Several sources in one training set: each item sets one source's data fields (``source``, ``path``,
-    ``columns``, ...; the others come from ``data``) and its ``weight`` (share of the mixture; see
-    ``trainer.data.mixture``). Empty: the one source above."""
-    mix_by: str = "examples"
-    """What the ``data.mix`` weights share out: ``examples`` or ``tokens``."""
     num_proc: int | None = None
     """Processes that render and tokenize a table source (a ``datasets`` map); ``None``: the cores this job
     may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
-    streaming: bool = False
-    """Read the source as a stream (``datasets`` ``streaming=True``), rendered on the fly and packed online
-    (``trainer.data.stream``, ``trainer.packing.online``): for data larger than memory or disk. Nothing is
-    cached; needs ``max_steps`` (a stream has no known length; each rank's share is read again when it ends)."""
-    stream_buffer: int = 2048
-    """Streaming: examples the online packer chooses each bin from (more: fuller bins, more memory)."""
-    stream_eval_records: int = 2000
-    """Streaming: the eval set is the held-out examples (``eval.holdout_fraction``) among the stream's first
-    this many records."""
+    stream: StreamConfig = field(default_factory=StreamConfig)
+    """Reading the source as a stream (``data.stream.enabled``, ``buffer``, ``eval_records``)."""
+    mixture: MixtureConfig = field(default_factory=MixtureConfig)
+    """Several sources in one training set (``data.mixture.sources``, ``by``)."""
 
     def validate(self) -> None:
         check_choice("data.loss_on", self.loss_on, ("auto", "responses", "all"))
         check_choice("data.overlong", self.overlong, ("truncate", "drop"))
         check_choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
-        check_choice("data.mix_by", self.mix_by, ("examples", "tokens"))
         check_positive("data.max_length", self.max_length)
-        check_positive("data.num_dialogs", self.num_dialogs)
+        check_positive("data.num_records", self.num_records)
         if self.limit is not None:
             check_positive("data.limit", self.limit)
         if self.num_proc is not None:
             check_positive("data.num_proc", self.num_proc)
-        check_positive("data.stream_buffer", self.stream_buffer)
-        check_positive("data.stream_eval_records", self.stream_eval_records)
+        self.stream.validate()
+        self.mixture.validate()
 
 
 @dataclass
@@ -175,10 +198,6 @@ class PackingConfig:
     """Shuffle the order of micro-batches (packed bins or padded batches) every epoch, after packing."""
     padded_batch_size: int | None = None
     """Padded strategies only: examples per micro-batch. ``None`` matches the packed run (see above)."""
-    oversize: str = "error"
-    """``bfd``/``ffd``: an example longer than ``token_budget`` is an ``error`` or is ``drop``-ped (counted,
-    logged). The trainer truncates examples to the budget first (``data.overlong``), so this guards other
-    callers; ``bfd_split`` and ``wrapped`` cut such examples instead."""
     balance: str = "tokens"
     """What the ranks are balanced on per step: ``tokens`` or ``attention`` (sum of squared lengths)."""
     megabatch_factor: int = 50
@@ -186,7 +205,6 @@ class PackingConfig:
 
     def validate(self) -> None:
         check_choice("packing.strategy", self.strategy, tuple(STRATEGIES))
-        check_choice("packing.oversize", self.oversize, OVERSIZE_RULES)
         check_choice("packing.balance", self.balance, tuple(WORK_MEASURES))
         check_positive("packing.token_budget", self.token_budget)
         if self.token_budget < (least := get_strategy(self.strategy).min_budget):

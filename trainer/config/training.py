@@ -118,7 +118,8 @@ class EvalConfig:
     a hash of its tokens (and ``holdout_seed``) falls below this share, so the split is deterministic,
     disjoint from training, the same for packed and padded runs, and duplicates never straddle it."""
     holdout_seed: int = 0
-    """Salt of the held-out hash (changing it draws a different held-out set)."""
+    """Seeds which examples are held out: the salt of the held-out hash (changing it draws a different
+    held-out set of the same data; ``data.seed`` and ``seed`` leave the split alone, see ``seed``)."""
     every: int = 10
     """Evaluate every N optimizer steps (``0``: only after the last step). Eval always runs at the end."""
     max_examples: int | None = None

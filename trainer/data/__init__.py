@@ -35,16 +35,16 @@ log = logging.getLogger(__name__)
 
 def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int) -> TokenizedDataset:
     """The tokenized examples, memory-mapped from the cache (sources are read only on a cache miss; see
-    ``trainer.data.cache``), with skips logged; with ``data.mix``, the mixture of its sources."""
+    ``trainer.data.cache``), with skips logged; with ``data.mixture.sources``, the mixture of its sources."""
     tokenizer_id = json.dumps([tokenizer.name_or_path, len(tokenizer), template_fingerprint(tokenizer)])
     components = mix_components(data_cfg)
     datasets = []
     for cfg, _ in components:
         datasets.append(build_dataset(tokenizer, cfg, max_length, source_fingerprint(cfg) + tokenizer_id))
-        log_dataset_stats(component_name(cfg) if data_cfg.mix else cfg.source, datasets[-1].stats)
-    if not data_cfg.mix:
+        log_dataset_stats(component_name(cfg) if data_cfg.mixture.sources else cfg.source, datasets[-1].stats)
+    if not data_cfg.mixture.sources:
         return datasets[0]
-    mixture = mix(datasets, [w for _, w in components], data_cfg.mix_by, data_cfg.seed,
+    mixture = mix(datasets, [w for _, w in components], data_cfg.mixture.by, data_cfg.seed,
                   [component_name(c) for c, _ in components])
     for share in mixture.shares():
         log.info("data mix: %s: %d examples (%d unique), %.1f%% of examples, %.1f%% of tokens", share["source"],

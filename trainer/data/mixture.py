@@ -1,9 +1,9 @@
-"""Mixtures: several sources in one training set, each with a weight (``data.mix``, ``data.mix_by``).
+"""Mixtures: several sources in one training set, each with a weight (``data.mixture.sources``, ``.by``).
 
-Each item of ``data.mix`` is one source's data settings (``source``, ``path``, ``columns``, ...; the rest
-comes from ``data``) plus its ``weight``. Every source is tokenized and cached on its own; the mixture is
-as large as all of them together (in examples, or in tokens with ``mix_by=tokens``) and gives source ``i``
-the share ``weight_i / sum(weights)`` of it: a source below its share is repeated (whole passes, then a
+Each item of ``data.mixture.sources`` is one source's data settings (``source``, ``path``, ``columns``, ...;
+the rest comes from ``data``) plus its ``weight``. Every source is tokenized and cached on its own; the
+mixture is as large as all of them together (in examples, or in tokens with ``data.mixture.by=tokens``) and
+gives source ``i`` the share ``weight_i / sum(weights)`` of it: a source below its share is repeated (whole passes, then a
 seeded random part of one more), a source above it contributes a seeded random subset. The mixture is a
 pure function of (the sources, the weights, ``data.seed``).
 
@@ -18,24 +18,26 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from trainer.config import ConfigError, DataConfig
+from trainer.config import ConfigError, DataConfig, MixtureConfig, retired_key
 from trainer.data.examples import DatasetStats, TokenizedDataset
 
 
 def mix_components(cfg: DataConfig) -> list[tuple[DataConfig, float]]:
-    """Each mixed source's full data config and its weight (one, weight 1, without ``data.mix``)."""
-    if not cfg.mix:
+    """Each mixed source's full data config and its weight (one, weight 1, without ``data.mixture.sources``)."""
+    if not cfg.mixture.sources:
         return [(cfg, 1.0)]
-    names = {f.name for f in fields(DataConfig)} - {"mix", "mix_by"}
+    names = {f.name for f in fields(DataConfig)} - {"mixture", "stream"}
     components = []
-    for k, item in enumerate(cfg.mix):
+    for k, item in enumerate(cfg.mixture.sources):
         item = dict(item)
         weight = float(item.pop("weight", 1.0))
         unknown = sorted(set(item) - names)
+        if retired := next((r for name in unknown if (r := retired_key(f"data.{name}"))), None):
+            raise ConfigError(f"data.mixture.sources[{k}]: {retired}")
         if unknown or weight <= 0:
-            raise ConfigError(f"data.mix[{k}]: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
+            raise ConfigError(f"data.mixture.sources[{k}]: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
                                                     f"weight must be > 0, got {weight}"))
-        components.append((replace(cfg, mix=[], **item), weight))
+        components.append((replace(cfg, mixture=MixtureConfig(), **item), weight))
     return components
 
 

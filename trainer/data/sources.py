@@ -109,13 +109,13 @@ def plugin_path(plugin: str) -> Path:
 @register_source("dailydialog_synthetic")
 def dailydialog_synthetic(cfg: DataConfig) -> list[Record]:
     """The generated DailyDialog-like corpus (offline; see ``trainer.data.synthetic``)."""
-    return [{"turns": d} for d in generate_dialogs(cfg.num_dialogs, cfg.seed)]
+    return [{"turns": d} for d in generate_dialogs(cfg.num_records, cfg.seed)]
 
 
 @register_source("chat_synthetic")
 def chat_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated chat conversations (system / user / assistant; offline; see ``trainer.data.synthetic``)."""
-    return [{"messages": m} for m in generate_chats(cfg.num_dialogs, cfg.seed)]
+    return [{"messages": m} for m in generate_chats(cfg.num_records, cfg.seed)]
 
 
 @register_source("reasoning_synthetic")
@@ -267,17 +267,12 @@ SHIPPED_TABLES = {"jsonl": jsonl, "parquet": parquet, "csv": csv, "hf": hf}
 """The shipped table sources, as registered (``shipped``)."""
 
 
-STREAM_SETTINGS = ("streaming", "stream_buffer", "stream_eval_records")
-"""``DataConfig`` fields that say how records are read (``trainer.data.stream``), not which."""
-
-
 def source_fingerprint(cfg: DataConfig) -> str:
     """What the records depend on: the config and, for local files and plugin modules, their size and
     modification time (an edited file or source function re-tokenizes)."""
     check_source(cfg)
     parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
-    for key in STREAM_SETTINGS:  # how the records are read, not which: cached datasets keep their key
-        parts.pop(key)
+    parts.pop("stream")  # how the records are read, not which: cached datasets keep their key
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()

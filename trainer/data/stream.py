@@ -1,4 +1,4 @@
-"""The stream sink (``data.streaming=true``): records read, rendered and tokenized on the fly, never cached,
+"""The stream sink (``data.stream.enabled=true``): records read, rendered and tokenized on the fly, never cached,
 then packed online (``trainer.packing.online``).
 
 A source is read as the one dispatcher's parts (``trainer.data.parts.source_parts(streaming=True)``), in
@@ -17,7 +17,7 @@ Records are rendered, masked and truncated by ``trainer.data.render.render_outco
 cached path), ``STREAM_CHUNK`` rows at a time; bad rows follow ``data.on_bad_record`` and every count goes
 to this rank's ``DatasetStats``. The held-out split is the cached path's hash
 (``trainer.data.holdout.holdout_mask``): a held-out example is left out of training wherever it appears, and
-the eval set is the held-out examples among the stream's first ``data.stream_eval_records`` records (rank
+the eval set is the held-out examples among the stream's first ``data.stream.eval_records`` records (rank
 0 reads them once and shares them). A stream cannot be shuffled exactly on resume, so it is read in order.
 
 A rank's share never ends: when it runs out, the next pass starts from its beginning (``passes``), so a
@@ -197,14 +197,14 @@ def head_sets(
     cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, holdout: tuple[float, int],
     max_eval: int | None,
 ) -> tuple[TokenizedDataset | None, TokenizedDataset]:
-    """(eval set, self-check examples) from the stream's first ``data.stream_eval_records`` records, read once
+    """(eval set, self-check examples) from the stream's first ``data.stream.eval_records`` records, read once
     on rank 0 and shared: the held-out ones (at most ``max_eval``; ``None`` when there is none) and the first
     ``PROBE_EXAMPLES`` training ones."""
     found: dict = {}
 
     def scan() -> None:
         stream = ExampleStream(cfg, tokenizer, max_length, holdout=holdout, label="eval scan")
-        train, held, read, wanted = [], [], 0, cfg.stream_eval_records
+        train, held, read, wanted = [], [], 0, cfg.stream.eval_records
         while read < wanted and (rows := stream.next_rows(min(STREAM_CHUNK, wanted - read))):
             read += len(rows)
             more_train, more_held = stream.examples(rows)
@@ -213,7 +213,7 @@ def head_sets(
         held = held[:max_eval] if max_eval is not None else held
         if holdout[0] > 0 and not held:
             log.warning("no held-out example among the stream's first %d records: eval is off "
-                        "(raise data.stream_eval_records or eval.holdout_fraction)", read)
+                        "(raise data.stream.eval_records or eval.holdout_fraction)", read)
         found["sets"] = (from_examples(held) if held else None, from_examples(train or held))
 
     distributed.on_rank0_then_all(scan)

@@ -2,7 +2,7 @@
 
 ``strategies`` (none, sorted, ffd, bfd, bfd_split, wrapped) -> ``balance`` (even out, deal, skew) ->
 ``sampler`` (per-epoch plans, exact resume on any world size); ``bins`` holds many bins as slices of one
-table. A stream (``data.streaming=true``) is packed by ``online`` instead: best fit within a bounded window
+table. A stream (``data.stream.enabled=true``) is packed by ``online`` instead: best fit within a bounded window
 of examples, resumable with the window's contents.
 """
 
@@ -35,13 +35,16 @@ if TYPE_CHECKING:  # trainer.config imports the strategy registry from this pack
 
 
 def build_sampler(
-    lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int, grad_accum: int = 1
+    lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int, grad_accum: int = 1,
+    oversize: str = "error",
 ) -> MicroBatchSampler:
-    """The sampler for ``cfg.strategy``; a padded baseline's batch size is matched to the packed run."""
+    """The sampler for ``cfg.strategy``; a padded baseline's batch size is matched to the packed run.
+    ``oversize``: ``error`` or ``drop`` an example over the budget (tools only; see ``pack_params``)."""
     padded_bs = None
     if get_strategy(cfg.strategy).padded:
         padded_bs = cfg.padded_batch_size or matched_padded_batch_size(lengths, cfg, seed)
-    return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs, grad_accum=grad_accum)
+    return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs, grad_accum=grad_accum,
+                             oversize=oversize)
 
 
 __all__ = [

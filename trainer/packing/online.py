@@ -1,8 +1,8 @@
-"""Online packing for streamed data (``data.streaming=true``): best fit inside a bounded window of examples.
+"""Online packing for streamed data (``data.stream.enabled=true``): best fit inside a bounded window of examples.
 
 Global best-fit decreasing (``trainer.packing.strategies``) sees every length before it opens a bin; a
 stream shows examples one at a time and may never end. ``OnlineBestFit`` keeps a window of up to
-``data.stream_buffer`` waiting examples (ids and lengths only) and builds one bin at a time from them:
+``data.stream.buffer`` waiting examples (ids and lengths only) and builds one bin at a time from them:
 
 1. the bin opens with the longest waiting example, or with the oldest one once it has waited ``window``
    bins (so no example waits forever, whatever the lengths that follow it);
@@ -137,8 +137,8 @@ class StreamingSampler:
         while not self.packer.full:
             if self.stream.passes > passes and not self.packer.bins_made:
                 passes = self.stream.passes  # warned once per pass, only while the first window fills
-                log.warning("data.stream_buffer=%d is more than rank %d's share of the stream (%d examples): the "
-                            "window holds repeats of the same examples; lower data.stream_buffer",
+                log.warning("data.stream.buffer=%d is more than rank %d's share of the stream (%d examples): the "
+                            "window holds repeats of the same examples; lower data.stream.buffer",
                             self.packer.window, self.rank, self.examples_read // max(passes, 1))
             for example in self.stream.next_chunk():
                 example_id = self.examples_read * self.world_size + self.rank
@@ -165,14 +165,15 @@ class StreamingSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if not state.get("streaming"):
-            raise ValueError("the checkpoint was saved without data.streaming; resume it with data.streaming=false")
+            raise ValueError("the checkpoint was saved without data.stream.enabled; resume it with "
+                             "data.stream.enabled=false")
         if int(state["world_size"]) != self.world_size:
             raise ValueError(
                 f"a streaming run resumes on the world size it was saved on ({state['world_size']} rank(s), "
                 f"now {self.world_size}): each rank's stream position and buffer belong to its shard"
             )
         if state["fingerprint"] != self.fingerprint():
-            raise ValueError("saved with a different packing config, data.stream_buffer or data source")
+            raise ValueError("saved with a different packing config, data.stream.buffer or data source")
 
     def save_rank_state(self, path: Path) -> None:
         """This rank's stream position, waiting examples and packer, as one safetensors file (no pickle)."""

@@ -72,11 +72,13 @@ class EpochPlan:
         return self.bins.take(which[self.bins.counts[which] > 0])
 
 
-def pack_params(cfg: PackingConfig, padded_batch_size: int | None = None) -> PackParams:
+def pack_params(cfg: PackingConfig, padded_batch_size: int | None = None, oversize: str = "error") -> PackParams:
+    """The strategies' parameters for ``cfg``. ``oversize`` is for callers that pack lengths training never
+    sees (``packfsdp analyze`` drops what does not fit); training's examples always fit (``JobConfig``)."""
     return PackParams(
         budget=cfg.token_budget,
         max_examples_per_bin=cfg.max_examples_per_bin,
-        oversize=cfg.oversize,
+        oversize=oversize,
         batch_size=padded_batch_size or cfg.padded_batch_size or 1,
         megabatch_factor=cfg.megabatch_factor,
     )
@@ -92,6 +94,8 @@ class MicroBatchSampler:
         seed: the plan of epoch ``e`` is a function of (seed, e) only.
         padded_batch_size: examples per micro-batch for the padded strategies.
         grad_accum: micro-batches per optimizer step (for the balance report only).
+        oversize: what a whole-example strategy does with an example over the budget (``error``/``drop``;
+            see ``pack_params``).
     """
 
     def __init__(
@@ -103,6 +107,7 @@ class MicroBatchSampler:
         seed: int,
         padded_batch_size: int | None = None,
         grad_accum: int = 1,
+        oversize: str = "error",
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
@@ -111,7 +116,7 @@ class MicroBatchSampler:
         self.strategy = get_strategy(cfg.strategy)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.padded_batch_size = padded_batch_size or cfg.padded_batch_size or 1
-        self.params = pack_params(cfg, self.padded_batch_size)
+        self.params = pack_params(cfg, self.padded_batch_size, oversize)
         self.grad_accum = grad_accum
         self.epoch, self.next_index = 0, 0
         self.lineage: list[tuple[int, int]] = []
@@ -207,7 +212,7 @@ class MicroBatchSampler:
     # ------------------------------------------------------------------------------------------- resume
     def fingerprint(self) -> str:
         """What the plans depend on besides (seed, epoch, world): the config and the example lengths."""
-        cfg = asdict(self.cfg) | {"padded_batch_size": self.padded_batch_size}
+        cfg = asdict(self.cfg) | {"padded_batch_size": self.padded_batch_size, "oversize": self.params.oversize}
         digest = hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16]
         return hashlib.sha256(json.dumps([cfg, digest], sort_keys=True).encode()).hexdigest()[:16]
 

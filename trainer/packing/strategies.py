@@ -76,7 +76,9 @@ def split_into_pieces(length: int, budget: int) -> list[tuple[int, int]]:
 
 # ---------------------------------------------------------------------------------------------- interface
 OVERSIZE_RULES = ("error", "drop")
-"""What a whole-example strategy may do with an example longer than the budget (``packing.oversize``)."""
+"""What a whole-example strategy may do with an example longer than the budget (``PackParams.oversize``).
+Not a config key: training's examples always fit one micro-batch (``JobConfig.validate_budget``); tools
+such as ``packfsdp analyze`` pack arbitrary lengths and drop."""
 
 
 @dataclass(frozen=True)
@@ -228,7 +230,7 @@ def pack(
                 raise ValueError(
                     f"{int(over.sum())} example(s) longer than the token budget {params.budget} under {strategy} "
                     f"(first: index {first}, {int(lengths[first])} tokens); raise the budget, truncate the data, "
-                    f"set packing.oversize=drop, or use packing=bfd_split"
+                    f"pack with oversize='drop', or use packing=bfd_split"
                 )
             stats.dropped_oversize = int(over.sum())
             stats.dropped_oversize_tokens = int(lengths[over].sum())

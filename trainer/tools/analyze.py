@@ -90,13 +90,13 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
     rows = [f"  {'strategy':<10} {'micro-batches':>13} {'fill':>8} {'vs bound':>9} {'positions':>11} "
             f"{'pad overhead':>12} {'pos/token':>9} " + " ".join(f"{'skew@' + str(w):>8}" for w in world_sizes)]
     for name in STRATEGIES:
-        pcfg = replace(cfg.packing, strategy=name, oversize="drop")
-        result = pack(lengths, name, pack_params(pcfg, batch_size), np.random.default_rng([seed, 0, 0]))
+        pcfg = replace(cfg.packing, strategy=name)  # the report's lengths may exceed the budget: drop, counted
+        result = pack(lengths, name, pack_params(pcfg, batch_size, "drop"), np.random.default_rng([seed, 0, 0]))
         s = result.stats
         skews, worst = [], []
         for w in world_sizes:
             sampler = MicroBatchSampler(lengths, pcfg, 0, w, seed, padded_batch_size=batch_size,
-                                        grad_accum=cfg.grad_accum)
+                                        grad_accum=cfg.grad_accum, oversize="drop")
             balance = sampler.balance_report(0, weight=useful)
             skews.append(balance["skew"])
             worst.append(balance["worst_step_skew"])
@@ -128,11 +128,12 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
 
 
 def mixture_lines(dataset, cfg: JobConfig, figures: dict) -> list[str]:
-    """The shares of a ``data.mix`` mixture (nothing for one source); its figures go to ``figures["mix"]``."""
+    """The shares of a ``data.mixture`` of sources (nothing for one source); its figures go to
+    ``figures["mix"]``."""
     if not hasattr(dataset, "shares"):
         return []
     figures["mix"] = dataset.shares()
-    return ["", f"mixture (data.mix_by={cfg.data.mix_by}, seed {cfg.data.seed}):"] + [
+    return ["", f"mixture (data.mixture.by={cfg.data.mixture.by}, seed {cfg.data.seed}):"] + [
         f"  {s['source']:<40} {s['examples']:>9} examples ({s['unique_examples']} unique) "
         f"{100 * s['example_share']:>6.2f}% of examples {100 * s['token_share']:>6.2f}% of tokens"
         for s in figures["mix"]
@@ -162,9 +163,9 @@ def run(argv: list[str]) -> dict:
     setup_logging(0)
     logging.getLogger("trainer.packing").setLevel(logging.WARNING)  # the report prints its own figures
     cfg = compose_job_config(overrides)
-    if cfg.data.streaming:
+    if cfg.data.stream.enabled:
         raise ConfigError("analyze reports on the whole dataset, which a stream never holds; run it without "
-                          "data.streaming (benchmarks/stream_fill.py measures the online packing's fill)")
+                          "data.stream.enabled (benchmarks/stream_fill.py measures the online packing's fill)")
     dataset = build_training_data(cfg).dataset
     lines, figures = packing_report(dataset, cfg, worlds)
     png = png or Path(cfg.output_root) / "analyze" / f"{cfg.name}_lengths.png"
