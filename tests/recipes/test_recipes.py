@@ -109,7 +109,7 @@ def step_losses(root) -> list[float]:
 def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budget(tmp_path):
     """The CPU context-parallel recipe: 2 ranks sharding each row (cp=2) train the same per-step losses as 1
     rank packing rows of twice the per-rank budget (cp=1), within 1e-4 (fp32)."""
-    quick = ["max_steps=3", "data.num_dialogs=120", "optim.warmup_steps=1", "logger.peak_tflops=1",
+    quick = ["max_steps=3", "data.num_records=120", "optim.warmup_steps=1", "logger.peak_tflops=1",
              "checkpoint.every_steps=0", "parallel=fsdp_fp32"]
     runs = {}
     for nproc, extra in ((2, ["parallel.cp=2"]), (1, ["parallel.cp=1", "packing.token_budget=1024"])):

@@ -158,8 +158,8 @@ class JobConfig:
         if cp > 1 and not self.packing.packed:
             raise ConfigError(f"parallel.cp={cp} needs a packed strategy: packing={self.packing.strategy} pads "
                               "rectangles, which cannot be sharded along the sequence (use packing=bfd)")
-        if cp > 1 and self.data.streaming:
-            raise ConfigError(f"parallel.cp={cp} cannot be combined with data.streaming=true (a stream is dealt per rank)")
+        if cp > 1 and self.data.stream.enabled:
+            raise ConfigError(f"parallel.cp={cp} cannot be combined with data.stream.enabled=true (a stream is dealt per rank)")
         replicas = self.parallel.dp_replicate
         if replicas is not None and world_size % (replicas * cp) != 0:
             shape = f"parallel.dp_replicate={replicas}" + (f" x parallel.cp={cp}" if cp > 1 else "")

@@ -121,7 +121,7 @@ def chat_synthetic(cfg: DataConfig) -> list[Record]:
 @register_source("reasoning_synthetic")
 def reasoning_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated long, long-tailed question + reasoning-trace pairs (offline; ``trainer.data.synthetic``)."""
-    return [{"turns": t} for t in generate_reasoning_traces(cfg.num_dialogs, cfg.seed)]
+    return [{"turns": t} for t in generate_reasoning_traces(cfg.num_records, cfg.seed)]
 
 
 @register_source("dailydialog")
