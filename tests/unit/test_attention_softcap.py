@@ -205,9 +205,45 @@ def test_the_gemma2_check_would_see_softcap_dropped(monkeypatch):
     assert max((p - a).abs().max() for p, a in zip(packed, alone)) > 1e-2
 
 
-def test_a_gemma2_run_builds_and_passes_the_self_check(monkeypatch, tokenizer, small_dataset):
+@pytest.fixture(params=[False, True], ids=["flag_as_5.24", "flag_as_5.17"])
+def gemma2_sdpa_flag(request, monkeypatch):
+    """Gemma2's ``_supports_sdpa`` as each release has it (5.17: True, though SDPA cannot softcap): the
+    padded path and the self-check's reference must read the config's softcap, not the flag."""
+    from transformers.models.gemma2 import modeling_gemma2 as gemma2
+
+    for cls in (gemma2.Gemma2PreTrainedModel, gemma2.Gemma2Model, gemma2.Gemma2ForCausalLM):
+        monkeypatch.setattr(cls, "_supports_sdpa", request.param)
+    return request.param
+
+
+def test_the_padded_path_softcaps_whatever_the_class_flag_says(gemma2_sdpa_flag, monkeypatch):
+    flash_attn_double.install(monkeypatch, accept_fp32=True)
+    assert gemma2_model("flash_attn").padded_attention == "eager"
+    with torch.no_grad():
+        packed, alone = gemma2_packed_and_alone("flash_attn", [9, 1, 14, 5])
+    for p, a in zip(packed, alone):
+        torch.testing.assert_close(p, a, atol=1e-5, rtol=1e-5)
+
+
+def test_the_padded_attention_follows_the_config(monkeypatch):
+    from transformers import LlamaForCausalLM
+
+    from trainer.model.wrapper import padded_attention
+
+    llama = LlamaForCausalLM(AutoConfig.for_model("llama", **{k: GEMMA2[k] for k in ("vocab_size", "hidden_size",
+                             "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}))
+    assert padded_attention(llama) == "sdpa"
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)  # a class without an SDPA path: eager
+    assert padded_attention(llama) == "eager"
+    monkeypatch.setattr(llama.config, "model_type", "gpt_oss")  # sinks: eager whatever the flag
+    monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", True)
+    assert padded_attention(llama) == "eager"
+
+
+def test_a_gemma2_run_builds_and_passes_the_self_check(gemma2_sdpa_flag, monkeypatch, tokenizer, small_dataset):
     """End to end as the trainer does it: resolve from the config, build (eager where SDPA cannot
-    softcap), self-check a packed micro-batch; a backend that got past resolution is stopped there."""
+    softcap, whatever the release's class flag), self-check a packed micro-batch; a backend that got past
+    resolution is stopped there."""
     from trainer.collate import collate_packed
     from trainer.model import build_model, self_check
     from trainer.pipeline import resolve_attention

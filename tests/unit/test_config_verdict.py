@@ -57,3 +57,20 @@ def test_window_kept_only_in_the_mask_is_refused(tmp_path, monkeypatch):
                                   layer_types=["sliding_attention", "full_attention"])
     with pytest.raises(FamilyRefusedError, match="'qwen2_moe'.*sliding_attention.*sliding_window=4096"):
         verify_config(config)
+
+
+def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkeypatch, tokenizer):
+    """Every rank must build the same random init: a rank whose verdict was computed (the replica draws
+    random numbers) and one that read it from the cache get identical weights."""
+    from trainer.config import ModelConfig
+    from trainer.model import build_model, resolve_backend
+
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    cfg = ModelConfig(family="llama", config_overrides=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                                            num_attention_heads=4, num_key_value_heads=2))
+    backend = resolve_backend("sdpa_varlen", torch.device("cpu"))
+    cold = build_model(cfg, tokenizer, backend, seed=3).state_dict()  # verdict computed
+    warm = build_model(cfg, tokenizer, backend, seed=3).state_dict()  # verdict cached
+    assert len(list((tmp_path / "verdicts").iterdir())) == 1
+    for name, tensor in cold.items():
+        torch.testing.assert_close(warm[name], tensor, rtol=0, atol=0, msg=name)

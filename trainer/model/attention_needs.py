@@ -46,6 +46,12 @@ class AttentionNeeds:
     sinks: bool = False
     """Learned attention sinks (``s_aux``)."""
 
+    @property
+    def needs_eager_reference(self) -> bool:
+        """Whether only transformers' eager attention computes this model's attention as configured (SDPA
+        has no softcap and no sinks): the padded path and the self-check's reference then run eager."""
+        return self.softcap is not None or self.sinks
+
     @classmethod
     def of(cls, config) -> AttentionNeeds:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config

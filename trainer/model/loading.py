@@ -33,12 +33,12 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.
     """
-    torch.manual_seed(seed)
     dtype = DTYPES[cfg.dtype]
     if cfg.name_or_path:
         config = model_config(cfg)
         check_family(config, cfg.self_check)
         verify_config(config)
+        torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         with library_load(f"model.name_or_path={cfg.name_or_path}"):
             model = AutoModelForCausalLM.from_pretrained(
                 cfg.name_or_path,
@@ -58,6 +58,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         config = model_config(cfg, base=special)
         check_family(config, cfg.self_check)
         verify_config(config)
+        torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:

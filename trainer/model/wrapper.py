@@ -18,15 +18,22 @@ from torch import nn
 from trainer.collate import IGNORE_INDEX
 from trainer.loss import HeadLoss, LogitTransform, head_matches_logits, label_positions, liger_available, naive_summed_loss
 from trainer.model.attention import AttentionBackend
+from trainer.model.attention_needs import AttentionNeeds
 from trainer.model.packed_layout import packed_attention_kwargs
 
 PADDED_ATTENTION = "sdpa"
 
 
-def padded_attention(model_class: type) -> str:
-    """transformers' attention for padded batches and the self-check's one-by-one reference: SDPA, or eager
-    for a family without an SDPA path (Gemma2: SDPA cannot softcap; gpt-oss: it has no sinks)."""
-    return PADDED_ATTENTION if getattr(model_class, "_supports_sdpa", True) else "eager"
+def padded_attention(model: nn.Module) -> str:
+    """transformers' attention for padded batches and the self-check's one-by-one reference, chosen from
+    what the model's CONFIG asks of attention (``AttentionNeeds``), not from class flags, which change
+    between releases (transformers 5.17 marks Gemma2 ``_supports_sdpa``; SDPA cannot softcap there):
+    eager, transformers' reference, when the config softcaps or has sinks, which SDPA cannot apply; SDPA
+    otherwise (it honours dropout, and windows live in the mask transformers builds for both). A class that
+    says it has no SDPA path gets eager: the flag may only move the choice towards the reference, never away."""
+    if AttentionNeeds.of(model.config).needs_eager_reference:
+        return "eager"
+    return PADDED_ATTENTION if getattr(type(model), "_supports_sdpa", True) else "eager"
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -43,7 +50,7 @@ class VarlenCausalLM(nn.Module):
         super().__init__()
         self.model = model
         self.backend = backend
-        self.padded_attention = padded_attention(type(model))
+        self.padded_attention = padded_attention(model)
         self.loss = HeadLoss()
         """The loss ``forward(..., labels=...)`` runs: naive until ``use_loss`` picks one."""
         self.cp_group = None
