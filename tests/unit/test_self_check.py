@@ -121,3 +121,53 @@ def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkey
     else:
         with pytest.raises(SelfCheckError, match="over tolerance"):
             run_startup_self_check(model, batch, None, None, pieces)
+
+
+def with_zero_init_leak(model, scale: float = 10.0):
+    """A cross-example gradient leak that logits cannot see: the first block adds ``scale * leak * h[t-1]``
+    over the whole packed row (a short conv that ignores boundaries), ``leak`` initialised to zero (as
+    zero-init adapters and gates are). The forward is exact; the gradient of ``leak`` is not."""
+    block = model.model.transformer.h[0]
+    block.leak = torch.nn.Parameter(torch.zeros(model.config.n_embd))
+
+    def mix(module, args, kwargs):
+        h = args[0]
+        return (h + scale * module.leak * F.pad(h[:, :-1], (0, 0, 1, 0)), *args[1:]), kwargs
+
+    block.register_forward_pre_hook(mix, with_kwargs=True)
+    return model
+
+
+def test_gradient_leak_fails_while_bf16_rounding_passes(small_dataset, tokenizer):
+    """Both sides of the line: a ~0.5% cross-example gradient gap with exact logits is refused in one line
+    naming the gradient gap (float32); the same model without the leak passes in bf16 (bf16 parameters, and
+    float32 master weights under bf16 autocast), where rounding moves the gradient by a few 1e-3."""
+    backend = resolve_backend("sdpa_varlen", torch.device("cpu"))
+    pieces = worst_case_microbatch(sampler_for(small_dataset))
+    batch = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
+    leaky = with_zero_init_leak(build_model(tiny_gpt2_config(), tokenizer, backend, seed=0))
+    result = self_check(leaky, batch)
+    assert result.max_logit_diff <= result.tolerance and 2e-3 < result.grad_gap < 2e-2, result.line()
+    with pytest.raises(SelfCheckError) as caught:
+        run_startup_self_check(leaky, batch, None, None, pieces)
+    message = str(caught.value)
+    assert "\n" not in message and "gradient gap is" in message and "over tolerance" in message, message
+    clean = build_model(tiny_gpt2_config(), tokenizer, backend, seed=0)
+    fp32 = self_check(clean, batch)
+    assert fp32.ok and fp32.grad_gap < 1e-5, fp32.line()  # float32 rounding: far below the leak
+    autocast = self_check(clean, batch, compute_dtype=torch.bfloat16)
+    assert autocast.ok and autocast.grad_gap > 10 * fp32.grad_gap, autocast.line()  # bf16 rounding is visible, and passes
+    run_startup_self_check(clean.to(torch.bfloat16), batch, None, None, pieces)  # bf16 parameters
+
+
+def test_frozen_model_checks_logits_only(model, small_dataset, tokenizer):
+    """Nothing trainable (the backward would have nothing to compare): logits only, the line says so."""
+    batch = collate_packed(small_dataset, INDICES, tokenizer.pad_token_id)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    try:
+        result = self_check(model, batch)
+    finally:
+        for p in model.parameters():
+            p.requires_grad_(True)
+    assert result.ok and result.grad_gap == 0 and "no trainable" in result.line()

@@ -6,8 +6,14 @@ it will be trained (packed through the configured backend, or padded with its ma
 examples alone through transformers' own SDPA path. Any disagreement above tolerance means examples see
 each other, positions do not restart, or the backend is wrong: the run stops with the numbers.
 
-It runs on the unsharded model (before FSDP), in eval mode (no dropout) and without gradients, in the
-master dtype; backends whose kernels compute only in half precision run under autocast to the compute
+It compares logits and the gradient: the packed batch and each example alone are run forward and backward
+(one backward per example, and one more for the reverse-order reference) and the full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
+random projections (``grad_projections``: a dot with a random tensor generated chunk-wise, so memory stays
+one chunk). The gradient tolerance is ``GRAD_NOISE_MULT`` times the measured noise of the reference (run
+a second time, its examples in reverse order: the gap between the two is the rounding of summing the
+examples' gradients in the parameters' dtype), plus a dtype term ``GRAD_TOLERANCE``: a 0.5% leak fails in float32 while bf16 rounding passes in bf16.
+
+It runs on the unsharded model (before FSDP), in eval mode (no dropout), in the master dtype; backends whose kernels compute only in half precision run under autocast to the compute
 dtype, with a looser tolerance. The worst difference is agreed across ranks, so every rank stops or none.
 """
 
@@ -32,6 +38,34 @@ TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-6, torch.bfloat16: 5e-2, tor
 """Default max |logit difference|, relative to max(1, largest |logit|), per compute dtype."""
 
 
+GRAD_TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-9, torch.bfloat16: 3e-2, torch.float16: 1e-2}
+"""Dtype term of the max relative gradient-projection gap, per compute dtype."""
+GRAD_NOISE_MULT = 8.0
+"""Gradient tolerance = this times the measured noise floor of the one-by-one reference + the dtype term."""
+PROJECTIONS, PROJECTION_SEED, CHUNK = 4, 20231, 1 << 20
+
+
+def grad_projections(model: torch.nn.Module, seed: int = PROJECTION_SEED) -> torch.Tensor:
+    """``PROJECTIONS`` dots (float64) of the parameters' gradients with fixed random tensors: generated per
+    parameter (in name order) and per chunk of ``CHUNK`` elements from a seeded generator, never whole."""
+    out = torch.zeros(PROJECTIONS, dtype=torch.float64)
+    for i, (_, param) in enumerate(sorted(model.named_parameters(), key=lambda kv: kv[0])):
+        if param.grad is None:
+            continue
+        flat = param.grad.reshape(-1)
+        for c, start in enumerate(range(0, flat.numel(), CHUNK)):
+            piece = flat[start : start + CHUNK].float()
+            gen = torch.Generator(device=piece.device).manual_seed(seed + 1_000_003 * i + c)
+            r = torch.randn(PROJECTIONS, piece.numel(), generator=gen, device=piece.device)
+            out += (r @ piece).double().cpu()
+    return out
+
+
+def _zero_grads(model: torch.nn.Module) -> None:
+    for param in model.parameters():
+        param.grad = None
+
+
 class SelfCheckError(RuntimeError):
     """The packed (or padded) micro-batch disagrees with its examples run one by one."""
 
@@ -46,16 +80,29 @@ class SelfCheckResult:
     tolerance: float
     worst_example: int
     dtype: str
+    grad_gap: float = 0.0
+    """max over projections of |packed - one by one| / RMS of the one-by-one projections."""
+    grad_tolerance: float = float("inf")
+    grad_noise: float = 0.0
+    """The reference's own noise floor: its gap to itself run in reverse order."""
 
     @property
     def ok(self) -> bool:
-        return self.max_logit_diff <= self.tolerance
+        return self.max_logit_diff <= self.tolerance and self.grad_gap <= self.grad_tolerance
 
     def line(self) -> str:
         return (
             f"{self.mode} micro-batch of {self.examples} examples / {self.tokens} tokens vs one by one ({self.dtype}): "
             f"max |logit diff| {self.max_logit_diff:.3g} (tolerance {self.tolerance:.3g}, worst example "
-            f"#{self.worst_example}), max |token loss diff| {self.max_loss_diff:.3g}"
+            f"#{self.worst_example}), max |token loss diff| {self.max_loss_diff:.3g}, " + self.grad_line()
+        )
+
+    def grad_line(self) -> str:
+        if self.grad_tolerance == float("inf"):
+            return "gradient not compared (no trainable parameters)"
+        return (
+            f"gradient gap {self.grad_gap:.3g} (tolerance {self.grad_tolerance:.3g}, reference noise "
+            f"{self.grad_noise:.3g}; {PROJECTIONS} random projections)"
         )
 
 
@@ -86,7 +133,6 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
 
 
-@torch.no_grad()
 def self_check(
     model: VarlenCausalLM,
     batch: Batch,
@@ -102,34 +148,60 @@ def self_check(
     autocast = (
         torch.autocast(device.type, dtype=dtype) if dtype != next(model.parameters()).dtype else contextlib.nullcontext()
     )
+    trains = any(p.requires_grad for p in model.parameters())
+    spans = example_spans(batch)
+    labelled = max(1, sum(int((batch.labels[row, span][1:] != IGNORE_INDEX).sum()) for row, span in spans))
     was_training = model.training
     model.eval()
+    _zero_grads(model)
     try:
-        with autocast:
+        with autocast, torch.set_grad_enabled(trains):
             full = model(**batch.model_inputs()).float()
+            if trains:  # the gradient of the summed token loss, normalised by the batch's label count
+                sum(_token_losses(full[row, span], batch.labels[row, span]).sum() for row, span in spans).div(labelled).backward()
+                packed = grad_projections(model)
+                _zero_grads(model)
+            full = full.detach()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
-            for i, (row, span) in enumerate(example_spans(batch)):
+            for i, (row, span) in enumerate(spans):
                 ids = batch.input_ids[row : row + 1, span]
                 alone = model(
                     input_ids=ids,
                     position_ids=batch.position_ids[row : row + 1, span],  # a split piece keeps its offset
                     attention_mask=torch.ones_like(ids),
                 ).float()[0]
+                labels = batch.labels[row, span]
+                if trains:  # the grads of the examples accumulate in place, in the parameters' dtype
+                    _token_losses(alone, labels).sum().div(labelled).backward()
+                    alone = alone.detach()
                 together = full[row, span]
                 diff = float((together - alone).abs().max())
                 scale = max(scale, float(alone.abs().max()))
                 if diff > worst:
                     worst, worst_i = diff, i
-                labels = batch.labels[row, span]
                 if len(labels) > 1:
                     d = (_token_losses(together, labels) - _token_losses(alone, labels)).abs().max()
                     loss_diff = max(loss_diff, float(d))
+            grad = {}
+            if trains:
+                reference = grad_projections(model)
+                _zero_grads(model)
+                for row, span in reversed(spans):  # the same reference, summed in the other order: its noise
+                    ids = batch.input_ids[row : row + 1, span]
+                    alone = model(input_ids=ids, position_ids=batch.position_ids[row : row + 1, span],
+                                  attention_mask=torch.ones_like(ids)).float()[0]
+                    _token_losses(alone, batch.labels[row, span]).sum().div(labelled).backward()
+                rms = max(float(reference.pow(2).mean().sqrt()), 1e-30)
+                noise = float((grad_projections(model) - reference).abs().max()) / rms
+                grad = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
+                            grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
     finally:
+        _zero_grads(model)
         model.train(was_training)
     tol = (TOLERANCE.get(dtype, 5e-2) if tolerance is None else tolerance) * scale
     return SelfCheckResult(
         "packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens, worst, loss_diff, tol,
-        worst_i, str(dtype).split(".")[-1],
+        worst_i, str(dtype).split(".")[-1], **grad,
     )
 
 
@@ -176,10 +248,14 @@ def run_startup_self_check(
         compute_dtype = None
     device = param.device
     result = self_check(model, batch.to(device), tolerance, compute_dtype, starts)
-    excess, = distributed.all_reduce_max([result.max_logit_diff / max(result.tolerance, 1e-30)], device)
-    if excess > 1.0:
+    excess, grad_excess = distributed.all_reduce_max(
+        [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)], device
+    )
+    if max(excess, grad_excess) > 1.0:
+        what = "logit diff" if excess >= grad_excess else "gradient gap"
         raise SelfCheckError(
-            f"startup self-check failed: {result.line()}; worst rank is {excess:.3g}x over tolerance. "
+            f"startup self-check failed: {result.line()}; worst rank's {what} is {max(excess, grad_excess):.3g}x over "
+            "tolerance. "
             "Examples are not kept apart: stopping before step 1 (model.self_check=false skips this check)"
         )
     log.info("startup self-check passed: %s", result.line())
