@@ -132,6 +132,13 @@ def check_positions(batch: Batch, starts: list[int] | None = None) -> None:
             raise SelfCheckError(f"the example at token {span.start} has a label on its first token (crosses a boundary)")
 
 
+def _alone(model: VarlenCausalLM, batch: Batch, row: int, span: slice) -> torch.Tensor:
+    """One example of ``batch`` run alone through the padded path (the reference): its float logits."""
+    ids = batch.input_ids[row : row + 1, span]
+    position_ids = batch.position_ids[row : row + 1, span]  # a split piece keeps its offset
+    return model(input_ids=ids, position_ids=position_ids, attention_mask=torch.ones_like(ids)).float()[0]
+
+
 def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
 
@@ -167,12 +174,7 @@ def self_check(
             full = full.detach()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
             for i, (row, span) in enumerate(spans):
-                ids = batch.input_ids[row : row + 1, span]
-                alone = model(
-                    input_ids=ids,
-                    position_ids=batch.position_ids[row : row + 1, span],  # a split piece keeps its offset
-                    attention_mask=torch.ones_like(ids),
-                ).float()[0]
+                alone = _alone(model, batch, row, span)
                 labels = batch.labels[row, span]
                 if trains:  # the grads of the examples accumulate in place, in the parameters' dtype
                     _token_losses(alone, labels).sum().div(labelled).backward()
@@ -193,10 +195,7 @@ def self_check(
                 noise = 0.0
                 if dtype in NOISY_DTYPES:
                     for row, span in reversed(spans):  # the same reference, summed in the other order: its noise
-                        ids = batch.input_ids[row : row + 1, span]
-                        alone = model(input_ids=ids, position_ids=batch.position_ids[row : row + 1, span],
-                                      attention_mask=torch.ones_like(ids)).float()[0]
-                        _token_losses(alone, batch.labels[row, span]).sum().div(labelled).backward()
+                        _token_losses(_alone(model, batch, row, span), batch.labels[row, span]).sum().div(labelled).backward()
                     noise = float((grad_projections(model) - reference).abs().max()) / rms
                 grad = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
                             grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
