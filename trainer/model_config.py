@@ -28,4 +28,14 @@ def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig
     return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
 
 
-__all__ = ["model_config"]
+def tokenizer_fields(tokenizer) -> dict:
+    """What a model built from ``family`` takes from the tokenizer (``base`` of ``model_config``)."""
+    return {
+        "vocab_size": len(tokenizer),
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+
+
+__all__ = ["model_config", "tokenizer_fields"]

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
     from trainer.data import TokenizedDataset
     from trainer.model import AttentionBackend
-    from trainer.packing import MicroBatchSampler
+    from trainer.packing import MicroBatchSampler, TokenCost
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +56,14 @@ class TrainingData:
 
 
 def build_training_data(
-    cfg: JobConfig, rank: int = 0, world_size: int = 1, *, tokenizer: Any = None, context: int | None = None
+    cfg: JobConfig, rank: int = 0, world_size: int | None = None, *, tokenizer: Any = None, context: int | None = None
 ) -> TrainingData:
     """Tokenizer -> dataset -> held-out split -> sampler, for this rank of ``world_size``.
 
     Args:
         cfg: the validated job config.
-        rank, world_size: whose micro-batches the sampler deals (the plan is the same on every rank).
+        rank, world_size: whose micro-batches the sampler deals (the plan is the same on every rank);
+            ``world_size=None``: one data-parallel group (``parallel.cp`` ranks), as the tools look at a run.
         tokenizer: an already loaded tokenizer (the trainer's model is built from it); ``None`` loads it.
         context: the model's context length when known (the trainer's built model states it); ``None``
             reads it from the model's config (``model_context``).
@@ -91,8 +92,10 @@ def build_training_data(
     # Context parallel: bins of C x token_budget tokens are planned and dealt to the world / C data-parallel
     # groups; every rank of a group (cp innermost: ranks g*C .. g*C + C - 1) gets the same bin and shards it.
     cp = cfg.parallel.cp
+    world_size = cp if world_size is None else world_size
     packing = dataclasses.replace(cfg.packing, token_budget=cfg.row_budget)
-    sampler = build_sampler(dataset.lengths, packing, rank // cp, world_size // cp, cfg.seed, grad_accum=cfg.grad_accum)
+    sampler = build_sampler(dataset.lengths, packing, rank // cp, world_size // cp, cfg.seed, grad_accum=cfg.grad_accum,
+                            cost=balance_cost(cfg, tokenizer))
     collate = collate_packed if cfg.packing.packed else collate_padded
     return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
 
@@ -113,6 +116,25 @@ def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, ran
     log.info("streaming %s: packed online from a window of %d examples per rank; the run is max_steps=%d steps",
              cfg.data.source, cfg.data.stream.buffer, cfg.max_steps)
     return TrainingData(tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe)
+
+
+def balance_cost(cfg: JobConfig, tokenizer: Any) -> TokenCost | None:
+    """``packing.balance=flops``: the model's FLOPs per example length, from its config alone (the model built
+    on the meta device, the vocabulary the trainer gives it), so the trainer and the tools deal the same plan.
+    With LoRA every base weight counts as frozen (4 FLOPs per parameter and token instead of 6)."""
+    if cfg.packing.balance != "flops":
+        return None
+    from trainer.errors import library_load
+    from trainer.model_config import model_config, tokenizer_fields
+    from trainer.throughput import config_flop_params, token_cost
+
+    base = None if cfg.model.name_or_path else tokenizer_fields(tokenizer)
+    what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
+    with library_load(what):
+        sizes = config_flop_params(model_config(cfg.model, base=base), cfg.model.trust_remote_code)
+    if cfg.peft.method != "none":
+        sizes = sizes._replace(frozen=sizes.params)
+    return token_cost(sizes)
 
 
 def model_context(cfg: ModelConfig) -> int | None:
@@ -145,4 +167,4 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
 
 
-__all__ = ["TrainingData", "build_training_data", "model_context", "resolve_attention", "streaming_training_data"]
+__all__ = ["TrainingData", "balance_cost", "build_training_data", "model_context", "resolve_attention", "streaming_training_data"]

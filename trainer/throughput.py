@@ -21,6 +21,7 @@ import torch
 
 from trainer import distributed
 from trainer.collate import Batch
+from trainer.packing.balance import TokenCost
 
 log = logging.getLogger("trainer")
 
@@ -109,10 +110,26 @@ def flop_params(model: torch.nn.Module) -> FlopParams:
     return FlopParams(n, frozen, int(n_layer), int(d_model))
 
 
+def token_cost(sizes: FlopParams) -> TokenCost:
+    """Forward + backward FLOPs per token (matmuls) and per squared example length (causal attention):
+    the two numbers ``model_flops`` and the ``packing.balance=flops`` deal both use."""
+    matmul = 6.0 * (sizes.params - sizes.frozen) + 4.0 * sizes.frozen
+    return TokenCost(per_token=matmul, per_pair=6.0 * sizes.layers * sizes.width)
+
+
 def model_flops(tokens: float, sum_sq_lengths: float, sizes: FlopParams) -> float:
     """Forward + backward model FLOPs on real tokens (see the module docstring)."""
-    matmul = 6.0 * (sizes.params - sizes.frozen) + 4.0 * sizes.frozen
-    return matmul * tokens + 6.0 * sizes.layers * sizes.width * sum_sq_lengths
+    cost = token_cost(sizes)
+    return cost.per_token * tokens + cost.per_pair * sum_sq_lengths
+
+
+def config_flop_params(config, trust_remote_code: bool = False) -> FlopParams:
+    """``flop_params`` of the model a transformers config builds, without weights: the model is built on the
+    meta device (no memory, no init), so every family's own layer shapes are counted, not a formula's guess."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        return flop_params(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
 
 
 def peak_tflops(

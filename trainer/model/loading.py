@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import DTYPE_NAMES, ModelConfig
-from trainer.model_config import model_config
+from trainer.model_config import model_config, tokenizer_fields
 from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.config_verdict import verify_config
@@ -49,13 +49,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
                 **cfg.init_fields(),
             )
     else:
-        special = {
-            "vocab_size": len(tokenizer),
-            "bos_token_id": tokenizer.bos_token_id,
-            "eos_token_id": tokenizer.eos_token_id,
-            "pad_token_id": tokenizer.pad_token_id,
-        }
-        config = model_config(cfg, base=special)
+        config = model_config(cfg, base=tokenizer_fields(tokenizer))
         check_family(config, cfg.self_check)
         verify_config(config)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss

@@ -12,7 +12,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.packing.balance import WORK_MEASURES, bin_weight, deal_bins, even_out_bins, rank_balance
+from trainer.packing.balance import (
+    WORK_MEASURES,
+    TokenCost,
+    bin_weight,
+    deal_bins,
+    even_out_bins,
+    rank_balance,
+    work_measure,
+)
 from trainer.packing.bins import Bins
 from trainer.packing.sampler import EpochPlan, MicroBatchSampler, matched_padded_batch_size, pack_params
 from trainer.packing.strategies import (
@@ -36,20 +44,22 @@ if TYPE_CHECKING:  # trainer.config imports the strategy registry from this pack
 
 def build_sampler(
     lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int, grad_accum: int = 1,
-    oversize: str = "error",
+    oversize: str = "error", cost: TokenCost | None = None,
 ) -> MicroBatchSampler:
     """The sampler for ``cfg.strategy``; a padded baseline's batch size is matched to the packed run.
-    ``oversize``: ``error`` or ``drop`` an example over the budget (tools only; see ``pack_params``)."""
+    ``oversize``: ``error`` or ``drop`` an example over the budget (tools only; see ``pack_params``);
+    ``cost``: the model's FLOPs per example length (``packing.balance=flops``)."""
     padded_bs = None
     if get_strategy(cfg.strategy).padded:
         padded_bs = cfg.padded_batch_size or matched_padded_batch_size(lengths, cfg, seed)
     return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs, grad_accum=grad_accum,
-                             oversize=oversize)
+                             oversize=oversize, cost=cost)
 
 
 __all__ = [
     "STRATEGIES",
     "WORK_MEASURES",
+    "TokenCost",
     "Bins",
     "EpochPlan",
     "MicroBatchSampler",
@@ -71,4 +81,5 @@ __all__ = [
     "piece_starts",
     "rank_balance",
     "split_into_pieces",
+    "work_measure",
 ]

@@ -4,7 +4,8 @@
    split in two (items alternate by length, so the halves hold similar tokens; nothing lost or repeated).
    Only when nothing can be split is a rank given an *empty* micro-batch (a forward/backward with no label
    token). Both are counted and logged by the sampler; data is never dropped or duplicated to even up.
-2. ``deal_bins``: bins are sorted by weight (tokens, or attention cost = sum of squared item lengths) and
+2. ``deal_bins``: bins are sorted by weight (``packing.balance``: tokens, attention cost = sum of squared item
+   lengths, or model FLOPs = both terms weighed as the model's own FLOPs weigh them, ``TokenCost``) and
    cut into rounds of ``world_size`` neighbours, so the micro-batches that run side by side hold about the
    same work; the rounds are then shuffled (when asked) and rank ``r`` takes the ``r``-th bin of each round.
 3. ``rank_balance``: the max/mean skew of per-rank work per optimizer step, the figure to watch.
@@ -13,33 +14,64 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from trainer.packing.bins import Bins
 from trainer.packing.strategies import item_lengths
 
-WORK_MEASURES: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    "tokens": lambda sizes: sizes,
-    "attention": lambda sizes: sizes * sizes,
-}
+@dataclass(frozen=True)
+class TokenCost:
+    """Model FLOPs of one example of ``n`` tokens: ``per_token * n + per_pair * n**2`` (the matmul
+    parameters' linear cost and causal attention's quadratic one; ``trainer.throughput.token_cost`` derives
+    both from the model, and ``model_flops`` counts a step's FLOPs with the same two numbers)."""
+
+    per_token: float
+    per_pair: float
+
+    def of(self, sizes: np.ndarray) -> np.ndarray:
+        sizes = np.asarray(sizes, dtype=np.float64)
+        return self.per_token * sizes + self.per_pair * sizes * sizes
+
+
+WORK_MEASURES = ("flops", "tokens", "attention")
 """What ranks can be balanced on (``packing.balance``): the work of each item of a bin from its length
-(a bin's work is the sum over its items)."""
+(a bin's work is the sum over its items): model FLOPs (``TokenCost``), tokens, or attention (length^2)."""
+
+Measure = Callable[[np.ndarray], np.ndarray]
 
 
-def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str = "tokens") -> int:
-    """Work in a bin: its tokens, or its attention cost (sum of squared item lengths)."""
-    return int(WORK_MEASURES[balance](item_lengths(bin_, lengths)).sum())
+def work_measure(balance: str | Measure, cost: TokenCost | None = None) -> Measure:
+    """``item lengths -> work`` for a ``packing.balance`` name (a callable is returned as is). ``flops``
+    needs the model's ``TokenCost``."""
+    if callable(balance):
+        return balance
+    if balance == "tokens":
+        return lambda sizes: sizes
+    if balance == "attention":
+        return lambda sizes: sizes * sizes
+    if balance == "flops":
+        if cost is None:
+            raise ValueError("packfsdp: packing.balance=flops needs the model's FLOP sizes (a TokenCost); "
+                             "pass cost= or choose packing.balance=tokens")
+        return cost.of
+    raise ValueError(f"packfsdp: packing.balance={balance!r}; choose one of {', '.join(WORK_MEASURES)}")
 
 
-def bin_weights(bins: Sequence[np.ndarray], lengths: np.ndarray, balance: str = "tokens") -> np.ndarray:
+def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens") -> int:
+    """Work in a bin (``work_measure``): its tokens, its attention cost (sum of squared item lengths), ..."""
+    return int(work_measure(balance)(item_lengths(bin_, lengths)).sum())
+
+
+def bin_weights(bins: Sequence[np.ndarray], lengths: np.ndarray, balance: str | Measure = "tokens") -> np.ndarray:
     """``bin_weight`` of every bin, in one numpy pass (a plan over 1M examples has ~100k bins)."""
     bins = Bins.of(bins)
-    return bins.segment_sums(WORK_MEASURES[balance](item_lengths(bins.items, lengths)))
+    return bins.segment_sums(work_measure(balance)(item_lengths(bins.items, lengths)))
 
 
 def even_out_bins(
-    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, balance: str = "tokens"
+    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, balance: str | Measure = "tokens"
 ) -> tuple[Bins, int, int]:
     """Make ``len(bins)`` a multiple of ``world_size``: split the heaviest splittable bins, then add empty
     filler bins. Returns (bins, number split, number of fillers)."""
@@ -65,7 +97,7 @@ def even_out_bins(
 
 def deal_bins(
     bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, rng: np.random.Generator | None,
-    balance: str = "tokens",
+    balance: str | Measure = "tokens",
 ) -> list[list[np.ndarray]]:
     """Rounds of ``world_size`` bins of similar weight (snake order), shuffled when ``rng`` is given."""
     order = deal_order(bin_weights(bins, lengths, balance), world_size, rng)

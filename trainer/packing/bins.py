@@ -64,8 +64,10 @@ class Bins(Sequence):
         return Bins(self.items, self.starts[which], self.ends[which])
 
     def segment_sums(self, per_item: np.ndarray) -> np.ndarray:
-        """Per bin, the sum of ``per_item`` (one int per item of ``items``) over its items."""
-        running = np.zeros(len(per_item) + 1, dtype=np.int64)
-        np.cumsum(per_item, dtype=np.int64, out=running[1:])
+        """Per bin, the sum of ``per_item`` (one number per item of ``items``) over its items: int64 for
+        integer work, float64 for FLOPs (an epoch's running sum of FLOPs would overflow int64)."""
+        dtype = np.float64 if np.issubdtype(np.asarray(per_item).dtype, np.floating) else np.int64
+        running = np.zeros(len(per_item) + 1, dtype=dtype)
+        np.cumsum(per_item, dtype=dtype, out=running[1:])
         return running[self.ends] - running[self.starts]
 

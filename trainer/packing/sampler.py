@@ -24,7 +24,15 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.packing.balance import bin_weights, deal_grid, even_out_bins, rank_balance, rank_balance_of
+from trainer.packing.balance import (
+    TokenCost,
+    bin_weights,
+    deal_grid,
+    even_out_bins,
+    rank_balance,
+    rank_balance_of,
+    work_measure,
+)
 from trainer.packing.bins import Bins
 from trainer.packing.strategies import PackParams, PackStats, get_strategy, pack
 
@@ -96,6 +104,7 @@ class MicroBatchSampler:
         grad_accum: micro-batches per optimizer step (for the balance report only).
         oversize: what a whole-example strategy does with an example over the budget (``error``/``drop``;
             see ``pack_params``).
+        cost: the model's FLOPs per example length (``TokenCost``); needed by ``packing.balance=flops``.
     """
 
     def __init__(
@@ -108,11 +117,14 @@ class MicroBatchSampler:
         padded_batch_size: int | None = None,
         grad_accum: int = 1,
         oversize: str = "error",
+        cost: TokenCost | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.lengths = np.asarray(lengths, dtype=np.int64)
         self.cfg = cfg
+        self.cost = cost if cfg.balance == "flops" else None  # the plan depends on it only under flops
+        self.measure = work_measure(cfg.balance, cost)
         self.strategy = get_strategy(cfg.strategy)
         self.rank, self.world_size, self.seed = rank, world_size, seed
         self.padded_batch_size = padded_batch_size or cfg.padded_batch_size or 1
@@ -129,9 +141,9 @@ class MicroBatchSampler:
         return np.random.default_rng([self.seed, epoch, stream])
 
     def _deal(self, bins: Bins, world_size: int, epoch: int, stream: int, stats: PackStats) -> EpochPlan:
-        bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.cfg.balance)
+        bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.measure)
         rng = self._rng(epoch, stream) if self.cfg.shuffle else None
-        weights = bin_weights(bins, self.lengths, self.cfg.balance)
+        weights = bin_weights(bins, self.lengths, self.measure)
         order = deal_grid(weights, world_size, rng)  # evened out: full rounds only, no -1
         return EpochPlan(bins, order, world_size, stats, splits, fillers, weights[order])
 
@@ -213,6 +225,8 @@ class MicroBatchSampler:
     def fingerprint(self) -> str:
         """What the plans depend on besides (seed, epoch, world): the config and the example lengths."""
         cfg = asdict(self.cfg) | {"padded_batch_size": self.padded_batch_size, "oversize": self.params.oversize}
+        if self.cost is not None:  # flops: the deal depends on the model's sizes
+            cfg["cost"] = asdict(self.cost)
         digest = hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16]
         return hashlib.sha256(json.dumps([cfg, digest], sort_keys=True).encode()).hexdigest()[:16]
 

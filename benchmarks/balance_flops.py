@@ -1,0 +1,137 @@
+"""Which ``packing.balance`` measure balances the model's FLOPs across data-parallel ranks (a script, not a test).
+
+    python benchmarks/balance_flops.py [--worlds 4,16] [--n 20000] [--time-steps 0]
+
+For each workload (example lengths) and model (its FLOPs per example length, ``TokenCost``: matmul parameters
+x length + causal attention x length^2, from ``trainer.throughput.token_cost``), the sampler deals one epoch's
+bins to W ranks balancing ``tokens``, ``attention`` or ``flops``; the figure is the max/mean skew of **FLOPs**
+per rank per optimizer step (``rank_balance``: sum over steps of the busiest rank's FLOPs over the sum of the
+mean, minus 1 -- the share of time ranks wait if time ~ FLOPs) and the worst single step.
+
+Workloads:
+- ``cpu_long_context``: the recipe's own generated reasoning-trace corpus (tokenized as the trainer does),
+  rows of ``cp x token_budget`` = 1024 tokens, with the recipe's GPT-2 (2 x 128) and with Qwen2.5-0.5B's sizes;
+- ``chat``: DailyDialog-like dialog lengths (``trainer.packing.workloads``), 2048-token bins;
+- ``long_cot``: a heavy-tailed length mix (Pareto, scale 512, cap 32k) in 32k-token rows, the GPU recipe's
+  regime (Qwen2.5-0.5B sizes).
+
+``--time-steps K`` also times K forward+backward passes of the recipe's GPT-2 on CPU per measure, for the
+cpu_long_context workload, taking per step the slowest of W simulated ranks' measured micro-batches (the time
+a synchronous step would wait): the wall-clock side of the same skew.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from trainer.config import PackingConfig  # noqa: E402
+from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost  # noqa: E402
+from trainer.packing.workloads import dailydialog_like_lengths, heavy_tailed_lengths  # noqa: E402
+
+
+def qwen2_5_0_5b_cost() -> TokenCost:
+    """Qwen2.5-0.5B's published sizes (24 x 896, GQA 14/2, MLP 4864, vocab 151936, tied), on the meta device."""
+    from transformers import Qwen2Config
+
+    from trainer.throughput import config_flop_params, token_cost
+
+    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+    return token_cost(config_flop_params(config))
+
+
+def recipe_corpus():
+    """The cpu_long_context recipe's training examples and its model's ``TokenCost``, as the trainer builds them."""
+    from trainer.compose import compose_job_config
+    from trainer.pipeline import build_training_data
+
+    cfg = compose_job_config(["recipe=cpu_long_context", "packing.balance=flops"])
+    data = build_training_data(cfg)
+    return cfg, data.dataset, data.sampler.cost
+
+
+def flops_skew(lengths: np.ndarray, budget: int, world: int, balance: str, cost: TokenCost, seed: int = 0):
+    """(skew, worst step skew) of FLOPs per rank per step when the deal balances ``balance``."""
+    cfg = PackingConfig(strategy="bfd", token_budget=budget, balance=balance)
+    sampler = MicroBatchSampler(lengths, cfg, 0, world, seed, cost=cost, oversize="drop")
+    report = sampler.balance_report(0, weight=lambda b: float(cost.of(lengths[b]).sum()))
+    return report["skew"], report["worst_step_skew"], sampler
+
+
+def timed_steps(cfg, dataset, sampler: MicroBatchSampler, steps: int) -> float:
+    """Sum over ``steps`` rounds of the slowest rank's measured forward+backward (recipe's GPT-2, CPU, fp32)."""
+    import torch
+
+    from trainer.collate import collate_packed
+    from trainer.loss import summed_token_loss
+    from trainer.model import build_model
+    from trainer.pipeline import resolve_attention
+
+    backend = resolve_attention(cfg, torch.device("cpu"))
+    model = build_model(cfg.model, _TOKENIZER[0], backend, cfg.seed).float()
+    total = 0.0
+    for round_ in sampler.plan(0).rounds[:steps]:
+        times = []
+        for bin_ in round_:
+            batch = collate_packed(dataset, bin_, _TOKENIZER[0].pad_token_id)
+            start = time.perf_counter()
+            summed_token_loss(model, batch).backward()
+            times.append(time.perf_counter() - start)
+        total += max(times)
+    return total
+
+
+_TOKENIZER: list = []
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--worlds", default="4,16", help="data-parallel world sizes")
+    parser.add_argument("--n", type=int, default=20000, help="examples of the generated workloads")
+    parser.add_argument("--time-steps", type=int, default=0, help="time this many steps per measure (CPU)")
+    args = parser.parse_args()
+    worlds = [int(w) for w in args.worlds.split(",")]
+    cfg, dataset, tiny = recipe_corpus()
+    qwen = qwen2_5_0_5b_cost()
+    chat = dailydialog_like_lengths(args.n, seed=1)
+    cot = heavy_tailed_lengths(args.n, seed=2, scale=512, cap=32768)
+    cases = [
+        ("cpu_long_context", "gpt2_tiny (recipe)", dataset.lengths, cfg.row_budget, tiny),
+        ("cpu_long_context", "Qwen2.5-0.5B sizes", dataset.lengths, cfg.row_budget, qwen),
+        ("chat (dailydialog-like)", "Qwen2.5-0.5B sizes", chat, 2048, qwen),
+        ("long_cot (pareto, 32k rows)", "Qwen2.5-0.5B sizes", cot, 32768, qwen),
+    ]
+    print("| workload | model | attention share of FLOPs | W | " + " | ".join(
+        f"skew balance={m} (worst step)" for m in WORK_MEASURES) + " |")
+    print("|---|---|---|---|" + "---|" * len(WORK_MEASURES))
+    for name, model, lengths, budget, cost in cases:
+        kept = lengths[lengths <= budget]
+        share = cost.per_pair * float((kept.astype(np.float64) ** 2).sum()) / float(cost.of(kept).sum())
+        for w in worlds:
+            cells = []
+            for m in WORK_MEASURES:
+                skew, worst, _ = flops_skew(lengths, budget, w, m, cost)
+                cells.append(f"{100 * skew:.2f}% ({100 * worst:.1f}%)")
+            print(f"| {name} | {model} | {100 * share:.0f}% | {w} | " + " | ".join(cells) + " |")
+    print(f"\n{len(dataset)} cpu_long_context examples (mean {dataset.lengths.mean():.0f}, max {dataset.lengths.max()} "
+          f"tokens); TokenCost gpt2_tiny {tiny}; Qwen2.5-0.5B {qwen}")
+    if args.time_steps:
+        from trainer.data import load_tokenizer
+
+        _TOKENIZER.append(load_tokenizer(cfg.model, cfg.data))
+        w = worlds[0]
+        print(f"\nmeasured: {args.time_steps} steps of {w} simulated ranks, sum of the slowest rank's forward+backward")
+        for m in WORK_MEASURES:
+            _, _, sampler = flops_skew(dataset.lengths, cfg.row_budget, w, m, tiny)
+            print(f"  balance={m}: {timed_steps(cfg, dataset, sampler, args.time_steps):.2f} s")
+
+
+if __name__ == "__main__":
+    main()
