@@ -45,7 +45,7 @@ from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
-from trainer.pipeline import build_training_data, resolve_attention
+from trainer.pipeline import balance_cost, build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
 from trainer.run_dir import RunDir, claim_run_dir
@@ -153,7 +153,8 @@ class Trainer:
         dataset, sampler = self.dataset, self.sampler
         if self.probe is not None:  # streaming: the stream's first examples stand in for the dataset
             dataset = self.probe
-            sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed)
+            sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed,
+                                    cost=balance_cost(self.cfg, self.tokenizer))
         first = worst_case_microbatch(sampler)
         batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
         run_startup_self_check(

@@ -70,8 +70,9 @@ def draw_histogram(lengths: np.ndarray, budget: int, title: str, path: Path) -> 
     plt.close(fig)
 
 
-def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[list[str], dict]:
-    """The report's lines and its figures (a dict, for tests and scripts)."""
+def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -> tuple[list[str], dict]:
+    """The report's lines and its figures (a dict, for tests and scripts); ``cost``: the model's
+    ``TokenCost`` when ``packing.balance=flops`` (``trainer.pipeline.balance_cost``)."""
     lengths, budget, seed = dataset.lengths, cfg.packing.token_budget, cfg.seed
     total, useful = int(lengths.sum()), useful_tokens_counter(dataset)
     batch_size = cfg.packing.padded_batch_size or matched_padded_batch_size(lengths, cfg.packing, seed)
@@ -96,7 +97,7 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int]) -> tuple[lis
         skews, worst = [], []
         for w in world_sizes:
             sampler = MicroBatchSampler(lengths, pcfg, 0, w, seed, padded_batch_size=batch_size,
-                                        grad_accum=cfg.grad_accum, oversize="drop")
+                                        grad_accum=cfg.grad_accum, oversize="drop", cost=cost)
             balance = sampler.balance_report(0, weight=useful)
             skews.append(balance["skew"])
             worst.append(balance["worst_step_skew"])
@@ -166,8 +167,9 @@ def run(argv: list[str]) -> dict:
     if cfg.data.stream.enabled:
         raise ConfigError("analyze reports on the whole dataset, which a stream never holds; run it without "
                           "data.stream.enabled (benchmarks/stream_fill.py measures the online packing's fill)")
-    dataset = build_training_data(cfg).dataset
-    lines, figures = packing_report(dataset, cfg, worlds)
+    data = build_training_data(cfg)
+    dataset = data.dataset
+    lines, figures = packing_report(dataset, cfg, worlds, data.sampler.cost)
     png = png or Path(cfg.output_root) / "analyze" / f"{cfg.name}_lengths.png"
     draw_histogram(dataset.lengths, cfg.packing.token_budget, f"{cfg.name}: {len(dataset)} examples", png)
     lines.append(f"histogram: {png}")
