@@ -105,6 +105,8 @@ class CPShard:
     slots: int
     cp: int
     rank: int
+    pairs: float = 0.0
+    """Causal (query, key) pairs this rank's queries attend (windows aside): its share of the row's attention."""
 
     def to(self, device: torch.device) -> "CPShard":
         moved = {k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in self.__dict__.items()}
@@ -153,7 +155,7 @@ def plan_shards(cu_seqlens: list[int], cp: int, split: str) -> list[CPShard]:
             doc_q=torch.from_numpy(doc_all[r].copy()), pos_q=torch.from_numpy(np.asarray(pos_all[r]).copy()),
             doc_all=torch.from_numpy(doc_all.reshape(-1).copy()),
             pos_all=torch.from_numpy(np.asarray(pos_all).reshape(-1).copy()),
-            slots=slots, cp=cp, rank=r,
+            slots=slots, cp=cp, rank=r, pairs=float((pos_all[r][index[r] >= 0] + 1).sum()),
         ))
     return shards
 
@@ -361,6 +363,18 @@ def check_same_row(batch: Batch, group, device: torch.device) -> None:
     dist.all_reduce(h, op=dist.ReduceOp.MAX, group=group)
     if h[0] != -h[1]:
         raise RuntimeError("packfsdp: the ranks of a context-parallel group hold different rows (sampler bug)")
+
+
+def step_skew(batches: list[Batch], cp: int, device: torch.device) -> float:
+    """This step's attention-cost skew of the CP groups: per group, the busiest rank's causal attention pairs
+    over the group's mean, minus 1, averaged over groups (each group counted once). One all-reduce."""
+    pairs = torch.zeros(dist.get_world_size(), dtype=torch.float64, device=device)
+    pairs[dist.get_rank()] = sum(b.cp_shard.pairs for b in batches if b.cp_shard is not None)
+    dist.all_reduce(pairs)
+    groups = pairs.view(-1, cp)
+    mean = groups.mean(dim=1)
+    busy = mean > 0
+    return float((groups.max(dim=1).values[busy] / mean[busy] - 1).mean()) if busy.any() else 0.0
 
 
 def row_lengths(bin_: np.ndarray, lengths: np.ndarray) -> list[int]:

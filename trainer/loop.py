@@ -24,7 +24,15 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
-from trainer.context_parallel import check_same_row, new_cp_group, refuse_unshardable, row_lengths, shard_batch, split_skew
+from trainer.context_parallel import (
+    check_same_row,
+    new_cp_group,
+    refuse_unshardable,
+    row_lengths,
+    shard_batch,
+    split_skew,
+    step_skew,
+)
 from trainer.data import load_tokenizer
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
@@ -219,6 +227,7 @@ class Trainer:
         self.faults.before_step(self.step + 1)
         batches = self.next_step_batches()
         counts = StepCounts.of(batches).all_reduced(self.device)
+        cp_skew = step_skew(batches, self.cp, self.device) if self.cp > 1 else None
         loss_sum = torch.zeros((), device=self.device)
         for i, batch in enumerate(batches):
             set_gradient_sync(self.model, i == len(batches) - 1)
@@ -235,7 +244,7 @@ class Trainer:
             counts, step=self.step, epoch=self.sampler.epoch, loss_sum=verdict.loss_sum, lr=lr, grad_norm=grad_norm,
             skipped=verdict.skip, step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
             model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, self.flop_params),
-            tokens_seen_before=self.tokens_seen,
+            tokens_seen_before=self.tokens_seen, cp_skew=cp_skew,
         )
         self.tokens_seen = metrics.tokens_seen
         return metrics

@@ -135,6 +135,9 @@ class StepMetrics(JsonRecord):
     tokens_seen: int | None = None
     """``useful_tokens`` summed over the run so far, this step included (restored on resume). ``None`` only
     in records written before it was logged."""
+    cp_skew: float | None = None
+    """Context parallel (``parallel.cp > 1``): the step's attention-cost skew across each CP group (the busiest
+    rank's causal attention pairs over the group's mean, minus 1; mean over groups). ``None`` without CP."""
     time: str | None = None
     """Wall-clock time the record was written (ISO 8601, UTC): lines steps up with outside monitoring."""
     elapsed_s: float | None = None
@@ -150,6 +153,7 @@ class StepMetrics(JsonRecord):
     def measure(
         cls, counts: StepCounts, *, step: int, epoch: int, loss_sum: float, lr: float, grad_norm: float,
         skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
+        cp_skew: float | None = None,
     ) -> StepMetrics:
         """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks."""
         useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
@@ -158,6 +162,7 @@ class StepMetrics(JsonRecord):
             useful_tokens=useful, tokens=int(counts.tokens), positions=int(counts.positions),
             padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
             step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
+            cp_skew=cp_skew,
         )
 
 
@@ -418,5 +423,6 @@ def format_step(m: StepMetrics) -> str:
         f"useful tok/s {m.useful_tokens_per_s:,.0f} | pad {100 * m.padding_fraction:.1f}% | "
         f"saved {100 * m.padding_saved_fraction:.1f}% | "
         f"step {1000 * m.step_time_s:.0f} ms | mem {m.peak_mem_gib:.2f} GiB"
+        + (f" | cp skew {100 * m.cp_skew:.1f}%" if m.cp_skew is not None else "")
         + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
     )

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.collate import collate_packed
-from trainer.context_parallel import shard_batch
+from trainer.context_parallel import attention_cost, shard_batch, step_skew
 from trainer.model import VarlenCausalLM, resolve_backend
 
 TOL = 1e-5
@@ -124,4 +124,22 @@ def run_cases(cache: str) -> dict:
                         "loss": abs(loss - ref_loss) / max(abs(ref_loss), 1.0),
                         "grad": worst,
                     }
+    results |= step_skew_cases(groups)
     return results
+
+
+def step_skew_cases(groups) -> dict:
+    """The step metrics' ``cp_skew``: one all-reduce gives each group's attention-cost skew, counted once per
+    group; it must equal the layout's own cost of the row (both groups hold the same row here)."""
+    rank, out = dist.get_rank(), {}
+    lengths = [37, 5, 3]
+    row = collate_packed(Examples(lengths, 97, seed=9), np.arange(len(lengths)))
+    for cp in (2, 4):
+        for split in ("contiguous", "balanced"):
+            local = shard_batch(row, cp, dist.get_rank(groups[cp][rank // cp]), split)
+            cost = attention_cost(lengths, cp, split)
+            skew = step_skew([local, local], cp, torch.device("cpu"))  # two micro-batches: the same skew
+            out[f"step_skew/cp{cp}/{split}"] = {"err": abs(skew - (cost.max() / cost.mean() - 1))}
+            if split == "contiguous":
+                out[f"step_skew/cp{cp}/{split}"]["not_trivial"] = float(skew < 0.05)  # contiguous is skewed
+    return out

@@ -30,6 +30,8 @@ def test_every_token_once_and_labels_counted_once(cp, split):
     assert sum(s.num_label_tokens for s in shards) == row.num_label_tokens
     assert sum(s.num_tokens for s in shards) == row.num_tokens
     assert len({s.input_ids.shape[1] for s in shards}) == 1  # equal shards for the all-gather
+    # each shard's attention pairs (the step metrics' cp_skew) are the layout's cost of that rank
+    assert [s.cp_shard.pairs for s in shards] == attention_cost(lengths, cp, split).tolist()
 
 
 def test_balanced_evens_out_attention_cost():

@@ -19,7 +19,7 @@ from trainer.throughput import StepCounts
 JSONL_KEYS = [
     "step", "epoch", "loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
     "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction", "model_flops",
-    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen", "time", "elapsed_s",
+    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen", "cp_skew", "time", "elapsed_s",
 ]
 
 
