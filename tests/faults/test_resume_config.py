@@ -104,3 +104,19 @@ def test_a_renamed_key_in_a_saved_config_is_compared_under_its_new_name():
     check_resume_config(saved, {"data": {"num_records": 300}}, [], 1, 1, "ckpt")
     with pytest.raises(ConfigError, match=r"data.num_records: 300 -> 400"):
         check_resume_config(saved, {"data": {"num_records": 400}}, [], 1, 1, "ckpt")
+
+
+def test_a_changed_cp_keeping_the_row_is_a_world_change_and_one_changing_it_is_refused_naming_it(caplog):
+    """``parallel.cp`` changes the data-parallel world (world / cp): with the same row (cp x token_budget) the
+    bins are the same and are re-dealt, as on a world-size change; another row is refused in one line."""
+    from trainer.checkpoint.config_check import check_resume_config
+
+    saved = {"grad_accum": 1, "parallel": {"cp": 2}, "packing": {"token_budget": 512}}
+    same_row = {"grad_accum": 1, "parallel": {"cp": 1}, "packing": {"token_budget": 1024}}
+    with caplog.at_level("WARNING", logger="trainer.checkpoint"):
+        check_resume_config(saved, same_row, [], 2, 1, "ckpt")  # 2 ranks, one CP group -> 1 rank: one group
+    assert "parallel.cp 2 -> 1 keeps rows of 1024 tokens" in caplog.text
+    assert "each optimizer step" not in caplog.text  # one data-parallel group before and after: same batch
+    other_row = {"grad_accum": 1, "parallel": {"cp": 1}, "packing": {"token_budget": 512}}
+    with pytest.raises(ConfigError, match=r"parallel.cp 2 -> 1 changes the packed row .*packing.token_budget=1024"):
+        check_resume_config(saved, other_row, [], 2, 1, "ckpt")

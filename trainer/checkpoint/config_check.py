@@ -5,7 +5,9 @@ Every key alters the math unless it is listed in ``HARMLESS`` (how long to train
 checkpoint cadence, where files go, how the same math is laid out on devices), so a new config section is
 checked from the day it exists. ``resume_allow_changes=[key, ...]`` accepts named changes (a key or a whole
 section). A ``grad_accum`` change that keeps ``grad_accum x world size`` (the global batch) is accepted: it is
-what the world-size warning suggests.
+what the world-size warning suggests. Under context parallelism the world that counts is the data-parallel one
+(world / ``parallel.cp``); a changed ``parallel.cp`` that keeps the row (``cp x token_budget``) is handled as a
+world-size change, one that changes the row is refused naming ``parallel.cp`` (``cp_change``).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def check_resume_config(
 ) -> None:
     """Raise ``ConfigError`` naming every math-changing key (unless allowed); log a world-size change."""
     changes = {k: v for k, v in changed_keys(saved, current).items() if not _covered(k, HARMLESS)}
+    _, saved_world, world = cp_change(saved, current, changes, saved_world, world, where)
     if "grad_accum" in changes and changes["grad_accum"][0] * saved_world == changes["grad_accum"][1] * world:
         changes.pop("grad_accum")  # the global batch (micro-batches per step over all ranks) is unchanged
     refused = {k: v for k, v in changes.items() if not _covered(k, allowed)}
@@ -70,9 +73,37 @@ def check_resume_config(
         )
     for key, (old, new) in changes.items():
         log.warning("resume: %s changed from %r to %r (allowed by resume_allow_changes)", key, old, new)
-    if saved_world != world:
+    if saved_world != world:  # data-parallel worlds: a CP group trains one row
         warn_world_size(saved.get("grad_accum", current.get("grad_accum", 1)), saved_world, world,
                         current.get("grad_accum", 1))
+
+
+def cp_change(
+    saved: dict, current: dict, changes: dict, saved_world: int, world: int, where: str
+) -> tuple[tuple[int, int], int, int]:
+    """A changed ``parallel.cp`` changes the data-parallel world (world / cp groups). When the packed row
+    (``cp x packing.token_budget``) stays the same, the bins are the same and the sampler re-deals the
+    unserved ones to the new groups, as on a world-size change: both keys leave ``changes`` and the data
+    worlds are returned for the world-size rule. A changed row changes every bin: refused in one line.
+
+    Returns ``((saved cp, cp), saved data-parallel world, data-parallel world)``."""
+    if "parallel.cp" not in changes:
+        cp = int(current.get("parallel", {}).get("cp", 1))
+        return (cp, cp), saved_world // cp, world // cp
+    saved_cp, cp = (int(x) for x in changes.pop("parallel.cp"))
+    budget = {"saved": saved.get("packing", {}).get("token_budget"), "now": current.get("packing", {}).get("token_budget")}
+    old_row, new_row = saved_cp * budget["saved"], cp * budget["now"]
+    if old_row != new_row:
+        keep = old_row / cp
+        how = f"packing.token_budget={int(keep)} keeps it" if keep == int(keep) else f"parallel.cp={saved_cp}"
+        raise ConfigError(
+            f"resume from {where}: parallel.cp {saved_cp} -> {cp} changes the packed row ({saved_cp} x "
+            f"{budget['saved']} = {old_row} -> {cp} x {budget['now']} = {new_row} tokens), so every bin differs; {how}"
+        )
+    changes.pop("packing.token_budget", None)
+    log.warning("resume: parallel.cp %d -> %d keeps rows of %d tokens; %d -> %d data-parallel group(s), the "
+                "unserved bins are re-dealt to them", saved_cp, cp, new_row, saved_world // saved_cp, world // cp)
+    return (saved_cp, cp), saved_world // saved_cp, world // cp
 
 
 def warn_world_size(saved_accum: int, saved_world: int, world: int, accum: int) -> None:
