@@ -377,6 +377,39 @@ def step_skew(batches: list[Batch], cp: int, device: torch.device) -> float:
     return float((groups.max(dim=1).values[busy] / mean[busy] - 1).mean()) if busy.any() else 0.0
 
 
+class CPRoute:
+    """The startup self-check's route under cp > 1 (``trainer.model.selfcheck.self_check(route=...)``): the
+    check row is sharded over the real CP group and run through the CP attention as training runs it; the
+    group's logits come back in row order (this rank's own part differentiable, so its backward gives this
+    rank's share of the gradient) and the gradient projections are summed over the group."""
+
+    def __init__(self, model: torch.nn.Module, cp: int, rank: int, split: str) -> None:
+        self.model, self.cp, self.rank, self.split = model, cp, rank, split
+
+    def __str__(self) -> str:
+        return f"context-parallel route: cp={self.cp}, {self.split} split, rank {self.rank} of its group"
+
+    def logits(self, batch: Batch) -> torch.Tensor:
+        device = batch.input_ids.device
+        shards = plan_shards(batch.cu_seqlens.tolist(), self.cp, self.split)
+        local = shard_batch(batch.to("cpu"), self.cp, self.rank, self.split).to(device)
+        mine = self.model(**local.model_inputs())[0]  # [S, V]
+        parts = [torch.empty_like(mine) for _ in range(self.cp)]
+        dist.all_gather(parts, mine.detach().contiguous(), group=self.model.cp_group)
+        parts[self.rank] = mine
+        gathered = torch.cat(parts)  # [C * S, V] in the group's order
+        where = torch.empty(int(batch.cu_seqlens[-1]), dtype=torch.long)
+        for r, shard in enumerate(shards):
+            real = shard.index >= 0
+            where[shard.index[real]] = r * shard.slots + torch.nonzero(real).flatten()
+        return gathered[where.to(device)][None]
+
+    def sum_over_ranks(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.clone()
+        dist.all_reduce(t, group=self.model.cp_group)
+        return t
+
+
 def row_lengths(bin_: np.ndarray, lengths: np.ndarray) -> list[int]:
     """Segment lengths of a bin: whole examples (1-D indices) or pieces (``(example, start, end)`` rows)."""
     bin_ = np.asarray(bin_)

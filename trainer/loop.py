@@ -25,6 +25,7 @@ from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
 from trainer.context_parallel import (
+    CPRoute,
     check_same_row,
     new_cp_group,
     refuse_unshardable,
@@ -94,11 +95,11 @@ class Trainer:
         model = model.to(self.device)
         self.loss_impl = model.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
         log.info("loss: %s", self.loss_impl)
-        if cfg.model.self_check:  # before FSDP: the unsharded model, stops every rank before step 1
-            self.startup_self_check(model)
         self.cp = cfg.parallel.cp
         refuse_unshardable(model.model, self.cp)
         model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
+        if cfg.model.self_check:  # before FSDP: the unsharded model (under cp, its CP route), before step 1
+            self.startup_self_check(model)
         if self.cp > 1:
             rows = [row_lengths(b, self.dataset.lengths) for round_ in self.sampler.plan(0).rounds[:64] for b in round_]
             log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
@@ -157,7 +158,8 @@ class Trainer:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
     def startup_self_check(self, model: torch.nn.Module) -> None:
-        """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``)."""
+        """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``);
+        under cp > 1 the batch is a row, run sharded over the real CP group (``CPRoute``)."""
         dataset, sampler = self.dataset, self.sampler
         if self.probe is not None:  # streaming: the stream's first examples stand in for the dataset
             dataset = self.probe
@@ -165,8 +167,9 @@ class Trainer:
                                     cost=balance_cost(self.cfg, self.tokenizer))
         first = worst_case_microbatch(sampler)
         batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
+        route = CPRoute(model, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split) if self.cp > 1 else None
         run_startup_self_check(
-            model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first
+            model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first, route
         )
 
     def training_state(self) -> TrainingState:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from trainer.collate import collate_packed
-from trainer.context_parallel import attention_cost, shard_batch, step_skew
+from trainer.context_parallel import CPRoute, attention_cost, gather_tokens, shard_batch, step_skew
 from trainer.model import VarlenCausalLM, resolve_backend
 
 TOL = 1e-5
@@ -125,7 +125,31 @@ def run_cases(cache: str) -> dict:
                         "grad": worst,
                     }
     results |= step_skew_cases(groups)
+    results |= self_check_cases(groups)
     return results
+
+
+def self_check_cases(groups) -> dict:
+    """The startup self-check on the CP route (``CPRoute``): the check row sharded over the real group passes
+    (logits and gradients vs one by one), and a CP attention that reads the wrong keys is caught."""
+    from trainer.model.selfcheck import self_check
+
+    rank, out = dist.get_rank(), {}
+    lengths = [29, 1, 6, 3]
+    data = Examples(lengths, 97, seed=11)
+    row = collate_packed(data, np.arange(len(lengths)))
+    model = tiny_model("qwen2")
+    for cp in (2, 4):
+        model.cp_group = groups[cp][rank // cp]
+        route = CPRoute(model, cp, dist.get_rank(model.cp_group), "balanced")
+        good = self_check(model, row, route=route)
+        model.cp_gather = lambda x, group: gather_tokens(x, group).flip(2)  # keys of the wrong tokens
+        broken = self_check(model, row, route=route)
+        model.cp_gather = None
+        out[f"self_check/cp{cp}"] = {"failed": float(not good.ok), "broken_passed": float(broken.ok),
+                                     "grad_gap": good.grad_gap if good.grad_gap < 1e-4 else 1.0}
+    model.cp_group = None
+    return out
 
 
 def step_skew_cases(groups) -> dict:

@@ -149,9 +149,13 @@ def self_check(
     tolerance: float | None = None,
     compute_dtype: torch.dtype | None = None,
     starts: list[int] | None = None,
+    route=None,
 ) -> SelfCheckResult:
     """Compare ``batch`` run as is with its examples run one by one (see the module docstring).
-    ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0."""
+    ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0.
+    ``route``: the way the run computes the batch when it is not ``model(**batch.model_inputs())`` -- an object
+    with ``logits(batch)`` (the row's logits, this rank's part differentiable) and ``sum_over_ranks(t)`` (the
+    gradient projections summed over the ranks that share the row): ``trainer.context_parallel.CPRoute``."""
     check_positions(batch, starts)
     device = next(model.parameters()).device
     dtype = compute_dtype or next(model.parameters()).dtype
@@ -166,10 +170,11 @@ def self_check(
     _zero_grads(model)
     try:
         with autocast, torch.set_grad_enabled(trains):
-            full = model(**batch.model_inputs()).float()
+            full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
             if trains:  # the gradient of the summed token loss, normalised by the batch's label count
                 sum(_token_losses(full[row, span], batch.labels[row, span]).sum() for row, span in spans).div(labelled).backward()
                 packed = grad_projections(model)
+                packed = route.sum_over_ranks(packed) if route is not None else packed
                 _zero_grads(model)
             full = full.detach()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
@@ -241,7 +246,8 @@ def worst_case_microbatch(sampler) -> np.ndarray:
 
 
 def run_startup_self_check(
-    model: VarlenCausalLM, batch: Batch, tolerance: float | None, compute_dtype, indices: np.ndarray | None = None
+    model: VarlenCausalLM, batch: Batch, tolerance: float | None, compute_dtype, indices: np.ndarray | None = None,
+    route=None,
 ) -> None:
     """Run ``self_check`` on every rank, agree on the worst result, log it, raise ``SelfCheckError`` on a
     mismatch. ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split)."""
@@ -251,7 +257,7 @@ def run_startup_self_check(
     if model.backend.unavailable(param.device, param.dtype) is None:
         compute_dtype = None
     device = param.device
-    result = self_check(model, batch.to(device), tolerance, compute_dtype, starts)
+    result = self_check(model, batch.to(device), tolerance, compute_dtype, starts, route)
     excess, grad_excess = distributed.all_reduce_max(
         [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)], device
     )
@@ -262,4 +268,4 @@ def run_startup_self_check(
             "tolerance. "
             "Examples are not kept apart: stopping before step 1 (model.self_check=false skips this check)"
         )
-    log.info("startup self-check passed: %s", result.line())
+    log.info("startup self-check passed%s: %s", "" if route is None else f" ({route})", result.line())
