@@ -5,6 +5,10 @@ bins to ranks exactly like training (equal micro-batch counts on every rank, emp
 then reports the summed token loss over all ranks divided by the global label count. Packed attention
 keeps examples apart and labels never cross a boundary, so this equals the mean token loss of the same
 examples evaluated one by one (``tests/unit/test_eval.py``).
+
+Under context parallelism (``cp > 1``) eval runs like training: rows of ``cp x token_budget`` tokens are dealt
+to the data-parallel groups and each row is sharded over its CP group (``trainer.context_parallel``), so a long
+held-out row fits as its training rows do; each rank counts its own labels, so every label counts once.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 
 from trainer import distributed
 from trainer.collate import Batch, collate_packed
+from trainer.context_parallel import shard_batch
 from trainer.data.examples import TokenizedDataset
 from trainer.data.holdout import holdout_mask, split_holdout, subset  # noqa: F401 (the split's home is data)
 from trainer.loss import summed_token_loss
@@ -39,19 +44,26 @@ def evaluate(
     token_budget: int,
     device: torch.device,
     pad_id: int = 0,
+    cp: int = 1,
+    cp_split: str = "balanced",
 ) -> dict[str, float]:
     """Mean token loss over ``dataset`` (all ranks), from packed micro-batches.
 
     Every rank must call this together: the micro-batch count is equal on every rank by construction, so
-    FSDP's all-gathers line up.
+    FSDP's all-gathers line up. ``cp > 1``: ``token_budget`` is the row (``JobConfig.row_budget``), dealt to
+    ``world / cp`` groups and sharded over each group (the model's ``cp_group``).
     """
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     labels = 0
-    for indices in eval_microbatches(dataset.lengths, token_budget, distributed.rank(), distributed.world_size()):
-        batch: Batch = collate_packed(dataset, indices, pad_id).to(device)
+    rank = distributed.rank()
+    for indices in eval_microbatches(dataset.lengths, token_budget, rank // cp, distributed.world_size() // cp):
+        batch: Batch = collate_packed(dataset, indices, pad_id)
+        if cp > 1:  # the group's row, this rank's shard of it
+            batch = shard_batch(batch, cp, rank % cp, cp_split)
+        batch = batch.to(device)
         loss_sum += summed_token_loss(model, batch).double()
         labels += batch.num_label_tokens
     model.train(was_training)

@@ -308,11 +308,12 @@ class Trainer:
                 "run_dir": str(self.run_dir)}
 
     def evaluate(self) -> EvalMetrics | None:
-        """Eval loss on the held-out split (packed batches; every rank takes part)."""
+        """Eval loss on the held-out split (packed batches; every rank takes part; under cp, sharded rows)."""
         if self.eval_dataset is None:
             return None
         result = EvalMetrics(step=self.step, **evaluate(
-            self.model, self.eval_dataset, self.cfg.packing.token_budget, self.device, self.tokenizer.pad_token_id
+            self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id,
+            self.cp, self.cfg.parallel.cp_split,
         ))
         self.summary.add_eval(result)
         self.metrics.log_eval(result)

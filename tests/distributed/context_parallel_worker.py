@@ -126,7 +126,30 @@ def run_cases(cache: str) -> dict:
                     }
     results |= step_skew_cases(groups)
     results |= self_check_cases(groups)
+    results |= eval_cases(groups)
     return results
+
+
+def eval_cases(groups) -> dict:
+    """Packed eval under cp: rows of cp x budget dealt to the data-parallel groups and sharded over each group
+    give the eval loss of cp=1, and no rank runs more than its shard of a row."""
+    from trainer.data.examples import TokenizedDataset  # noqa: F401 (the eval's dataset type; Examples stands in)
+    from trainer.evaluate import evaluate
+
+    lengths = [int(x) for x in np.random.default_rng(5).integers(1, 60, 24)]
+    data = Examples(lengths, 97, seed=13)
+    data.lengths = np.asarray(lengths)
+    model = tiny_model("gpt2")
+    seen = []
+    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    budget, out = 64, {}
+    ref = evaluate(model, data, budget, torch.device("cpu"))["eval_loss"]
+    for cp in (2, 4):
+        model.cp_group, seen[:] = groups[cp][dist.get_rank() // cp], []
+        loss = evaluate(model, data, cp * budget, torch.device("cpu"), cp=cp)["eval_loss"]
+        out[f"eval/cp{cp}"] = {"loss": abs(loss - ref), "unsharded": float(max(seen) > 1.5 * budget)}
+    model.cp_group = None
+    return out
 
 
 def self_check_cases(groups) -> dict:
