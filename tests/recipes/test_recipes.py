@@ -110,7 +110,7 @@ def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budg
     """The CPU context-parallel recipe: 2 ranks sharding each row (cp=2) train the same per-step losses as 1
     rank packing rows of twice the per-rank budget (cp=1), within 1e-4 (fp32)."""
     quick = ["max_steps=3", "data.num_records=120", "optim.warmup_steps=1", "logger.peak_tflops=1",
-             "checkpoint.every_steps=0", "parallel=fsdp_fp32"]
+             "checkpoint.every_steps=0", "parallel=fsdp_fp32", "eval.holdout_fraction=0.1"]
     runs = {}
     for nproc, extra in ((2, ["parallel.cp=2"]), (1, ["parallel.cp=1", "packing.token_budget=1024"])):
         cwd = tmp_path / f"cp{nproc}"
@@ -119,7 +119,14 @@ def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budg
                             cwd=cwd, env={"PYTHONPATH": str(REPO)}, timeout=300)
         assert_ok(proc)
         runs[nproc] = step_losses(cwd)
+        (evals,) = cwd.glob("outputs/*/*/eval.jsonl")  # the end-of-run eval: sharded rows under cp=2
+        runs[nproc, "eval"] = [json.loads(line)["eval_loss"] for line in evals.read_text().splitlines()]
+        if nproc == 2:  # the startup self-check ran the CP route; the step records carry the group's skew
+            assert "startup self-check passed (context-parallel route" in proc.stderr + proc.stdout
+            (metrics,) = cwd.glob("outputs/*/*/metrics.jsonl")
+            assert all(json.loads(line)["cp_skew"] is not None for line in metrics.read_text().splitlines())
     assert len(runs[2]) == 3 and runs[2] == pytest.approx(runs[1], abs=1e-4)
+    assert len(runs[2, "eval"]) == 1 and runs[2, "eval"] == pytest.approx(runs[1, "eval"], abs=1e-5)
 
 
 OWN_RECIPE = """\
