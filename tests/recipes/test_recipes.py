@@ -61,6 +61,19 @@ def test_chat_recipes_train_on_responses_only():
     assert jobs["qwen_chat_sft"].model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
 
 
+def test_long_cot_gpu_recipe_packs_32k_rows_over_a_cp_group():
+    """The GPU context-parallel recipe (composed, nothing downloaded): Qwen2.5-0.5B on a public long-CoT set,
+    rows of 32k tokens (the model's context) over cp 2-8, FLOPs-balanced; its comment's variants keep the row."""
+    job = compose_job(["recipe=qwen_long_cot"])
+    assert job.model.name_or_path == "Qwen/Qwen2.5-0.5B-Instruct" and job.data.source == "hf" and job.data.path
+    assert job.row_budget == job.data.max_length == 32768 and job.parallel.cp == 4 and job.packing.balance == "flops"
+    job.validate_world(8)  # 2 data-parallel groups of 4
+    for cp, budget in ((2, 16384), (8, 4096)):
+        variant = compose_job(["recipe=qwen_long_cot", f"parallel.cp={cp}", f"packing.token_budget={budget}"])
+        assert variant.row_budget == 32768
+        variant.validate_world(8)
+
+
 @pytest.mark.slow
 def test_cfg_job_prints_the_resolved_config(tmp_path):
     proc = python_train(["recipe=cpu_chat_sft", "--cfg", "job", "--resolve"], cwd=tmp_path, timeout=120)
