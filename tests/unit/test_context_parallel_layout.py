@@ -60,3 +60,22 @@ def test_length_dependent_rope_is_refused_under_cp():
     refuse_unshardable(model, 1)
     with pytest.raises(ConfigError, match="parallel.cp=2: .*dynamic/longrope"):
         refuse_unshardable(model, 2)
+
+
+def test_inspect_shows_what_each_cp_rank_holds_and_analyze_runs_under_cp(cache_dir, capsys, tmp_path):
+    """``packfsdp inspect`` on a cp=2 recipe: every row is followed by each rank's query runs (example, global
+    tokens, positions), together holding the row's tokens once; ``packfsdp analyze`` deals one dp group."""
+    import re
+
+    from trainer.tools import analyze, inspect_batches
+
+    overrides = ["recipe=cpu_long_context", "data.num_records=60", f"data.cache_dir={cache_dir}"]
+    inspect_batches.main([*overrides, "num_batches=1", "show_tokens=2"])
+    out = capsys.readouterr().out
+    row = int(re.search(r"packed row: \d+ examples, (\d+)/1024 tokens", out).group(1))
+    held = [int(n) for n in re.findall(r"rank \d: (\d+) tokens \+ \d+ pads", out)]
+    assert len(held) == 2 and sum(held) == row
+    spans = [(int(a), int(b)) for a, b in re.findall(r"tokens (\d+)-(\d+) \(positions", out)]
+    assert sorted(t for a, b in spans for t in range(a, b + 1)) == list(range(row))  # each token on one rank
+    figures = analyze.run([*overrides, f"output_root={tmp_path}", "--world-sizes", "2"])
+    assert figures["examples"] > 0

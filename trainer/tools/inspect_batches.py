@@ -4,10 +4,12 @@ Builds the tokenizer, dataset and sampler exactly as ``trainer.train`` would for
 (``trainer.pipeline.build_training_data``: the eval hold-out removed), then
 decodes the first micro-batches of one rank and prints, for each example: its slot in the row
 (``cu_seqlens`` boundary), its position_ids (which must restart at 0) and its text with the tokens that
-carry **no** loss shown inside ``[[ ]]`` (the first token of every example never carries loss).
+carry **no** loss shown inside ``[[ ]]`` (the first token of every example never carries loss). Under context
+parallelism (``parallel.cp > 1``) each row is followed by what every rank of the CP group holds of it
+(``cp_view``: its query runs, the example and positions of each, its pads and its attention pairs).
 
 Extra keys (not part of the training config): ``num_batches`` (default 2), ``rank`` (default 0),
-``world_size`` (default 1: the plan a run on that many ranks would deal) and ``show_tokens`` (tokens shown
+``world_size`` (default ``parallel.cp``, one data-parallel group: the plan a run on that many ranks would deal) and ``show_tokens`` (tokens shown
 at each end of an example, default 40; ``-1`` shows everything). Every other ``key=value`` is a normal
 Hydra override (``packing=none`` shows the padded baseline's micro-batches).
 """
@@ -28,7 +30,8 @@ from trainer.safety import printable
 if TYPE_CHECKING:
     from trainer.collate import Batch
 
-EXTRA = {"num_batches": 2, "rank": 0, "world_size": 1, "show_tokens": 40}
+EXTRA = {"num_batches": 2, "rank": 0, "world_size": 0, "show_tokens": 40}
+"""``world_size=0``: ``parallel.cp`` (one data-parallel group)."""
 NO_LOSS_OPEN, NO_LOSS_CLOSE = "[[", "]]"
 
 
@@ -85,6 +88,29 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
     return lines
 
 
+def cp_view(batch: Batch, cp: int, split: str) -> list[str]:
+    """What each rank of a CP group holds of a packed row (``trainer.context_parallel.plan_shards``): per rank,
+    its query runs as ``example e: tokens a-b (positions p-q)`` in slot order, its pads and its attention pairs."""
+    from trainer.context_parallel import plan_shards
+
+    lines = [f"  context parallel: cp={cp}, {split} split, {plan_shards(batch.cu_seqlens.tolist(), cp, split)[0].slots} "
+             "slots per rank"]
+    cu = batch.cu_seqlens.tolist()
+    for shard in plan_shards(cu, cp, split):
+        runs, bounds = [], shard.cu_seqlens_q.tolist()
+        for a, b in zip(bounds[:-1], bounds[1:]):
+            first, last = int(shard.index[a]), int(shard.index[b - 1])
+            if first < 0:
+                continue  # the pads' run
+            doc = int(shard.doc_q[a])
+            ex = batch.example_ids[doc] if doc < len(batch.example_ids) else doc
+            runs.append(f"example {ex}: tokens {first}-{last} (positions {int(shard.pos_q[a])}-{int(shard.pos_q[b - 1])})")
+        pads = int((shard.index < 0).sum())
+        lines.append(f"    rank {shard.rank}: {shard.slots - pads} tokens + {pads} pads, {shard.pairs:.0f} attention "
+                     f"pairs | " + "; ".join(runs))
+    return lines
+
+
 def parse_args(argv: list[str]) -> tuple[dict, list[str]]:
     extra, overrides = dict(EXTRA), []
     for arg in argv:
@@ -107,14 +133,19 @@ def main(argv: list[str] | None = None) -> None:
         cfg = compose_job_config(overrides)
     except ConfigError as e:
         sys.exit(f"packfsdp: config error: {e}")
+    extra["world_size"] = extra["world_size"] or cfg.parallel.cp
     if not 0 <= extra["rank"] < extra["world_size"]:
         sys.exit(f"packfsdp: rank={extra['rank']} is outside world_size={extra['world_size']}")
+    try:
+        cfg.validate_world(extra["world_size"])
+    except ConfigError as e:
+        sys.exit(f"packfsdp: config error: {e}")
 
     from trainer.pipeline import build_training_data
 
     data = build_training_data(cfg, extra["rank"], extra["world_size"])  # the examples trainer.train sees
     dataset, sampler, tokenizer = data.dataset, data.sampler, data.tokenizer
-    print(f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.packing.token_budget} | "
+    print(f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.row_budget} per row | "
           f"rank {extra['rank']} of {extra['world_size']} | text in {NO_LOSS_OPEN} {NO_LOSS_CLOSE} carries no loss")
     for n in range(extra["num_batches"]):
         epoch, indices, _ = sampler.next_microbatch()
@@ -122,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         batch = data.collate(dataset, indices, tokenizer.pad_token_id)
         # A split piece (packing=bfd_split|wrapped) starts at its offset inside the example, not at 0.
         starts = piece_starts(indices)
-        lines = describe(batch, tokenizer, cfg.packing.token_budget, extra["show_tokens"], starts)
+        lines = describe(batch, tokenizer, cfg.row_budget, extra["show_tokens"], starts)
+        if cfg.parallel.cp > 1:
+            lines += cp_view(batch, cfg.parallel.cp, cfg.parallel.cp_split)
         print("\n".join(printable(line) for line in lines))  # decoded data: no raw escape codes
 
 
