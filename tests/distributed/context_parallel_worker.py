@@ -127,7 +127,47 @@ def run_cases(cache: str) -> dict:
     results |= step_skew_cases(groups)
     results |= self_check_cases(groups)
     results |= eval_cases(groups)
+    results |= composition_cases(groups)
     return results
+
+
+def composition_cases(groups) -> dict:
+    """cp=2 composed with activation checkpointing (the K/V all-gather runs again in the recompute) and LoRA
+    (adapter gradients), each against the same examples one by one. (Compile is not here: 4 ranks compiling
+    on this 2-core machine took 130 s of the launch.)"""
+    from trainer.config import ModelConfig, ParallelConfig, PeftConfig
+    from trainer.model.lora import apply_peft
+    from trainer.parallel import apply_activation_checkpointing
+
+    rank, out, cp = dist.get_rank(), {}, 2
+    group = groups[cp][rank // cp]
+    rows = [[23, 4, 9], [31, 2]]
+
+    def compare(model, name, lengths, seed):
+        data = Examples(lengths, 97, seed=seed)
+        items = list(range(len(lengths)))
+        ref_logits, ref_loss, ref_grads = reference(model, data, items)
+        logits, loss, g = context_parallel(model, data, items, cp, "balanced", group)
+        out[name] = {"logits": float((logits - ref_logits).abs().max()),
+                     "loss": abs(loss - ref_loss) / max(abs(ref_loss), 1.0),
+                     "grad": max(float((g[n] - ref_grads[n]).abs().max()) for n in g)}
+
+    model = tiny_model("qwen2")
+    apply_activation_checkpointing(model.decoder_layers(), ParallelConfig(activation_checkpointing="full"))
+    calls = []
+    model.cp_gather = lambda x, grp: calls.append(torch.is_grad_enabled()) or gather_tokens(x, grp)
+    compare(model, "compose/activation_checkpointing", rows[0], 21)
+    model.cp_gather = None
+    out["compose/activation_checkpointing"]["no_recompute_gather"] = float(calls.count(True) < 2 * 2 * 2)
+
+    model = apply_peft(tiny_model("qwen2"), PeftConfig(method="lora", rank=4), ModelConfig(family="qwen2"), seed=0)
+    with torch.no_grad():  # B starts at zero: give the adapters a non-trivial state
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.05)
+    compare(model, "compose/lora", rows[1], 22)
+
+    return out
 
 
 def eval_cases(groups) -> dict:
