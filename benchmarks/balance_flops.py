@@ -1,6 +1,6 @@
 """Which ``packing.balance`` measure balances the model's FLOPs across data-parallel ranks (a script, not a test).
 
-    python benchmarks/balance_flops.py [--worlds 4,16] [--n 20000] [--time-steps 0]
+    python benchmarks/balance_flops.py [--worlds 4,16] [--n 20000]
 
 For each workload (example lengths) and model (its FLOPs per example length, ``TokenCost``: matmul parameters
 x length + causal attention x length^2, from ``trainer.throughput.token_cost``), the sampler deals one epoch's
@@ -14,17 +14,12 @@ Workloads:
 - ``chat``: DailyDialog-like dialog lengths (``trainer.packing.workloads``), 2048-token bins;
 - ``long_cot``: a heavy-tailed length mix (Pareto, scale 512, cap 32k) in 32k-token rows, the GPU recipe's
   regime (Qwen2.5-0.5B sizes).
-
-``--time-steps K`` also times K forward+backward passes of the recipe's GPT-2 on CPU per measure, for the
-cpu_long_context workload, taking per step the slowest of W simulated ranks' measured micro-batches (the time
-a synchronous step would wait): the wall-clock side of the same skew.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -65,37 +60,10 @@ def flops_skew(lengths: np.ndarray, budget: int, world: int, balance: str, cost:
     return report["skew"], report["worst_step_skew"], sampler
 
 
-def timed_steps(cfg, dataset, sampler: MicroBatchSampler, steps: int) -> float:
-    """Sum over ``steps`` rounds of the slowest rank's measured forward+backward (recipe's GPT-2, CPU, fp32)."""
-    import torch
-
-    from trainer.collate import collate_packed
-    from trainer.loss import summed_token_loss
-    from trainer.model import build_model
-    from trainer.pipeline import resolve_attention
-
-    backend = resolve_attention(cfg, torch.device("cpu"))
-    model = build_model(cfg.model, _TOKENIZER[0], backend, cfg.seed).float()
-    total = 0.0
-    for round_ in sampler.plan(0).rounds[:steps]:
-        times = []
-        for bin_ in round_:
-            batch = collate_packed(dataset, bin_, _TOKENIZER[0].pad_token_id)
-            start = time.perf_counter()
-            summed_token_loss(model, batch).backward()
-            times.append(time.perf_counter() - start)
-        total += max(times)
-    return total
-
-
-_TOKENIZER: list = []
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", default="4,16", help="data-parallel world sizes")
     parser.add_argument("--n", type=int, default=20000, help="examples of the generated workloads")
-    parser.add_argument("--time-steps", type=int, default=0, help="time this many steps per measure (CPU)")
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
     cfg, dataset, tiny = recipe_corpus()
@@ -122,15 +90,6 @@ def main() -> None:
             print(f"| {name} | {model} | {100 * share:.0f}% | {w} | " + " | ".join(cells) + " |")
     print(f"\n{len(dataset)} cpu_long_context examples (mean {dataset.lengths.mean():.0f}, max {dataset.lengths.max()} "
           f"tokens); TokenCost gpt2_tiny {tiny}; Qwen2.5-0.5B {qwen}")
-    if args.time_steps:
-        from trainer.data import load_tokenizer
-
-        _TOKENIZER.append(load_tokenizer(cfg.model, cfg.data))
-        w = worlds[0]
-        print(f"\nmeasured: {args.time_steps} steps of {w} simulated ranks, sum of the slowest rank's forward+backward")
-        for m in WORK_MEASURES:
-            _, _, sampler = flops_skew(dataset.lengths, cfg.row_budget, w, m, tiny)
-            print(f"  balance={m}: {timed_steps(cfg, dataset, sampler, args.time_steps):.2f} s")
 
 
 if __name__ == "__main__":
