@@ -77,6 +77,7 @@ def build_training_data(
     from trainer.evaluate import split_holdout
     from trainer.packing import build_sampler
 
+    world_size = cfg.parallel.cp if world_size is None else world_size
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.data)
     if context is None:
@@ -92,7 +93,6 @@ def build_training_data(
     # Context parallel: bins of C x token_budget tokens are planned and dealt to the world / C data-parallel
     # groups; every rank of a group (cp innermost: ranks g*C .. g*C + C - 1) gets the same bin and shards it.
     cp = cfg.parallel.cp
-    world_size = cp if world_size is None else world_size
     packing = dataclasses.replace(cfg.packing, token_budget=cfg.row_budget)
     sampler = build_sampler(dataset.lengths, packing, rank // cp, world_size // cp, cfg.seed, grad_accum=cfg.grad_accum,
                             cost=balance_cost(cfg, tokenizer))
