@@ -61,7 +61,7 @@ def check_resume_config(
 ) -> None:
     """Raise ``ConfigError`` naming every math-changing key (unless allowed); log a world-size change."""
     changes = {k: v for k, v in changed_keys(saved, current).items() if not _covered(k, HARMLESS)}
-    _, saved_world, world = cp_change(saved, current, changes, saved_world, world, where)
+    saved_world, world = cp_change(saved, current, changes, saved_world, world, where)
     if "grad_accum" in changes and changes["grad_accum"][0] * saved_world == changes["grad_accum"][1] * world:
         changes.pop("grad_accum")  # the global batch (micro-batches per step over all ranks) is unchanged
     refused = {k: v for k, v in changes.items() if not _covered(k, allowed)}
@@ -80,16 +80,16 @@ def check_resume_config(
 
 def cp_change(
     saved: dict, current: dict, changes: dict, saved_world: int, world: int, where: str
-) -> tuple[tuple[int, int], int, int]:
+) -> tuple[int, int]:
     """A changed ``parallel.cp`` changes the data-parallel world (world / cp groups). When the packed row
     (``cp x packing.token_budget``) stays the same, the bins are the same and the sampler re-deals the
     unserved ones to the new groups, as on a world-size change: both keys leave ``changes`` and the data
     worlds are returned for the world-size rule. A changed row changes every bin: refused in one line.
 
-    Returns ``((saved cp, cp), saved data-parallel world, data-parallel world)``."""
+    Returns ``(saved data-parallel world, data-parallel world)``."""
     if "parallel.cp" not in changes:
         cp = int(current.get("parallel", {}).get("cp", 1))
-        return (cp, cp), saved_world // cp, world // cp
+        return saved_world // cp, world // cp
     saved_cp, cp = (int(x) for x in changes.pop("parallel.cp"))
     budget = {"saved": saved.get("packing", {}).get("token_budget"), "now": current.get("packing", {}).get("token_budget")}
     old_row, new_row = saved_cp * budget["saved"], cp * budget["now"]
@@ -103,7 +103,7 @@ def cp_change(
     changes.pop("packing.token_budget", None)
     log.warning("resume: parallel.cp %d -> %d keeps rows of %d tokens; %d -> %d data-parallel group(s), the "
                 "unserved bins are re-dealt to them", saved_cp, cp, new_row, saved_world // saved_cp, world // cp)
-    return (saved_cp, cp), saved_world // saved_cp, world // cp
+    return saved_world // saved_cp, world // cp
 
 
 def warn_world_size(saved_accum: int, saved_world: int, world: int, accum: int) -> None:
