@@ -103,7 +103,7 @@ def test_bad_settings_are_errors():
     with pytest.raises(ValueError, match="negative"):
         pack(np.array([1, -2]), "bfd", PackParams(4), None)
     for bad in ({"token_budget": 0}, {"token_budget": -5}, {"max_examples_per_bin": 0}, {"strategy": "lpt"},
-                {"strategy": "wrapped", "token_budget": 1}, {"balance": "flops"}):
+                {"strategy": "wrapped", "token_budget": 1}, {"balance": "seconds"}):
         with pytest.raises(ConfigError):
             PackingConfig(**bad).validate()
 
