@@ -68,3 +68,16 @@ def test_the_pipeline_gives_the_sampler_the_models_cost(cache_dir):
     data = build_training_data(cfg)
     assert data.sampler.cost is not None and data.sampler.cost.per_pair == 6.0 * 2 * 128  # gpt2_tiny: 2 x 128
     assert data.sampler.microbatches_per_rank(0) > 0
+
+
+def test_under_lora_every_base_weight_counts_as_frozen():
+    """LoRA: the base's matmuls cost forward + activation gradient (4 per parameter and token), not 6."""
+    from trainer.compose import compose_job_config
+    from trainer.data import load_tokenizer
+    from trainer.pipeline import balance_cost
+
+    cfg = compose_job_config(["recipe=cpu_chat_lora", "packing.balance=flops"])
+    tokenizer = load_tokenizer(cfg.model, cfg.data)
+    lora = balance_cost(cfg, tokenizer)
+    full = balance_cost(compose_job_config(["recipe=cpu_chat_sft", "packing.balance=flops"]), tokenizer)
+    assert lora.per_token == pytest.approx(full.per_token * 4 / 6) and lora.per_pair == full.per_pair
