@@ -15,6 +15,8 @@ one module per tool, each a thin program over the library modules in ``trainer/`
 
 from __future__ import annotations
 
+import atexit
+import gc
 import importlib
 import sys
 
@@ -39,6 +41,7 @@ def usage() -> str:
 def main(argv: list[str] | None = None) -> None:
     """Run one tool; its arguments follow the tool's name. Only that tool's module is imported."""
     argv = sys.argv[1:] if argv is None else argv
+    atexit.register(gc.freeze)  # runs last: exit without collecting torch's objects (see trainer.train.main)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(usage())
         return
