@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data.examples import IGNORE_INDEX, TokenizedDataset, from_examples  # IGNORE_INDEX: re-exported below
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset, from_examples, holds_pairs  # IGNORE_INDEX: re-exported below
 
 
 @dataclass
@@ -99,7 +99,7 @@ def collate_packed(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int =
     indices = np.asarray(indices)
     if len(indices) == 0:
         return _empty_batch(pad_id)
-    if dataset.is_pairs:
+    if holds_pairs(dataset):
         return collate_pairs(dataset, indices, pad_id, collate_packed)
     pieces = indices if indices.ndim == 2 else None
     ids, labels, positions, seqlens = [], [], [], []
@@ -139,7 +139,7 @@ def collate_padded(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) 
         return _empty_batch(pad_id, packed=False)
     if np.asarray(indices).ndim != 1:
         raise ValueError("padded batches take whole examples; pieces need collate_packed")
-    if dataset.is_pairs:
+    if holds_pairs(dataset):
         return collate_pairs(dataset, indices, pad_id, collate_padded)
     examples = [dataset.example(int(i)) for i in indices]
     width = max(len(t) for t, _ in examples)

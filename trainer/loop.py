@@ -27,6 +27,7 @@ from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
 from trainer.context_parallel import check_same_row, new_cp_group, refuse_unshardable, row_lengths, shard_batch, split_skew
 from trainer.data import load_tokenizer
+from trainer.data.examples import holds_pairs
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
 from trainer.loss import summed_token_loss
@@ -174,7 +175,7 @@ class Trainer:
             dataset = self.probe
             sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed)
         first = worst_case_microbatch(sampler)
-        if dataset.is_pairs:  # pairs are packed whole: the pieces' pairs, as many as the budget holds
+        if holds_pairs(dataset):  # pairs are packed whole: the pieces' pairs, as many as the budget holds
             first = whole_pairs(first, dataset.lengths, self.cfg.row_budget)
         batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
         run_startup_self_check(
@@ -225,9 +226,9 @@ class Trainer:
                 break
         return batches
 
-    def forward_backward(self, batch: Batch, global_count: float) -> torch.Tensor:
+    def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
         """Summed token loss (``objective=dpo``: summed pair loss) of one micro-batch; backward of its share of
-        the global mean (over the global label-token or pair count)."""
+        the global mean (``global_label_tokens``; for ``objective=dpo``, the global pair count)."""
         self.faults.before_forward()
         if self.objective is not None:
             loss_sum, sums = self.objective.loss_sum(self.model, batch)
@@ -236,7 +237,7 @@ class Trainer:
             loss_sum = summed_token_loss(self.model, batch)
         loss_sum = self.faults.on_loss(loss_sum)
         # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
-        (loss_sum / max(global_count, 1.0)).backward()
+        (loss_sum / max(global_label_tokens, 1.0)).backward()  # objective=dpo: the global pair count
         return loss_sum.detach()
 
     def train_step(self) -> StepMetrics:

@@ -78,7 +78,10 @@ class JsonRecord:
         self.time, self.elapsed_s = utc_iso(now), round(now - started, 3)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        if record.get("preference", ...) is None:  # objective=sft: its records keep their keys
+            del record["preference"]
+        return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Self:

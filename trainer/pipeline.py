@@ -73,6 +73,7 @@ def build_training_data(
     """
     from trainer.collate import collate_packed, collate_padded
     from trainer.data import load_dataset, load_tokenizer
+    from trainer.data.examples import holds_pairs
     from trainer.evaluate import split_holdout
     from trainer.packing import build_sampler
 
@@ -85,7 +86,7 @@ def build_training_data(
     if cfg.data.stream.enabled:
         return streaming_training_data(cfg, tokenizer, max_length, rank, world_size)
     dataset = load_dataset(cfg.data, tokenizer, max_length)
-    check_objective_fits_data(cfg, dataset.is_pairs)
+    check_objective_fits_data(cfg, holds_pairs(dataset))
     dataset, eval_dataset = split_holdout(dataset, cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples)
     # Context parallel: bins of C x token_budget tokens are planned and dealt to the world / C data-parallel
     # groups; every rank of a group (cp innermost: ranks g*C .. g*C + C - 1) gets the same bin and shards it.

@@ -144,6 +144,11 @@ class TokenizedDataset:
                                 self.stored_pair_splits, self.stored_ref_logps)
 
 
+def holds_pairs(dataset) -> bool:
+    """Are ``dataset``'s examples preference pairs (any example container: a mixture or a stream's never are)."""
+    return bool(getattr(dataset, "is_pairs", False))
+
+
 def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.ndarray:
     """``blake2b(key=seed)`` of each example's tokens (``offsets``), the first 8 bytes as a little-endian uint64."""
     keyed = hashlib.blake2b(digest_size=8, key=seed.to_bytes(8, "little", signed=True))
