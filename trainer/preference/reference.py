@@ -42,7 +42,19 @@ class LiveReference:
 
     @torch.no_grad()
     def logps(self, batch: Batch) -> torch.Tensor:
-        return sequence_logps(self.model, batch).double()
+        out = sequence_logps(self.model, batch).double()
+        reshard(self.model)
+        return out
+
+
+def reshard(model: torch.nn.Module) -> None:
+    """Free the gathered parameters of a no-grad forward: no backward comes to reshard them (FSDP2 keeps
+    the root and the last block gathered after forward for the backward it expects)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
 
 
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
