@@ -171,7 +171,7 @@ def collate_pairs(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int, c
         raise ValueError("preference pairs are packed whole; pieces cannot hold a pair")
     sequences = [seq for i in indices for seq in dataset.pair(int(i))]
     batch = collate(from_examples(sequences), np.arange(len(sequences)), pad_id)
-    batch.example_ids, batch.num_pairs = [int(i) for i in indices], len(indices)
+    batch.example_ids, batch.num_pairs = [int(i) for i in indices for _ in range(2)], len(indices)  # per sequence
     refs = [dataset.ref_logps(int(i)) for i in indices]
     if refs and refs[0] is not None:
         batch.ref_logps = torch.from_numpy(np.concatenate(refs).astype(np.float64))

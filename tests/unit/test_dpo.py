@@ -169,3 +169,34 @@ def test_a_filler_batch_gives_zero_loss_and_zero_gradient():
     loss_sum.backward()
     assert float(loss_sum) == 0.0 and not sums.any()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_precomputed_reference_is_the_live_one_stored_with_the_cache(tokenizer, tmp_path, monkeypatch):
+    """``dpo.reference=precompute``: one pass stored next to the cache's arrays, keyed by the weights; the
+    batches then carry what a live frozen copy computes, and a second run reads it instead of computing."""
+    import dataclasses
+
+    from trainer.config import DataConfig, ModelConfig
+    from trainer.data import load_dataset
+    from trainer.data.holdout import split_holdout
+    from trainer.model import build_model, resolve_backend
+    from trainer.preference import reference as reference_module
+    from trainer.preference.reference import plan_reference
+
+    data = load_dataset(DataConfig(source="preference_synthetic", num_records=40, cache_dir=str(tmp_path)), tokenizer, 512)
+    train, held = split_holdout(data, 0.2, seed=1)
+    model = build_model(ModelConfig(config_overrides=dict(n_layer=1, n_embd=16, n_head=2)), tokenizer,
+                        resolve_backend("sdpa_varlen", torch.device("cpu")), seed=7)
+    model.use_loss("chunked")
+    live = plan_reference(DPOConfig(), model).build(model, lambda m: m, [], 0, torch.device("cpu"))
+    plan = plan_reference(DPOConfig(reference="precompute"), model, "float32")
+    stored = plan.build(model, None, [train, held], 512, torch.device("cpu"))
+    assert (data.folder / f"ref_logps_{plan.fingerprint}.npy").is_file()
+    for ds in (train, held):
+        batch = collate_packed(ds, np.arange(min(4, len(ds))))
+        torch.testing.assert_close(stored.logps(batch), live.logps(batch), atol=1e-5, rtol=1e-5)
+    monkeypatch.setattr(reference_module, "sequence_logps", lambda *a: pytest.fail("computed again"))
+    again = dataclasses.replace(train, stored_ref_logps=None)
+    plan.build(model, None, [again], 512, torch.device("cpu"))
+    np.testing.assert_array_equal(again.stored_ref_logps, train.stored_ref_logps)
+    assert plan_reference(DPOConfig(reference="precompute"), model, "bfloat16").fingerprint != plan.fingerprint

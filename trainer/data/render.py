@@ -32,9 +32,9 @@ from trainer.data.tables import Row, rows_to_records
 
 log = logging.getLogger(__name__)
 
-RENDER_VERSION = 4
+RENDER_VERSION = 5
 """Bumped whenever rendering changes, so stale cached datasets are never reused (3: a chat is tokenized
-whole, its mask taken from character spans, no longer piece by piece; 4: preference pairs, a
+whole, its mask taken from character spans, no longer piece by piece; 4, 5: preference pairs, a
 ``pair_split`` per example)."""
 
 

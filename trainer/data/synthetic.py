@@ -125,14 +125,18 @@ def generate_reasoning_traces(num_traces: int = 600, seed: int = 1234, mean_toke
     return traces
 
 
+PREFERRED_SHARE = 0.6
+"""Share of a reply's words drawn from its side's half of the vocabulary (0.5: no preference to learn)."""
+
+
 def generate_preference_pairs(num_pairs: int = 2000, seed: int = 1234, mean_reply_tokens: int = 60,
                               max_reply_tokens: int = 600) -> list[dict]:
     """Return ``num_pairs`` preference pairs in TRL's conversational format (``prompt``: a user turn,
     sometimes after a system prompt; ``chosen`` / ``rejected``: one assistant message each). Reply lengths
     are drawn apart for the two replies, log-normal with a heavy right tail (mean ~``mean_reply_tokens``,
     capped at ``max_reply_tokens``), so pairs spread in length as real ones do. The preference is learnable:
-    a chosen reply draws 80% of its words from one half of the vocabulary, a rejected one from the other
-    half, so a policy that moves mass between the halves ranks the pairs right (``recipes/cpu_dpo.yaml``
+    a chosen reply draws ``PREFERRED_SHARE`` of its words from one half of the vocabulary, a rejected one
+    from the other half, so a policy that moves mass between the halves ranks the pairs right (``recipes/cpu_dpo.yaml``
     shows its reward accuracy rising). A pure function of its arguments."""
     rng = np.random.default_rng(seed + 3)
     words = np.array(_WORDS)
@@ -143,7 +147,7 @@ def generate_preference_pairs(num_pairs: int = 2000, seed: int = 1234, mean_repl
     questions = _turn_lengths(rng, num_pairs)
 
     def sentence(n: int, preferred: np.ndarray, other: np.ndarray, end: str) -> str:
-        picks = np.where(rng.random(n) < 0.8, rng.choice(preferred, n), rng.choice(other, n))
+        picks = np.where(rng.random(n) < PREFERRED_SHARE, rng.choice(preferred, n), rng.choice(other, n))
         text = " ".join(picks)
         return text[:1].upper() + text[1:] + end
 
