@@ -73,7 +73,7 @@ def run_case(family: str, lora: bool, tokenizer, microbatches, rank: int) -> dic
     loss_two = distributed.all_reduce_sum([local], torch.device("cpu"))[0]
     grads = {n: p.grad for n, p in one.named_parameters() if p.requires_grad}
     diffs = {n: float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in model.named_parameters() if p.requires_grad}
-    sharded_ref = getattr(ref, "model", None)
+    sharded_ref = ref.model if plan.kind == "copy" else None
     return {"max_grad_diff": max(diffs.values()), "params": len(diffs), "loss_diff": abs(loss_one - loss_two),
             "loss": loss_one / global_pairs, "reference": plan.kind,
             "reference_sharded": sharded_ref is not None and all(hasattr(p, "full_tensor") for p in sharded_ref.parameters()),
