@@ -143,6 +143,7 @@ def precompute_reference(
                 if len(indices):
                     values[torch.as_tensor(indices, device=device)] = logps.view(-1, 2)
         model.train(was_training)
+        reshard(model)  # the optimizer, built next, must see the sharded parameters
         if distributed.is_initialized():
             torch.distributed.all_reduce(values)
         saved = values.cpu().numpy()
