@@ -60,7 +60,9 @@ def test_precomputed_reference_trains_checkpoints_and_matches_the_live_one(tmp_p
     holds the sharded parameters and checkpoints save), then the same losses as a live reference."""
     with one_rank_world():
         run(tmp_path / "live", "max_steps=2")
-        run(tmp_path / "pre", "max_steps=2", "dpo.reference=precompute")
+        trainer = run(tmp_path / "pre", "max_steps=2", "dpo.reference=precompute")
+    held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
+    assert all(hasattr(p, "full_tensor") for p in held)  # the sharded parameters, not gathered copies
     live, pre = records(tmp_path / "live"), records(tmp_path / "pre")
     assert (tmp_path / "pre" / "checkpoints" / "step_00000002").is_dir()
     for a, b in zip(live, pre):  # bf16 compute: the reference pass's bins differ from training's
