@@ -182,6 +182,9 @@ class Trainer:
         run_startup_self_check(
             model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first
         )
+        if batch.num_pairs:
+            log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone",
+                     batch.num_pairs, batch.num_examples)
 
     def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
