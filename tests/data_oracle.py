@@ -18,6 +18,6 @@ def render_records(records: list, tokenizer: PreTrainedTokenizerBase, cfg: DataC
     bad = BadRecords(cfg.on_bad_record, cfg.source)
     rendered = render_outcomes(records, tokenizer, cfg, max_length, bad)
     bad.finish([])
-    stats = stats_of(np.array([outcome for _, _, outcome in rendered], dtype=np.int8))
+    stats = stats_of(np.array([outcome for _, _, outcome, _ in rendered], dtype=np.int8))
     stats.dropped_bad += getattr(records, "skipped_bad", 0)
-    return from_examples([(ids, mask) for ids, mask, outcome in rendered if outcome <= Outcome.TRUNCATED], stats)
+    return from_examples([(ids, mask) for ids, mask, outcome, _ in rendered if outcome <= Outcome.TRUNCATED], stats)

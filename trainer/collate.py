@@ -16,6 +16,10 @@ where the example's previous piece left off instead of restarting at 0.
 A **padded** micro-batch is the classic rectangle: one row per example, right-padded to the longest, with
 an ``attention_mask`` and -100 labels on pads.
 
+A micro-batch of **preference pairs** (``trainer.data.pairs``) holds each pair's two sequences side by side:
+pair ``k`` is sequences ``2k`` (prompt + chosen) and ``2k + 1`` (prompt + rejected), each its own segment of
+``cu_seqlens`` with positions from 0 (packed), or its own row (padded); ``num_pairs`` counts them.
+
 Both carry ``num_label_tokens`` (tokens that carry loss: the "useful" tokens), ``num_tokens`` (real tokens)
 and ``num_positions`` (positions the model computes, pads included), so the metrics never guess.
 """
@@ -28,7 +32,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from trainer.data.examples import IGNORE_INDEX, TokenizedDataset  # IGNORE_INDEX: re-exported for the stages below
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset, from_examples, holds_pairs  # IGNORE_INDEX: re-exported below
 
 
 @dataclass
@@ -49,6 +53,10 @@ class Batch:
     cp_shard: Any = None
     """Context parallel only: this rank's ``trainer.context_parallel.CPShard`` of the row; ``labels`` are
     then already shifted (``labels[t]`` is what position ``t`` predicts) and ``cu_seqlens`` is the row's."""
+    num_pairs: int = 0
+    """Preference pairs in the batch: sequences ``2k`` and ``2k + 1`` are pair ``k``'s chosen and rejected."""
+    ref_logps: torch.Tensor | None = None
+    """``dpo.reference=precompute``: the reference's summed reply log-probs per sequence (float64)."""
 
     @property
     def packed(self) -> bool:
@@ -60,7 +68,7 @@ class Batch:
             move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
             self.max_seqlen, move(self.attention_mask), self.num_examples, self.num_tokens,
             self.num_label_tokens, self.num_positions, self.example_ids,
-            None if self.cp_shard is None else self.cp_shard.to(device),
+            None if self.cp_shard is None else self.cp_shard.to(device), self.num_pairs, move(self.ref_logps),
         )
 
     def model_inputs(self) -> dict:
@@ -91,6 +99,8 @@ def collate_packed(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int =
     indices = np.asarray(indices)
     if len(indices) == 0:
         return _empty_batch(pad_id)
+    if holds_pairs(dataset):
+        return collate_pairs(dataset, indices, pad_id, collate_packed)
     pieces = indices if indices.ndim == 2 else None
     ids, labels, positions, seqlens = [], [], [], []
     for k in range(len(indices)):
@@ -129,6 +139,8 @@ def collate_padded(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) 
         return _empty_batch(pad_id, packed=False)
     if np.asarray(indices).ndim != 1:
         raise ValueError("padded batches take whole examples; pieces need collate_packed")
+    if holds_pairs(dataset):
+        return collate_pairs(dataset, indices, pad_id, collate_padded)
     examples = [dataset.example(int(i)) for i in indices]
     width = max(len(t) for t, _ in examples)
     ids = np.full((len(examples), width), pad_id, dtype=np.int64)
@@ -150,6 +162,20 @@ def collate_padded(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) 
         num_positions=len(examples) * width,
         example_ids=[int(i) for i in indices],
     )
+
+
+def collate_pairs(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int, collate) -> Batch:
+    """Pairs ``indices`` as their sequences, chosen and rejected side by side, collated by ``collate``
+    (``collate_packed`` or ``collate_padded``) as examples of their own."""
+    if np.asarray(indices).ndim != 1:
+        raise ValueError("preference pairs are packed whole; pieces cannot hold a pair")
+    sequences = [seq for i in indices for seq in dataset.pair(int(i))]
+    batch = collate(from_examples(sequences), np.arange(len(sequences)), pad_id)
+    batch.example_ids, batch.num_pairs = [int(i) for i in indices for _ in range(2)], len(indices)  # per sequence
+    refs = [dataset.ref_logps(int(i)) for i in indices]
+    if refs and refs[0] is not None:
+        batch.ref_logps = torch.from_numpy(np.concatenate(refs).astype(np.float64))
+    return batch
 
 
 def _empty_batch(pad_id: int, packed: bool = True) -> Batch:

@@ -11,13 +11,15 @@ size optimise the same objective.
 
 from __future__ import annotations
 
+from functools import partial
 import json
 import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from trainer import distributed
@@ -35,6 +37,7 @@ from trainer.context_parallel import (
     step_skew,
 )
 from trainer.data import load_tokenizer
+from trainer.data.examples import holds_pairs
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
 from trainer.loss import summed_token_loss
@@ -57,6 +60,8 @@ from trainer.packing import build_sampler
 from trainer.pipeline import balance_cost, build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
+from trainer.preference import PAIR_SUMS, PreferenceObjective, preference_metrics
+from trainer.preference.reference import plan_reference
 from trainer.run_dir import RunDir, claim_run_dir
 from trainer.safety import redact_tree, user_code
 from trainer.throughput import StepCounts, flop_params, model_flops, peak_tflops
@@ -106,7 +111,11 @@ class Trainer:
                      "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%",
                      self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget,
                      100 * split_skew(rows, self.cp, "contiguous"), 100 * split_skew(rows, self.cp, "balanced"))
-        self.model = parallelize(model, build_mesh(self.device, self.world_size, cfg.parallel), cfg.parallel)
+        mesh = build_mesh(self.device, self.world_size, cfg.parallel)
+        reference = plan_reference(cfg.dpo, model, cfg.parallel.param_dtype, self.backend.name, self.loss_impl) \
+            if cfg.objective == "dpo" else None
+        self.model = parallelize(model, mesh, cfg.parallel)
+        self.objective = self.preference_objective(reference, mesh)
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
         same = {"the number of optimizer steps": self.total_steps}
@@ -127,6 +136,19 @@ class Trainer:
                 "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
                 len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
             )
+
+    def preference_objective(self, reference, mesh) -> PreferenceObjective | None:
+        """``objective=dpo``: the objective with its reference (``trainer.preference``), built after the
+        policy is sharded (a live copy is sharded the same way; ``precompute`` runs its pass now)."""
+        if reference is None:
+            return None
+        no_grad = replace(self.cfg.parallel, activation_checkpointing="none")  # nothing to recompute
+        ref = reference.build(self.model, lambda m: parallelize(m, mesh, no_grad),
+                              [self.dataset, self.eval_dataset], self.cfg.packing.token_budget, self.device,
+                              self.tokenizer.pad_token_id)
+        objective = PreferenceObjective(self.cfg.dpo, ref)
+        log.info("objective: %s", objective.describe())
+        return objective
 
     def start_distributed(self) -> None:
         """Device, process group, logging, the step guard and the run directory every rank agrees on."""
@@ -166,11 +188,16 @@ class Trainer:
             sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed,
                                     cost=balance_cost(self.cfg, self.tokenizer))
         first = worst_case_microbatch(sampler)
+        if holds_pairs(dataset):  # pairs are packed whole: the pieces' pairs, as many as the budget holds
+            first = whole_pairs(first, dataset.lengths, self.cfg.row_budget)
         batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
         route = CPRoute(model, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split) if self.cp > 1 else None
         run_startup_self_check(
             model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first, route
         )
+        if batch.num_pairs:
+            log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone",
+                     batch.num_pairs, batch.num_examples)
 
     def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
@@ -217,11 +244,17 @@ class Trainer:
         return batches
 
     def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
-        """Summed token loss of one micro-batch; backward of its share of the global mean."""
+        """Summed token loss (``objective=dpo``: summed pair loss) of one micro-batch; backward of its share of
+        the global mean (``global_label_tokens``; for ``objective=dpo``, the global pair count)."""
         self.faults.before_forward()
-        loss_sum = self.faults.on_loss(summed_token_loss(self.model, batch))
+        if self.objective is not None:
+            loss_sum, sums = self.objective.loss_sum(self.model, batch)
+            self.pair_sums += sums
+        else:
+            loss_sum = summed_token_loss(self.model, batch)
+        loss_sum = self.faults.on_loss(loss_sum)
         # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
-        (loss_sum / max(global_label_tokens, 1.0)).backward()
+        (loss_sum / max(global_label_tokens, 1.0)).backward()  # objective=dpo: the global pair count
         return loss_sum.detach()
 
     def train_step(self) -> StepMetrics:
@@ -232,9 +265,11 @@ class Trainer:
         counts = StepCounts.of(batches).all_reduced(self.device)
         cp_skew = step_skew(batches, self.cp, self.device) if self.cp > 1 else None
         loss_sum = torch.zeros((), device=self.device)
+        self.pair_sums = torch.zeros(len(PAIR_SUMS), dtype=torch.float64, device=self.device)
+        global_count = counts.pairs if self.objective is not None else counts.label_tokens
         for i, batch in enumerate(batches):
             set_gradient_sync(self.model, i == len(batches) - 1)
-            loss_sum += self.forward_backward(batch, counts.label_tokens)
+            loss_sum += self.forward_backward(batch, global_count)
         self.faults.after_backward(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         # Every rank reaches the same verdict (one all-reduce): apply, or skip on all ranks together.
@@ -247,10 +282,16 @@ class Trainer:
             counts, step=self.step, epoch=self.sampler.epoch, loss_sum=verdict.loss_sum, lr=lr, grad_norm=grad_norm,
             skipped=verdict.skip, step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
             model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, self.flop_params),
-            tokens_seen_before=self.tokens_seen, cp_skew=cp_skew,
+            tokens_seen_before=self.tokens_seen, cp_skew=cp_skew, preference=self.step_preference_metrics(counts),
         )
         self.tokens_seen = metrics.tokens_seen
         return metrics
+
+    def step_preference_metrics(self, counts: StepCounts) -> dict[str, float] | None:
+        """``objective=dpo``: the step's TRL-named metrics over every rank (one all-reduce)."""
+        if self.objective is None:
+            return None
+        return preference_metrics(distributed.all_reduce_sum(self.pair_sums.tolist(), self.device), counts.pairs)
 
     def optimizer_step(self, apply: bool) -> float:
         """Apply the accumulated gradients (or drop them) and advance the schedule; the lr the step used."""
@@ -311,9 +352,11 @@ class Trainer:
         """Eval loss on the held-out split (packed batches; every rank takes part; under cp, sharded rows)."""
         if self.eval_dataset is None:
             return None
-        result = EvalMetrics(step=self.step, **evaluate(
-            self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id,
-            self.cp, self.cfg.parallel.cp_split,
+        # pairs: cp>1 is refused at build
+        run = partial(evaluate, cp=self.cp, cp_split=self.cfg.parallel.cp_split) if self.objective is None \
+            else self.objective.evaluate
+        result = EvalMetrics(step=self.step, **run(
+            self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id
         ))
         self.summary.add_eval(result)
         self.metrics.log_eval(result)
@@ -322,6 +365,7 @@ class Trainer:
     def finish(self) -> dict:
         result = self.summary.result(self.peak_tflops * self.world_size) | {
             "mode": "packed" if self.cfg.packing.packed else "padded",
+            "objective": self.cfg.objective,
             "strategy": self.cfg.packing.strategy,
             "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
             "loss_impl": self.loss_impl,
@@ -350,6 +394,17 @@ class Trainer:
                 100 * result["mfu"], result["steps"], self.world_size,
             )
         return result
+
+
+def whole_pairs(indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
+    """The self-check batch for preference pairs: the examples of its pieces (or rows), whole, in order,
+    those that fit ``budget`` together (the longest pair always does)."""
+    chosen, room = [], budget
+    for i in dict.fromkeys(int(v) for v in (indices[:, 0] if indices.ndim == 2 else indices)):
+        if lengths[i] <= room or not chosen:
+            chosen.append(i)
+            room -= int(lengths[i])
+    return np.array(chosen, dtype=np.int64)
 
 
 def json_safe(record: dict) -> dict:

@@ -110,19 +110,25 @@ def _chunked_pass(
         # d loss / d logits = softmax - one_hot(y), built in place of the logits (one [chunk, vocab] buffer).
         grad = logits.sub_(lse[:, None]).exp_()
         grad[torch.arange(len(y), device=y.device), y] -= 1.0
-        if softcap_slope is not None:
-            grad.mul_(softcap_slope)
-        if transform.scale != 1.0:
-            grad.mul_(transform.scale)
-        if grad_bias is not None:
-            grad_bias += grad.sum(0)
-        grad = grad.to(hidden.dtype)
-        grad_hidden[start : start + chunk] = grad @ weight
-        if weight.dtype == torch.float32:
-            grad_weight.addmm_(grad.t(), h)
-        else:
-            grad_weight += (grad.t() @ h).float()
+        grad_hidden[start : start + chunk] = _head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
     return loss, grad_hidden, grad_weight, grad_bias
+
+
+def _head_backward(grad, softcap_slope, transform: LogitTransform, h, weight, grad_weight, grad_bias) -> torch.Tensor:
+    """From a chunk's gradient w.r.t. its transformed logits (fp32, changed in place): the head's share of
+    the weight and bias gradients, accumulated in fp32, and the chunk's hidden-state gradient, returned."""
+    if softcap_slope is not None:
+        grad.mul_(softcap_slope)
+    if transform.scale != 1.0:
+        grad.mul_(transform.scale)
+    if grad_bias is not None:
+        grad_bias += grad.sum(0)
+    grad = grad.to(h.dtype)
+    if weight.dtype == torch.float32:
+        grad_weight.addmm_(grad.t(), h)
+    else:
+        grad_weight += (grad.t() @ h).float()
+    return grad @ weight
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
@@ -203,3 +209,69 @@ class HeadLoss:
     def __call__(self, hidden, weight, bias, targets) -> torch.Tensor:
         fn = liger_summed_loss if self.kernel == "liger" else chunked_summed_loss
         return fn(hidden, weight, bias, targets, self.transform, self.chunk_tokens)
+
+
+class _ChunkedTokenLogprobs(torch.autograd.Function):
+    """Per-token log-probabilities ``log_softmax(transform(hidden @ weight.T + bias))[target]``, a chunk of
+    tokens at a time. Unlike the summed loss, the gradient of each token is only known in backward (a DPO
+    pair's weight depends on its log-probs), so backward recomputes each chunk's logits: one more head
+    matmul, still one chunk's logits at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, targets, transform, chunk):
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        for start in range(0, hidden.shape[0], chunk):
+            logits, _ = transform.apply(F.linear(hidden[start : start + chunk], weight, bias).float())
+            y = targets[start : start + chunk]
+            out[start : start + chunk] = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets)
+        ctx.transform, ctx.chunk = transform, chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, bias, targets = ctx.saved_tensors
+        transform = ctx.transform
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+        for start in range(0, hidden.shape[0], ctx.chunk):
+            h, y = hidden[start : start + ctx.chunk], targets[start : start + ctx.chunk]
+            logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
+            # d logp[y] / d logits = one_hot(y) - softmax, scaled by each token's incoming gradient
+            grad = torch.softmax(logits, dim=-1).neg_()
+            grad[torch.arange(len(y), device=y.device), y] += 1.0
+            grad.mul_(grad_out[start : start + ctx.chunk, None].float())
+            grad_hidden[start : start + ctx.chunk] = _head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
+        grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
+
+
+def chunked_token_logps(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+    transform: LogitTransform = LogitTransform(), chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """Log-probability of each target ``[n]`` (fp32) under the LM head applied to ``hidden`` ``[n, hidden]``,
+    never holding more than one chunk's logits (the preference objective's building block)."""
+    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, transform, chunk_tokens_for(weight.shape[0], chunk_tokens))
+
+
+def naive_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Log-probability of each label of full ``[batch, seq, vocab]`` logits (shifted by one), flat ``[n]``."""
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    return logp[keep].gather(1, targets[keep][:, None]).squeeze(1)
+
+
+def sequence_of_labels(labels: torch.Tensor, cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    """The sequence each label position belongs to, flat in ``label_positions`` order: a packed row's
+    segment (``cu_seqlens``), else the padded row."""
+    targets = labels[:, 1:]
+    keep = targets != IGNORE_INDEX
+    if cu_seqlens is None:
+        rows = torch.arange(labels.shape[0], device=labels.device)[:, None].expand_as(targets)
+        return rows[keep]
+    positions = torch.arange(1, labels.shape[1], device=labels.device)
+    segment = torch.searchsorted(cu_seqlens[1:].to(positions.dtype), positions, right=True)
+    return segment[None].expand_as(targets)[keep]

@@ -78,7 +78,10 @@ class JsonRecord:
         self.time, self.elapsed_s = utc_iso(now), round(now - started, 3)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        record = asdict(self)
+        if record.get("preference", ...) is None:  # objective=sft: its records keep their keys
+            del record["preference"]
+        return record
 
     @classmethod
     def from_json(cls, record: dict[str, Any]) -> Self:
@@ -142,6 +145,10 @@ class StepMetrics(JsonRecord):
     """Wall-clock time the record was written (ISO 8601, UTC): lines steps up with outside monitoring."""
     elapsed_s: float | None = None
     """Seconds since this process started the run (a resumed attempt counts from its own start)."""
+    preference: dict[str, float] | None = None
+    """``objective=dpo``: the step's TRL-named metrics over all ranks (``rewards/chosen``, ``rewards/rejected``,
+    ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ``trainer.preference``);
+    ``loss`` is then the mean pair loss."""
 
     def __post_init__(self) -> None:
         self.useful_tokens_per_s = self.useful_tokens / self.step_time_s
@@ -154,11 +161,14 @@ class StepMetrics(JsonRecord):
         cls, counts: StepCounts, *, step: int, epoch: int, loss_sum: float, lr: float, grad_norm: float,
         skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
         cp_skew: float | None = None,
+        preference: dict[str, float] | None = None,
     ) -> StepMetrics:
-        """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks."""
+        """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks
+        (``preference``: its summed pair loss, divided by the global pair count)."""
         useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
+        denominator = counts.pairs if preference is not None else counts.label_tokens
         return cls(
-            step=step, epoch=epoch, loss=loss_sum / max(counts.label_tokens, 1.0), lr=lr, grad_norm=grad_norm,
+            step=step, epoch=epoch, loss=loss_sum / max(denominator, 1.0), lr=lr, grad_norm=grad_norm, preference=preference,
             useful_tokens=useful, tokens=int(counts.tokens), positions=int(counts.positions),
             padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
             step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
@@ -182,6 +192,9 @@ class EvalMetrics(JsonRecord):
     """Wall-clock time the record was written (ISO 8601, UTC)."""
     elapsed_s: float | None = None
     """Seconds since this process started the run."""
+    preference: dict[str, float] | None = None
+    """``objective=dpo``: the held-out pairs' TRL-named metrics (``eval_rewards/accuracies``, ...);
+    ``eval_loss`` is then the mean pair loss."""
 
 
 def setup_logging(rank: int) -> None:
@@ -255,7 +268,14 @@ class RunSummary:
             "final_loss": trained[-1].loss,
             "final_eval_loss": self.evals[-1].eval_loss if self.evals else float("nan"),
             "peak_mem_gib": max(m.peak_mem_gib for m in self.steps),
-        }
+        } | self.preference_result()
+
+    def preference_result(self) -> dict[str, Any]:
+        """``objective=dpo``: the last step's and the last eval's TRL-named metrics (``final_`` prefixed)."""
+        last = self.steps[-1].preference if self.steps else None
+        last_eval = self.evals[-1].preference if self.evals else None
+        out = {f"final_{k}": v for k, v in (last or {}).items()}
+        return out | {f"final_{k}": v for k, v in (last_eval or {}).items()}
 
 
 def model_flops_utilization(model_tflops_per_s: float, peak_tflops_total: float) -> float:
@@ -313,8 +333,11 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=metrics.step)
         log.info(
-            "eval  %5d | loss %.4f on %d held-out tokens (%.1f s)",
+            "eval  %5d | loss %.4f on %d held-out tokens (%.1f s)%s",
             metrics.step, metrics.eval_loss, metrics.eval_tokens, metrics.eval_time_s,
+            "" if not metrics.preference else " | {} pairs, reward acc {:.3f} margin {:.4f}".format(
+                metrics.preference["eval_pairs"], metrics.preference["eval_rewards/accuracies"],
+                metrics.preference["eval_rewards/margins"]),
         )
 
     def wall_clock(self) -> dict[str, Any]:
@@ -425,4 +448,6 @@ def format_step(m: StepMetrics) -> str:
         f"step {1000 * m.step_time_s:.0f} ms | mem {m.peak_mem_gib:.2f} GiB"
         + (f" | cp skew {100 * m.cp_skew:.1f}%" if m.cp_skew is not None else "")
         + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
+        + (" | reward acc {:.3f} margin {:.4f}".format(m.preference["rewards/accuracies"], m.preference["rewards/margins"])
+           if m.preference else "")
     )

@@ -74,6 +74,7 @@ def build_training_data(
     """
     from trainer.collate import collate_packed, collate_padded
     from trainer.data import load_dataset, load_tokenizer
+    from trainer.data.examples import holds_pairs
     from trainer.evaluate import split_holdout
     from trainer.packing import build_sampler
 
@@ -86,10 +87,9 @@ def build_training_data(
     max_length = cfg.max_example_length(context)
     if cfg.data.stream.enabled:
         return streaming_training_data(cfg, tokenizer, max_length, rank, world_size)
-    dataset, eval_dataset = split_holdout(
-        load_dataset(cfg.data, tokenizer, max_length),
-        cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples,
-    )
+    dataset = load_dataset(cfg.data, tokenizer, max_length)
+    check_objective_fits_data(cfg, holds_pairs(dataset))
+    dataset, eval_dataset = split_holdout(dataset, cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples)
     # Context parallel: bins of C x token_budget tokens are planned and dealt to the world / C data-parallel
     # groups; every rank of a group (cp innermost: ranks g*C .. g*C + C - 1) gets the same bin and shards it.
     cp = cfg.parallel.cp
@@ -98,6 +98,18 @@ def build_training_data(
                             cost=balance_cost(cfg, tokenizer))
     collate = collate_packed if cfg.packing.packed else collate_padded
     return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
+
+
+def check_objective_fits_data(cfg: JobConfig, pairs: bool) -> None:
+    """``objective=dpo`` trains on preference pairs and SFT on anything else: a mismatch is one line."""
+    from trainer.config import ConfigError
+
+    if pairs and cfg.objective != "dpo":
+        raise ConfigError(f"data.source={cfg.data.source} holds preference pairs (prompt/chosen/rejected); train "
+                          "them with objective=dpo (SFT would learn the rejected replies too)")
+    if not pairs and cfg.objective == "dpo":
+        raise ConfigError(f"objective=dpo needs preference pairs (prompt/chosen/rejected columns); data.source="
+                          f"{cfg.data.source} holds none")
 
 
 def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int) -> TrainingData:

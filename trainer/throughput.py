@@ -69,6 +69,8 @@ class StepCounts:
     """Positions padded micro-batches of the same examples would compute."""
     sum_squared_lengths: float
     """Sum of squared example lengths (the attention part of the model FLOPs)."""
+    pairs: float = 0.0
+    """Preference pairs (``objective=dpo`` divides its summed pair loss by this global count)."""
 
     @classmethod
     def of(cls, batches: list[Batch]) -> StepCounts:
@@ -76,7 +78,7 @@ class StepCounts:
         return cls(
             sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
             sum(b.num_positions for b in batches), sum(padded_equivalent_positions(b) for b in batches),
-            sum(sum_squared_lengths(b) for b in batches),
+            sum(sum_squared_lengths(b) for b in batches), sum(b.num_pairs for b in batches),
         )
 
     def all_reduced(self, device: torch.device) -> StepCounts:

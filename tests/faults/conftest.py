@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import shutil
@@ -27,8 +28,20 @@ SMALL_RUN = [
 def trainer(tmp_path_factory):
     """One Trainer shared by a module's tests (building one takes seconds); tests only read its state or
     run steps and compare before/after, so sharing is safe."""
-    from trainer import distributed
     from trainer.loop import Trainer
+
+    with one_rank_world():
+        run_dir = tmp_path_factory.mktemp("inproc")
+        t = Trainer(compose_job([*SMALL_RUN, f"run_dir={run_dir}"]))
+        t.model.train()
+        yield t
+        t.metrics.close()
+
+
+@contextlib.contextmanager
+def one_rank_world():
+    """Trainers built in this process (a world of one gloo rank), the environment and logging restored after."""
+    from trainer import distributed
 
     import torch
 
@@ -36,19 +49,17 @@ def trainer(tmp_path_factory):
     torch.set_num_threads(1)  # other tests and helpers share the CPU cores: no oversubscription
     saved_env = {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     saved_handlers = logging.getLogger().handlers[:]
-    run_dir = tmp_path_factory.mktemp("inproc")
-    t = Trainer(compose_job([*SMALL_RUN, f"run_dir={run_dir}"]))
-    t.model.train()
-    yield t
-    t.metrics.close()
-    distributed.destroy_distributed()
-    for k, v in saved_env.items():  # later tests spawn torchrun with os.environ: leave no RANK behind
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
-    logging.getLogger().handlers[:] = saved_handlers
-    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        distributed.destroy_distributed()
+        for k, v in saved_env.items():  # later tests spawn torchrun with os.environ: leave no RANK behind
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        logging.getLogger().handlers[:] = saved_handlers
+        torch.set_num_threads(threads)
 
 
 def train_process(*args: str) -> subprocess.CompletedProcess:

@@ -244,6 +244,6 @@ def test_arrays_are_written_in_place_as_npy_files(tmp_path):
     writer.add(np.zeros(0, np.int32), np.zeros(0, bool), np.zeros(0, np.int64))  # an empty chunk
     writer.finish()
     ds = open_arrays(tmp_path / "arrays")
-    assert sorted(p.suffix for p in ds.folder.iterdir()) == [".json"] + [".npy"] * 5  # nothing left over
+    assert sorted(p.suffix for p in ds.folder.iterdir()) == [".json"] + [".npy"] * 6  # nothing left over
     assert ds.tokens.tolist() == [0, 1, 2, 3, 4] and ds.offsets.tolist() == [0, 2, 5]
     assert ds.label_counts().tolist() == [1, 1] and ds.stats.label_tokens == 2

@@ -30,7 +30,7 @@ from trainer.config.common import (
 from trainer.config.job import JobConfig
 from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
-    PEFT_METHODS, CheckpointConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
+    PEFT_METHODS, CheckpointConfig, DPOConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
 )
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "PEFT_METHODS",
     "CheckpointConfig",
     "ConfigError",
+    "DPOConfig",
     "DataConfig",
     "EvalConfig",
     "GuardConfig",

@@ -44,7 +44,7 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 """A ``name_or_path`` starting so is a local folder (a hub id never does), checked to exist at once."""
 
 
-GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic", "reasoning_synthetic")
+GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic", "reasoning_synthetic", "preference_synthetic")
 """The sources ``trainer.data.sources`` generates offline (small: the local BPE may train on them even when
 they are streamed)."""
 

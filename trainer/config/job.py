@@ -4,10 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from trainer.config.common import GENERATED_SOURCES, ConfigError, check_finite_settings, check_positive, stated_context
+from trainer.config.common import (
+    GENERATED_SOURCES, ConfigError, check_choice, check_finite_settings, check_positive, stated_context,
+)
 from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
 from trainer.config.training import (
+    OBJECTIVES,
     CheckpointConfig,
+    DPOConfig,
     EvalConfig,
     GuardConfig,
     LoggerConfig,
@@ -30,7 +34,11 @@ class JobConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     guard: GuardConfig = field(default_factory=GuardConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
 
+    objective: str = "sft"
+    """``sft`` (the mean token cross-entropy of the labels) or ``dpo`` (a preference objective over pairs of
+    ``prompt``/``chosen``/``rejected`` data, set by the ``dpo`` section; ``trainer.preference``)."""
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
     output_root: str = "outputs"
@@ -67,9 +75,11 @@ class JobConfig:
         check_finite_settings(self)  # nan/inf anywhere (optim.lr=inf, guard.collective_timeout_s=inf): one line
         for part in (
             self.model, self.data, self.packing, self.parallel, self.optim, self.loss, self.logger, self.eval,
-            self.checkpoint, self.guard, self.peft,
+            self.checkpoint, self.guard, self.peft, self.dpo,
         ):
             part.validate()
+        check_choice("objective", self.objective, OBJECTIVES)
+        self.validate_objective()
         check_positive("epochs", self.epochs)
         check_positive("grad_accum", self.grad_accum)
         if self.max_steps is not None:
@@ -80,6 +90,22 @@ class JobConfig:
             raise ConfigError("summary_skip_steps must be >= 0")
         self.validate_budget()
         self.validate_streaming()
+
+    def validate_objective(self) -> None:
+        """``objective=dpo`` packs whole pairs on the cached data route, one data-parallel rank per row."""
+        if self.objective != "dpo":
+            return
+        refused = {
+            "packing.strategy": (self.packing.splits_examples, f"={self.packing.strategy} (a pair is packed whole: "
+                                 "packing=bfd, or packing=none for the padded baseline)"),
+            "data.stream.enabled": (self.data.stream.enabled, "=true (pairs are read through the data cache)"),
+            "data.mixture.sources": (bool(self.data.mixture.sources), " (mix preference sources into one file)"),
+            "parallel.cp": (self.parallel.cp > 1, f"={self.parallel.cp} (a pair's sequences are short enough "
+                            "to stay on one rank)"),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"objective=dpo cannot be combined with {key}{why}")
 
     def validate_streaming(self) -> None:
         """``data.stream.enabled=true`` needs a run length and packs online by best fit, one source at a time."""

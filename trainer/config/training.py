@@ -90,6 +90,45 @@ class PeftConfig:
             raise ConfigError("peft.target_modules must name at least one module (or [all-linear])")
 
 
+OBJECTIVES = ("sft", "dpo")
+DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+DPO_REFERENCES = ("live", "precompute")
+
+
+@dataclass
+class DPOConfig:
+    """The preference objective (``objective=dpo``; ``trainer.preference``), TRL's names and defaults."""
+
+    beta: float = 0.1
+    """Strength of the implicit KL penalty: rewards are ``beta * (log pi - log ref)`` of a reply (``simpo``:
+    ``beta *`` its mean token log-prob; SimPO's paper uses ~2.0)."""
+    loss: str = "sigmoid"
+    """``sigmoid`` (DPO), ``ipo`` (IPO, on mean token log-probs as TRL computes it) or ``simpo``
+    (reference-free, length-normalised, with the margin ``simpo_gamma``)."""
+    label_smoothing: float = 0.0
+    """Robust / conservative DPO (cDPO): the assumed probability that a pair's label is flipped, in [0, 0.5)."""
+    simpo_gamma: float = 0.5
+    """``simpo``: the target reward margin (TRL's ``CPOConfig.simpo_gamma``)."""
+    reference: str = "live"
+    """Where the reference log-probs come from: ``live`` (a frozen copy of the starting policy, FSDP2-sharded
+    like it, no grad, no optimizer state; with ``peft=lora`` the base with the adapters off, no copy) or
+    ``precompute`` (one pass before training, stored in the data cache: a run holds one model). ``simpo``
+    needs none."""
+
+    @property
+    def needs_reference(self) -> bool:
+        return self.loss != "simpo"
+
+    def validate(self) -> None:
+        check_choice("dpo.loss", self.loss, DPO_LOSSES)
+        check_choice("dpo.reference", self.reference, DPO_REFERENCES)
+        check_positive("dpo.beta", self.beta)
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
+        if self.label_smoothing and self.loss != "sigmoid":
+            raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {self.loss}")
+
+
 @dataclass
 class LoggerConfig:
     log_every: int = 1

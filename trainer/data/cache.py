@@ -135,8 +135,8 @@ def write_records(
     n = len(records) if limit is None else min(limit, len(records))
     for lo in range(0, n, RECORDS_CHUNK):
         rendered = render_outcomes(records[lo : min(n, lo + RECORDS_CHUNK)], tokenizer, cfg, max_length, bad)
-        writer.count(stats_of(np.array([outcome for _, _, outcome in rendered], dtype=np.int8)))
-        writer.add_examples([(ids, mask) for ids, mask, outcome in rendered if outcome <= Outcome.TRUNCATED])
+        writer.count(stats_of(np.array([outcome for _, _, outcome, _ in rendered], dtype=np.int8)))
+        writer.add_examples([(ids, mask, split) for ids, mask, outcome, split in rendered if outcome <= Outcome.TRUNCATED])
     return n
 
 
@@ -153,8 +153,9 @@ def write_arrow(
         status = batch.column("status").to_numpy()
         ids, mask = batch.column("input_ids"), batch.column("loss_mask")
         lengths = ids.value_lengths().to_numpy(zero_copy_only=False)
-        writer.add(ids.flatten().to_numpy(), mask.flatten().to_numpy(zero_copy_only=False),
-                   lengths[status <= Outcome.TRUNCATED])
+        kept = status <= Outcome.TRUNCATED
+        writer.add(ids.flatten().to_numpy(), mask.flatten().to_numpy(zero_copy_only=False), lengths[kept],
+                   batch.column("pair_split").to_numpy()[kept])
         writer.count(stats_of(status))
         reasons = batch.column("reason")
         for i in np.flatnonzero(status == Outcome.BAD):  # skipped (an error was raised in the worker)
@@ -176,7 +177,7 @@ def map_render(ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokeniz
     procs = 1 if len(ds) < SINGLE_PROCESS_BELOW else max(1, min(cfg.num_proc or default_num_proc(), len(ds) // MAP_BATCH))
     features = datasets.Features({
         "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("bool")),
-        "status": datasets.Value("int8"), "reason": datasets.Value("string"),
+        "status": datasets.Value("int8"), "reason": datasets.Value("string"), "pair_split": datasets.Value("int64"),
     })
     fingerprint = hashlib.sha256(f"{ds._fingerprint}|{key}".encode()).hexdigest()[:32]
     return ds.map(

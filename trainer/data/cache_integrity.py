@@ -29,7 +29,7 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
-SEALED = ("tokens.npy", "loss_mask.npy", "offsets.npy", "lengths.npy", "label_counts.npy", "stats.json")
+SEALED = ("tokens.npy", "loss_mask.npy", "offsets.npy", "lengths.npy", "label_counts.npy", "pair_splits.npy", "stats.json")
 """What a build writes, in ``checksums.json``."""
 
 
@@ -85,6 +85,7 @@ def check_consistent(folder: Path, max_length: int) -> None:
         mask = np.load(folder / "loss_mask.npy", mmap_mode="r")
         offsets, lengths = np.load(folder / "offsets.npy"), np.load(folder / "lengths.npy")
         counts = np.load(folder / "label_counts.npy")
+        splits = np.load(folder / "pair_splits.npy")
     except (OSError, ValueError) as e:
         raise CacheDamaged(f"an array does not read ({type(e).__name__}: {e})") from None
     n = len(lengths)
@@ -92,6 +93,8 @@ def check_consistent(folder: Path, max_length: int) -> None:
         raise CacheDamaged("an array has the wrong type")
     if len(offsets) != n + 1 or len(counts) != n or offsets[0] != 0 or (np.diff(offsets) != lengths).any():
         raise CacheDamaged("offsets.npy and lengths.npy disagree")
+    if len(splits) != n or (splits < 0).any() or (splits >= np.maximum(lengths, 1)).any():
+        raise CacheDamaged("pair_splits.npy disagrees with lengths.npy")
     if offsets[-1] != len(tokens) or len(tokens) != len(mask):
         raise CacheDamaged(f"offsets end at {offsets[-1]}, tokens.npy holds {len(tokens)}, loss_mask.npy {len(mask)}")
     if n and (lengths.min() < 1 or lengths.max() > max_length):

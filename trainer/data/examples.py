@@ -69,6 +69,30 @@ class TokenizedDataset:
     """The cache folder the arrays were mapped from (per-example hashes are kept there); ``None``: in memory."""
     hashes: dict[int, np.ndarray] = field(default_factory=dict, repr=False)
     """``content_hashes`` of the base examples, by seed (shared with every view)."""
+    stored_pair_splits: np.ndarray | None = None
+    """Preference pairs (``trainer.data.pairs``): per base example, where its second sequence starts;
+    ``None``: the examples are not pairs."""
+    stored_ref_logps: np.ndarray | None = None
+    """``dpo.reference=precompute``: per base example, the reference's summed reply log-probs
+    ``[chosen, rejected]`` (float64, ``trainer.preference.reference``)."""
+
+    @property
+    def is_pairs(self) -> bool:
+        return self.stored_pair_splits is not None
+
+    def base_index(self, i: int) -> int:
+        """Example ``i``'s index among the base examples (the cache folder's)."""
+        return i if self.rows is None else int(self.rows[i])
+
+    def pair(self, i: int) -> tuple[Example, Example]:
+        """Pair ``i``'s two sequences, chosen then rejected, each ``(ids, mask)``."""
+        tok, mask = self.example(i)
+        split = int(self.stored_pair_splits[self.base_index(i)])
+        return (tok[:split], mask[:split]), (tok[split:], mask[split:])
+
+    def ref_logps(self, i: int) -> np.ndarray | None:
+        """Pair ``i``'s precomputed reference log-probs ``[chosen, rejected]``, if any."""
+        return None if self.stored_ref_logps is None else self.stored_ref_logps[self.base_index(i)]
 
     def __len__(self) -> int:
         return len(self.offsets) - 1 if self.rows is None else len(self.rows)
@@ -116,7 +140,13 @@ class TokenizedDataset:
         rows = indices if self.rows is None else self.rows[indices]
         self.label_counts(), self.lengths  # noqa: B018 (computed once on the base, shared by every view)
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
-                                self.stored_lengths, self.stored_label_counts, self.folder, self.hashes)
+                                self.stored_lengths, self.stored_label_counts, self.folder, self.hashes,
+                                self.stored_pair_splits, self.stored_ref_logps)
+
+
+def holds_pairs(dataset) -> bool:
+    """Are ``dataset``'s examples preference pairs (any example container: a mixture or a stream's never are)."""
+    return bool(getattr(dataset, "is_pairs", False))
 
 
 def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.ndarray:

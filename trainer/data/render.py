@@ -24,6 +24,7 @@ from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
 from trainer.data.chat import ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template
 from trainer.data.examples import DatasetStats
+from trainer.data.pairs import PairToRender, is_pair_record, join_pair, only_last_replies, pair_segments
 from trainer.data.parts import Places
 from trainer.data.pretokenized import token_segments
 from trainer.data.sources import Record
@@ -31,9 +32,10 @@ from trainer.data.tables import Row, rows_to_records
 
 log = logging.getLogger(__name__)
 
-RENDER_VERSION = 3
+RENDER_VERSION = 5
 """Bumped whenever rendering changes, so stale cached datasets are never reused (3: a chat is tokenized
-whole, its mask taken from character spans, no longer piece by piece)."""
+whole, its mask taken from character spans, no longer piece by piece; 4, 5: preference pairs, a
+``pair_split`` per example)."""
 
 
 @dataclass
@@ -45,9 +47,9 @@ class ChatToRender:
 
 def record_segments(
     record: Record, tokenizer: PreTrainedTokenizerBase, loss_on: str, template: str, where: str
-) -> list[Segment] | ChatToRender | None:
+) -> list[Segment] | ChatToRender | PairToRender | None:
     """The pieces of one record (``None`` when it has no content; a chat is rendered later, in a batch).
-    Four kinds of record:
+    Four kinds of record, and preference pairs (``trainer.data.pairs``):
 
     - ``{"turns": [...]}`` (a dialog): ``BOS t1 EOS t2 EOS ...``; ``responses`` puts loss on turns 2, 4, ...
       and their EOS, ``all``/``auto`` on every turn;
@@ -57,6 +59,8 @@ def record_segments(
     - ``{"input_ids": [...], "labels": [...]}`` (pre-tokenized, ``trainer.data.pretokenized``): the ids as
       they are, loss where the labels (or a ``loss_mask``) say.
     """
+    if is_pair_record(record):
+        return pair_segments(record, tokenizer, where)
     if "input_ids" in record:
         return token_segments(record, len(tokenizer), loss_on, where)
     if "messages" in record:
@@ -100,8 +104,9 @@ class Outcome(IntEnum):
     BAD = 5
 
 
-Rendered = tuple[list[int], list[bool], Outcome]
-"""A record's tokens, loss mask and outcome (empty lists when it was left out)."""
+Rendered = tuple[list[int], list[bool], Outcome, int]
+"""A record's tokens, loss mask, outcome (empty lists when it was left out) and pair split (a preference
+pair: where its second sequence starts; 0 for every other record)."""
 
 
 def render_outcomes(
@@ -112,10 +117,24 @@ def render_outcomes(
     Every text piece of every record is tokenized in one batched call (fast tokenizers parallelise it).
     """
     per_record = _record_segments(records, tokenizer, cfg, bad)
-    texts = [s.text for segs in per_record if isinstance(segs, list) for s in segs if isinstance(s.text, str)]
+    texts = [s.text for segs in per_record for s in _text_pieces(segs) if isinstance(s.text, str)]
     encoded = iter(encode_pieces(tokenizer, texts))
-    return [_fit_example(segs, encoded, cfg.overlong, max_length) if isinstance(segs, list) else ([], [], segs)
-            for segs in per_record]
+    out: list[Rendered] = []
+    for segs in per_record:
+        if isinstance(segs, list):
+            out.append(_fit_example(segs, encoded, cfg.overlong, max_length))
+        elif isinstance(segs, PairToRender):
+            out.append(_fit_pair(segs, encoded, max_length))
+        else:
+            out.append(([], [], segs, 0))
+    return out
+
+
+def _text_pieces(segments) -> list[Segment]:
+    """The segments of a record in tokenization order (a pair's chosen side, then its rejected side)."""
+    if isinstance(segments, PairToRender):
+        return segments.chosen + segments.rejected
+    return segments if isinstance(segments, list) else []
 
 
 def encode_pieces(tokenizer: PreTrainedTokenizerBase, texts: list[str]) -> list[list[int]]:
@@ -162,26 +181,53 @@ def _record_segments(
         per_record.append(Outcome.EMPTY if segments is None else segments)
     chats = [p for p in per_record if isinstance(p, ChatToRender)]
     rendered = iter(chat_segments_batch([c.messages for c in chats], tokenizer, template, cfg.loss_on))
-    return [next(rendered) if isinstance(p, ChatToRender) else p for p in per_record]
+    pairs = [p for p in per_record if isinstance(p, PairToRender) and p.chat]
+    # a pair's loss is on its reply, whatever data.loss_on says (its log-probs are what DPO compares)
+    sides = iter(chat_segments_batch([m for p in pairs for m in (p.chosen, p.rejected)], tokenizer, template, "responses"))
+    out = []
+    for p in per_record:
+        if isinstance(p, ChatToRender):
+            p = next(rendered)
+        elif isinstance(p, PairToRender) and p.chat:
+            p = PairToRender(only_last_replies(next(sides), p.reply_turns[0]), only_last_replies(next(sides), p.reply_turns[1]))
+        out.append(p)
+    return out
 
 
 def _fit_example(segments: list[Segment], encoded, overlong: str, max_length: int) -> Rendered:
     """One example's tokens and loss mask (text segments take their ids from ``encoded`` in order),
     truncated to ``max_length`` or dropped per ``overlong``."""
+    ids, mask = _tokens(segments, encoded)
+    outcome = Outcome.KEPT
+    if len(ids) > max_length:
+        if overlong == "drop":
+            return [], [], Outcome.OVERLONG, 0
+        outcome, ids, mask = Outcome.TRUNCATED, ids[:max_length], mask[:max_length]
+    if not any(mask[1:]):
+        return [], [], Outcome.NO_LABELS, 0
+    return ids, mask, outcome, 0
+
+
+def _tokens(segments: list[Segment], encoded) -> tuple[list[int], list[bool]]:
     ids: list[int] = []
     mask: list[bool] = []
     for s in segments:
         piece = next(encoded) if isinstance(s.text, str) else s.text
         ids += piece
         mask += [s.loss] * len(piece)
-    outcome = Outcome.KEPT
-    if len(ids) > max_length:
-        if overlong == "drop":
-            return [], [], Outcome.OVERLONG
-        outcome, ids, mask = Outcome.TRUNCATED, ids[:max_length], mask[:max_length]
-    if not any(mask[1:]):
-        return [], [], Outcome.NO_LABELS
-    return ids, mask, outcome
+    return ids, mask
+
+
+def _fit_pair(pair: PairToRender, encoded, max_length: int) -> Rendered:
+    """A pair's stored example (``trainer.data.pairs.join_pair``); over ``max_length`` in all it is left out
+    (never cut: a truncated reply is another reply), a side without a reply token likewise."""
+    chosen, rejected = _tokens(pair.chosen, encoded), _tokens(pair.rejected, encoded)
+    if len(chosen[0]) + len(rejected[0]) > max_length:
+        return [], [], Outcome.OVERLONG, 0
+    if not any(chosen[1][1:]) or not any(rejected[1][1:]):
+        return [], [], Outcome.NO_LABELS, 0
+    ids, mask, split = join_pair(chosen, rejected)
+    return ids, mask, Outcome.KEPT, split
 
 
 class RowProblems(BadRecords):
@@ -213,10 +259,10 @@ def render_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTr
     rendered = render_outcomes(records, tokenizer, cfg, max_length, problems)
     position = {index: k for k, index in enumerate(indices)}
     out = {"input_ids": [[] for _ in indices], "loss_mask": [[] for _ in indices],
-           "status": [int(Outcome.BAD)] * len(indices), "reason": [""] * len(indices)}
-    for record, (ids, mask, outcome) in zip(records, rendered):
+           "status": [int(Outcome.BAD)] * len(indices), "reason": [""] * len(indices), "pair_split": [0] * len(indices)}
+    for record, (ids, mask, outcome, split) in zip(records, rendered):
         k = position[int(record.where[1:])]
-        out["input_ids"][k], out["loss_mask"][k], out["status"][k] = ids, mask, int(outcome)
+        out["input_ids"][k], out["loss_mask"][k], out["status"][k], out["pair_split"][k] = ids, mask, int(outcome), split
     for index, reason in problems.reasons.items():
         out["reason"][position[index]] = reason
     return out

@@ -12,7 +12,7 @@ registering one function, not touching the loop; a module of your own is importe
     def my_format(cfg: DataConfig) -> list[dict]:
         ...
 
-Shipped sources: ``dailydialog_synthetic``, ``chat_synthetic`` and ``reasoning_synthetic`` (generated, offline), ``dailydialog``
+Shipped sources: ``dailydialog_synthetic``, ``chat_synthetic``, ``reasoning_synthetic`` and ``preference_synthetic`` (generated, offline), ``dailydialog``
 (original text, parquet or hub), ``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
 (any hub dataset id, or a local dataset folder), the table sources with ``data.columns`` mapping.
 """
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
-from trainer.data.synthetic import generate_chats, generate_dialogs, generate_reasoning_traces
+from trainer.data.synthetic import generate_chats, generate_dialogs, generate_preference_pairs, generate_reasoning_traces
 from trainer.errors import library_load
 
 log = logging.getLogger(__name__)
@@ -122,6 +122,13 @@ def chat_synthetic(cfg: DataConfig) -> list[Record]:
 def reasoning_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated long, long-tailed question + reasoning-trace pairs (offline; ``trainer.data.synthetic``)."""
     return [{"turns": t} for t in generate_reasoning_traces(cfg.num_records, cfg.seed)]
+
+
+@register_source("preference_synthetic")
+def preference_synthetic(cfg: DataConfig) -> list[Record]:
+    """Generated preference pairs (prompt / chosen / rejected chats, long-tailed replies, a learnable
+    preference; offline; see ``trainer.data.synthetic``)."""
+    return generate_preference_pairs(cfg.num_records, cfg.seed)
 
 
 @register_source("dailydialog")

@@ -157,9 +157,9 @@ class ExampleStream:
         """``rows`` of the current part rendered: (training examples, held-out examples); counts updated."""
         records = rows_to_records(rows, self.cfg, self.bad) if self.rows.table else rows
         rendered = render_outcomes(records, self.tokenizer, self.cfg, self.max_length, self.bad)
-        counts = stats_of(np.array([outcome for *_, outcome in rendered], dtype=np.int8))
+        counts = stats_of(np.array([outcome for _, _, outcome, _ in rendered], dtype=np.int8))
         kept = [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
-                for ids, mask, outcome in rendered if outcome <= Outcome.TRUNCATED]
+                for ids, mask, outcome, _ in rendered if outcome <= Outcome.TRUNCATED]
         held = self.held_out_mask(kept)
         train = [e for e, h in zip(kept, held) if not h]
         counts = count_kept(counts, train)

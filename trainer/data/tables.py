@@ -6,6 +6,7 @@ The column mapping ``data.columns`` says which of your columns holds which packf
     messages   a list of {role, content} (or a JSON str) -> {"messages": [...]}  (chat)
     turns      a list of utterances                      -> {"turns": [...]}     (dialog)
     prompt + response (+ system)                         -> a two- or three-message chat
+    prompt + chosen + rejected   a preference pair (strings or message lists; trainer.data.pairs)
     role, content   the keys inside each message (ShareGPT: from, value)
 
 With no mapping the columns are recognised by name: ``messages`` or ``conversations`` (chat), ``text``,
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty, parse_json, utf8_lines
+from trainer.data.pairs import PAIR_FIELDS, TOKEN_PAIR_FIELDS
 from trainer.data.pretokenized import TOKEN_FIELDS
 
 SHAREGPT_ROLES = {"human": "user", "gpt": "assistant", "bot": "assistant", "model": "assistant"}
@@ -150,6 +152,9 @@ FORMATS = {
 def detect_columns(names: Iterable[str]) -> dict[str, str]:
     """The mapping for well-known column names (``data.columns`` left empty)."""
     names = set(names)
+    for fields in (TOKEN_PAIR_FIELDS, PAIR_FIELDS):  # preference pairs
+        if fields[1] in names and fields[2] in names:
+            return {f: f for f in fields if f in names}
     if "input_ids" in names:  # pre-tokenized: the ids and whichever mask columns came with them
         return {name: name for name in TOKEN_FIELDS if name in names}
     for field, candidates in (("messages", ("messages", "conversations")), ("text", ("text",)),
@@ -181,6 +186,8 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
         return []
     columns = dict(cfg.columns) or detect_columns(rows[0].keys())
     kinds = [k for k in ("messages", "text", "turns", "prompt", "input_ids") if k in columns]
+    if "chosen" in columns or "chosen_input_ids" in columns:  # a pair (its prompt is part of it)
+        kinds = ["chosen_input_ids" if "chosen_input_ids" in columns else "chosen"]
     if len(kinds) != 1 or (kinds[0] == "prompt" and "response" not in columns):
         raise ConfigError(
             f"data.source={cfg.source}: cannot tell which column holds the data (columns: "
@@ -206,7 +213,12 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
             bad.bad(where, f"no column {', '.join(map(repr, absent))} (columns: {', '.join(map(str, row))})")
             continue
         try:
-            if kind == "input_ids":
+            if kind == "chosen_input_ids":
+                record = {name: row[columns[name]] for name in TOKEN_PAIR_FIELDS if name in columns}
+            elif kind == "chosen":
+                record = {name: _pair_side(row.get(columns.get(name, name)), role_key, content_key, roles, where)
+                          for name in PAIR_FIELDS}
+            elif kind == "input_ids":
                 record = {name: row[columns[name]] for name in TOKEN_FIELDS if name in columns}
             elif kind == "text":
                 record = {"text": row[columns["text"]]}
@@ -224,6 +236,13 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
             continue
         records.append(_row(record, where))  # the record keeps its place for the renderer's messages
     return records
+
+
+def _pair_side(value, role_key: str | None, content_key: str | None, roles: dict[str, str], where: str):
+    """One field of a pair row: a string as it is, a list of messages normalised (``None``: missing)."""
+    if value is None or isinstance(value, str):
+        return value
+    return normalise_messages(value, role_key, content_key, roles, where)
 
 
 def normalise_messages(value, role_key: str | None, content_key: str | None, roles: dict[str, str], where: str) -> list:

@@ -103,6 +103,8 @@ def pretrained_tokenizer(name_or_path: str, trust_remote_code: bool = False) -> 
 
 def record_texts(record: dict) -> list[str]:
     """The raw text of a record of any kind (what the local BPE tokenizer is trained on)."""
+    if "chosen" in record:  # a preference pair: each field a string or a list of messages
+        return [t for f in ("prompt", "chosen", "rejected") for t in record_texts(_as_record(record.get(f)))]
     if "messages" in record:
         messages = [m for m in record["messages"] or [] if isinstance(m, dict)]
         return [str(m.get(k) or "") for m in messages for k in ("role", "content")]
@@ -112,10 +114,14 @@ def record_texts(record: dict) -> list[str]:
     return [text] if isinstance(text, str) else []
 
 
+def _as_record(value) -> dict:
+    return {"text": value} if isinstance(value, str) else {"messages": value if isinstance(value, list) else []}
+
+
 def pretokenized_refused(records: list[dict]) -> list[dict]:
     """``records``, unless they are pre-tokenized: their ids belong to the tokenizer that made them, and a
     tokenizer trained here would read them as other tokens."""
-    if records and isinstance(records[0], dict) and "input_ids" in records[0]:
+    if records and isinstance(records[0], dict) and ("input_ids" in records[0] or "chosen_input_ids" in records[0]):
         raise ConfigError(
             "the data is pre-tokenized (input_ids) but model.tokenizer=local_bpe would train a new tokenizer; "
             "name the tokenizer the ids came from: model.tokenizer=DIR_OR_HUB_ID (or load its model: model=hf "

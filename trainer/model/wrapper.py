@@ -16,7 +16,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainer.collate import IGNORE_INDEX
-from trainer.loss import HeadLoss, LogitTransform, head_matches_logits, label_positions, liger_available, naive_summed_loss
+from trainer.loss import (
+    HeadLoss, LogitTransform, chunked_token_logps, head_matches_logits, label_positions, liger_available,
+    naive_summed_loss, naive_token_logps, sequence_of_labels,
+)
 from trainer.model.attention import AttentionBackend
 from trainer.model.attention_needs import AttentionNeeds
 from trainer.model.packed_layout import packed_attention_kwargs
@@ -71,10 +74,14 @@ class VarlenCausalLM(nn.Module):
         attention_mask: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
         cp_shard=None,
+        per_sequence: bool = False,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``; with ``labels``, the summed token loss (fp32 scalar) instead,
         through the loss implementation ``use_loss`` picked. The loss runs here, inside the root module's
-        forward, because that is where FSDP2 holds the head's parameters gathered."""
+        forward, because that is where FSDP2 holds the head's parameters gathered. With ``per_sequence``
+        (the preference objective), each sequence's summed label log-probability ``[sequences]`` instead."""
+        if per_sequence:
+            return self.sequence_logps(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, labels)
         if cp_shard is not None:
             inputs = self.context_parallel_inputs(input_ids, position_ids, cp_shard)
         else:
@@ -92,6 +99,21 @@ class VarlenCausalLM(nn.Module):
         hidden, targets = label_positions(hidden, labels)
         head = self.model.get_output_embeddings()
         return self.loss(hidden, head.weight, head.bias, targets)
+
+    def sequence_logps(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, labels) -> torch.Tensor:
+        """Summed label log-probabilities per sequence (a packed segment or a padded row), fp32: the chunked
+        head (``trainer.loss.chunked_token_logps``, never full logits) unless ``loss.impl=naive``."""
+        inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
+        if self.loss.impl == "naive":
+            token_logps = naive_token_logps(self.model(**inputs).logits, labels)
+        else:
+            hidden, targets = label_positions(decoder_of(self.model)(**inputs).last_hidden_state, labels)
+            head = self.model.get_output_embeddings()
+            token_logps = chunked_token_logps(hidden, head.weight, head.bias, targets, self.loss.transform,
+                                              self.loss.chunk_tokens)
+        sequences = labels.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
+        out = torch.zeros(sequences, dtype=torch.float32, device=token_logps.device)
+        return out.index_add(0, sequence_of_labels(labels, cu_seqlens), token_logps)
 
     def context_parallel_inputs(self, input_ids, position_ids, cp_shard) -> dict:
         """A rank's shard of a context-parallel row (``trainer.context_parallel``): the CP attention all-gathers

@@ -42,6 +42,9 @@ PER_TOKEN_SETUP = ("loss_impl", "compile")
 """Summary keys saying how each token is computed (loss implementation, compile mode): the report states them
 and warns when the two runs differ in one."""
 LOSS_PARITY_TOLERANCE = 0.05  # "loss within 0.05 of the padded baseline"
+DPO_LOSS_PARITY_TOLERANCE = 0.02  # objective=dpo: "final held-out DPO loss of the two within 0.02"
+HELD_OUT_ACCURACY = "final_eval_rewards/accuracies"
+"""objective=dpo: the summary key of the held-out reward accuracy (``trainer.preference``)."""
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -137,6 +140,7 @@ def _diff(a: float | None, b: float | None) -> float | None:
 def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -> dict:
     packed, padded = summaries["packed"], summaries["padded"]
     eval_diff = _diff(packed.get("final_eval_loss"), padded.get("final_eval_loss"))
+    tolerance = DPO_LOSS_PARITY_TOLERANCE if packed.get("objective") == "dpo" else LOSS_PARITY_TOLERANCE
     return {
         "command": "packfsdp compare " + " ".join(overrides),
         "overrides": overrides,
@@ -155,8 +159,9 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
             "step_time_ratio": _ratio(packed.get("mean_step_time_s"), padded.get("mean_step_time_s")),
             "final_train_loss_diff": _diff(packed.get("final_loss"), padded.get("final_loss")),
             "final_eval_loss_diff": eval_diff,
-            "loss_parity_tolerance": LOSS_PARITY_TOLERANCE,
-            "eval_loss_within_tolerance": None if eval_diff is None else abs(eval_diff) <= LOSS_PARITY_TOLERANCE,
+            "loss_parity_tolerance": tolerance,
+            "eval_loss_within_tolerance": None if eval_diff is None else abs(eval_diff) <= tolerance,
+            "held_out_reward_accuracy": {"packed": packed.get(HELD_OUT_ACCURACY), "padded": padded.get(HELD_OUT_ACCURACY)},
         },
         "versions": versions(),
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -185,6 +190,8 @@ def comparison_table(report: dict) -> str:
         ("final train loss", _fmt(p["final_loss"], ".4f"), _fmt(q["final_loss"], ".4f"), _fmt(c["final_train_loss_diff"], "+.4f")),
         ("final eval loss (held out)", _fmt(p.get("final_eval_loss"), ".4f"), _fmt(q.get("final_eval_loss"), ".4f"),
          _fmt(c["final_eval_loss_diff"], "+.4f")),
+        *([("held-out reward accuracy (dpo)", _fmt(p.get(HELD_OUT_ACCURACY), ".3f"), _fmt(q.get(HELD_OUT_ACCURACY), ".3f"), "")]
+          if q.get(HELD_OUT_ACCURACY) is not None else []),
         ("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), ""),
         ("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), ""),
         ("attention", f"`{p['attention']}`", f"`{q['attention']}`", ""),

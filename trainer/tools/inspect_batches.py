@@ -69,7 +69,8 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
     slots = [(row, span.start, span.stop) for row, span in example_spans(batch)]
     if batch.packed:
         cu = batch.cu_seqlens.tolist()
-        head = (f"packed row: {batch.num_examples} examples, {batch.num_tokens}/{budget} tokens "
+        what = f"{batch.num_pairs} pairs ({batch.num_examples} sequences)" if batch.num_pairs else f"{batch.num_examples} examples"
+        head = (f"packed row: {what}, {batch.num_tokens}/{budget} tokens "
                 f"({100 * batch.num_tokens / budget:.1f}% of the budget), {batch.num_label_tokens} carry loss | "
                 f"cu_seqlens {cu}")
     else:
@@ -81,7 +82,8 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
         ids = batch.input_ids[row, s:e].numpy()
         has_loss = labels[row, s:e] != IGNORE_INDEX
         where = f"tokens {s}-{e - 1}" if batch.packed else f"row {row}, pads after {e}"
-        lines.append(f"  example {batch.example_ids[k]} | {where} ({e - s} tokens, {int(has_loss.sum())} with loss) | "
+        name = f"pair {batch.example_ids[k]} {('chosen', 'rejected')[k % 2]}" if batch.num_pairs else f"example {batch.example_ids[k]}"
+        lines.append(f"  {name} | {where} ({e - s} tokens, {int(has_loss.sum())} with loss) | "
                      f"{positions_summary(batch.position_ids[row, s:e].numpy(), starts[k] if starts else 0)}"
                      f"{'' if not has_loss[0] else ' | FIRST TOKEN HAS A LABEL'}")
         lines.append("    " + render_tokens(tokenizer, ids, has_loss, show))
