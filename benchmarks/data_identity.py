@@ -145,7 +145,7 @@ def cached(cfg, tokenizer) -> dict:
         "held_rows": (h(held.rows) if getattr(held, "rows", None) is not None else h(held.lengths)) if held else None,
     }
     for world in (1, 2):
-        sampler = build_sampler(train.lengths, PackingConfig(token_budget=1024), world - 1, world, 1234)
+        sampler = build_sampler(train.lengths, PackingConfig(balance="tokens", token_budget=1024), world - 1, world, 1234)
         plan = sampler.plan(0)
         out[f"plan_w{world}"] = h(plan.order, *[b for r in plan.rounds for b in r])
     return out
@@ -171,7 +171,7 @@ def streamed(cfg, tokenizer) -> dict:
                               "held": h(*[a for e in held for a in e]),
                               "stats": stats_dict(stream.stats), "held_out": stream.held_out}
         sampler = StreamingSampler(ExampleStream(cfg, tokenizer, MAX_LENGTH, rank, 2, HOLDOUT),
-                                   PackingConfig(token_budget=1024), 64, rank, 2)
+                                   PackingConfig(balance="tokens", token_budget=1024), 64, rank, 2)
         out[f"rank{rank}"]["bins"] = h(*[np.asarray(sampler.next_microbatch()[1]) for _ in range(12)])
     eval_set, probe = head_sets(cfg, tokenizer, MAX_LENGTH, HOLDOUT, None)
     out["head_eval"] = h(eval_set.tokens, eval_set.loss_mask, eval_set.offsets) if eval_set is not None else None

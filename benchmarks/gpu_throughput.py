@@ -61,7 +61,7 @@ def sample_microbatches(lengths: np.ndarray, strategy: str, budget: int, count: 
     ``packing.strategy=strategy`` and ``packing.token_budget=budget`` trains on: the training sampler's
     shuffled epoch plan (``trainer.packing.build_sampler``), which also matches a padded strategy's batch
     size to the packed run."""
-    sampler = build_sampler(lengths, PackingConfig(strategy=strategy, token_budget=budget), 0, 1, seed)
+    sampler = build_sampler(lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=budget), 0, 1, seed)
     return [sampler.next_microbatch()[1] for _ in range(count)]
 
 

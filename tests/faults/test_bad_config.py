@@ -117,7 +117,7 @@ def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strate
     from trainer.packing import build_sampler
 
     lengths = np.array([40, 300, 60, 50])
-    cfg = PackingConfig(strategy=strategy, token_budget=128)
+    cfg = PackingConfig(balance="tokens", strategy=strategy, token_budget=128)
     if outcome == "error":
         with pytest.raises(ValueError, match="longer than|over"):
             build_sampler(lengths, cfg, 0, 1, seed=0, oversize=oversize).plan(0)

@@ -57,7 +57,7 @@ def test_padded_sample_is_the_padded_baselines(bench, lengths):
     from trainer.packing import matched_padded_batch_size
 
     sampled = bench.sample_microbatches(lengths, "none", BUDGET, SAMPLED, seed=0)
-    matched = matched_padded_batch_size(lengths, PackingConfig(token_budget=BUDGET), seed=0)
+    matched = matched_padded_batch_size(lengths, PackingConfig(balance="tokens", token_budget=BUDGET), seed=0)
     assert {len(b) for b in sampled} == {matched}
     assert len(np.unique(np.concatenate(sampled))) == matched * SAMPLED  # one epoch: no example twice
     assert np.mean(lengths[np.concatenate(sampled)]) == pytest.approx(lengths.mean(), rel=0.05)

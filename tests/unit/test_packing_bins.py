@@ -54,7 +54,7 @@ def test_deal_grid_is_deal_order_padded():
 @pytest.mark.parametrize("strategy", ["bfd", "wrapped", "sorted"])
 def test_plan_keeps_bins_flat_and_serves_them_in_order(strategy):
     lengths = dailydialog_like_lengths(400, seed=4)
-    sampler = build_sampler(lengths, PackingConfig(strategy=strategy, token_budget=512), 1, 3, seed=2)
+    sampler = build_sampler(lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=512), 1, 3, seed=2)
     plan = sampler.plan(0)
     assert isinstance(plan.bins, Bins) and plan.order.shape == (plan.microbatches_per_rank, 3)
     served = [sampler.next_microbatch()[1] for _ in range(plan.microbatches_per_rank)]

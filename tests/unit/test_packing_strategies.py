@@ -60,7 +60,7 @@ def test_bfd_fill_on_dailydialog_like_lengths():
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_rank_skew_within_two_percent_on_dailydialog_like_lengths(world_size):
     lengths = np.minimum(dailydialog_like_lengths(13118, seed=0), 1024)
-    sampler = build_sampler(lengths, PackingConfig(strategy="bfd", token_budget=1024), 0, world_size, 1234,
+    sampler = build_sampler(lengths, PackingConfig(balance="tokens", strategy="bfd", token_budget=1024), 0, world_size, 1234,
                             grad_accum=2)
     assert sampler.balance_report(0)["skew"] <= 0.02
 
@@ -125,12 +125,12 @@ def test_wrapped_bins_are_full_except_the_last():
 
 def test_resume_refuses_other_config_or_data():
     lengths = np.array([3, 5, 7, 2, 9, 4])
-    a = MicroBatchSampler(lengths, PackingConfig(token_budget=10), 0, 2, 0)
+    a = MicroBatchSampler(lengths, PackingConfig(balance="tokens", token_budget=10), 0, 2, 0)
     a.next_microbatch()
     state = a.state_dict()
     with pytest.raises(ValueError, match="different packing config"):
-        MicroBatchSampler(lengths, PackingConfig(token_budget=12), 0, 2, 0).load_state_dict(state)
+        MicroBatchSampler(lengths, PackingConfig(balance="tokens", token_budget=12), 0, 2, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="different packing config or different data"):
-        MicroBatchSampler(lengths + 1, PackingConfig(token_budget=10), 0, 2, 0).load_state_dict(state)
+        MicroBatchSampler(lengths + 1, PackingConfig(balance="tokens", token_budget=10), 0, 2, 0).load_state_dict(state)
     with pytest.raises(ValueError, match="seed"):
-        MicroBatchSampler(lengths, PackingConfig(token_budget=10), 0, 2, 1).load_state_dict(state)
+        MicroBatchSampler(lengths, PackingConfig(balance="tokens", token_budget=10), 0, 2, 1).load_state_dict(state)

@@ -26,7 +26,7 @@ SMALL = ["recipe=cpu_dailydialog", "data.num_records=300"]
 @pytest.mark.parametrize("name", sorted(STRATEGIES))
 def test_packing_flags_come_from_the_strategy_registry(name):
     strategy = STRATEGIES[name]
-    cfg = PackingConfig(strategy=name)
+    cfg = PackingConfig(balance="tokens", strategy=name)
     assert cfg.packed is not strategy.padded
     assert cfg.splits_examples is strategy.splits
     with pytest.raises(ConfigError, match=f">= {strategy.min_budget}" if strategy.min_budget > 1 else "positive"):
@@ -39,7 +39,7 @@ def test_packing_flags_come_from_the_strategy_registry(name):
 )
 def test_packing_choice_lists_come_from_the_registries(field, choices):
     with pytest.raises(ConfigError) as e:
-        replace(PackingConfig(), **{field: "nope"}).validate()
+        replace(PackingConfig(balance="tokens"), **{field: "nope"}).validate()
     assert str(e.value).endswith("choose one of: " + ", ".join(choices))
 
 

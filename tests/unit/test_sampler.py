@@ -22,7 +22,7 @@ def _epoch(sampler, epoch):
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_each_example_once_equal_counts(strategy, world):
     lengths = _lengths()
-    cfg = PackingConfig(strategy=strategy, token_budget=256)
+    cfg = PackingConfig(balance="tokens", strategy=strategy, token_budget=256)
     samplers = [build_sampler(lengths, cfg, r, world, seed=7) for r in range(world)]
     per_rank = [_epoch(s, 0) for s in samplers]
     assert len({len(b) for b in per_rank}) == 1, "every rank must run the same number of micro-batches"
@@ -34,7 +34,7 @@ def test_each_example_once_equal_counts(strategy, world):
 
 def test_uneven_bin_count_is_split_not_dropped():
     lengths = np.array([100, 100, 100, 20, 20])  # 3 bins for 2 ranks: one bin must be split
-    cfg = PackingConfig(strategy="bfd", token_budget=120)
+    cfg = PackingConfig(balance="tokens", strategy="bfd", token_budget=120)
     plans = [build_sampler(lengths, cfg, r, 2, seed=0).plan(0) for r in range(2)]
     assert plans[0].splits == 1 and plans[0].filler_microbatches == 0
     assert plans[0].microbatches_per_rank == plans[1].microbatches_per_rank == 2
@@ -42,7 +42,7 @@ def test_uneven_bin_count_is_split_not_dropped():
 
 def test_fillers_only_when_nothing_can_be_split():
     lengths = np.array([50])
-    cfg = PackingConfig(strategy="bfd", token_budget=64)
+    cfg = PackingConfig(balance="tokens", strategy="bfd", token_budget=64)
     plans = [build_sampler(lengths, cfg, r, 3, seed=0).plan(0) for r in range(3)]
     assert plans[0].filler_microbatches == 2
     assert sum(len(p.rounds[0][r]) for r, p in enumerate(plans)) == 1
@@ -50,7 +50,7 @@ def test_fillers_only_when_nothing_can_be_split():
 
 def test_deterministic_for_a_seed_and_varies_by_epoch():
     lengths = _lengths()
-    cfg = PackingConfig(strategy="bfd", token_budget=256)
+    cfg = PackingConfig(balance="tokens", strategy="bfd", token_budget=256)
     a = _epoch(build_sampler(lengths, cfg, 0, 2, seed=3), 0)
     b = _epoch(build_sampler(lengths, cfg, 0, 2, seed=3), 0)
     c = _epoch(build_sampler(lengths, cfg, 0, 2, seed=3), 1)
@@ -60,7 +60,7 @@ def test_deterministic_for_a_seed_and_varies_by_epoch():
 
 def test_resume_mid_epoch_continues_exactly():
     lengths = _lengths()
-    cfg = PackingConfig(strategy="bfd", token_budget=256)
+    cfg = PackingConfig(balance="tokens", strategy="bfd", token_budget=256)
     full = build_sampler(lengths, cfg, 1, 2, seed=5)
     expected = [full.next_microbatch()[1] for _ in range(30)]
     first = build_sampler(lengths, cfg, 1, 2, seed=5)
@@ -81,7 +81,7 @@ def test_bfd_fill_close_to_lower_bound_on_dialog_lengths(small_dataset):
 
 def test_padded_batch_size_matches_packed_microbatch_count():
     lengths = _lengths(2000)
-    packed = build_sampler(lengths, PackingConfig(strategy="bfd", token_budget=512), 0, 1, seed=0)
-    padded = build_sampler(lengths, PackingConfig(strategy="none", token_budget=512), 0, 1, seed=0)
+    packed = build_sampler(lengths, PackingConfig(balance="tokens", strategy="bfd", token_budget=512), 0, 1, seed=0)
+    padded = build_sampler(lengths, PackingConfig(balance="tokens", strategy="none", token_budget=512), 0, 1, seed=0)
     n_packed, n_padded = packed.microbatches_per_rank(0), padded.microbatches_per_rank(0)
     assert abs(n_packed - n_padded) / n_packed < 0.1

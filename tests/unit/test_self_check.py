@@ -72,7 +72,7 @@ def sampler_for(dataset, strategy: str = "bfd", budget: int = 1024):
     from trainer.config import PackingConfig
     from trainer.packing import build_sampler
 
-    return build_sampler(dataset.lengths, PackingConfig(strategy=strategy, token_budget=budget), 0, 1, seed=0)
+    return build_sampler(dataset.lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=budget), 0, 1, seed=0)
 
 
 def test_worst_case_batch_holds_the_extremes(small_dataset):

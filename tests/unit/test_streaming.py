@@ -67,7 +67,7 @@ def stream_cfg(tmp_path, rows: int = 7, **extra) -> DataConfig:
 
 def sampler_for(cfg: DataConfig, tokenizer, rank=0, world=1, window=4, budget=256, holdout=(0.0, 0)):
     stream = ExampleStream(cfg, tokenizer, budget, rank, world, holdout)
-    return StreamingSampler(stream, PackingConfig(token_budget=budget), window, rank, world)
+    return StreamingSampler(stream, PackingConfig(balance="tokens", token_budget=budget), window, rank, world)
 
 
 def bins_of(sampler: StreamingSampler, n: int) -> list[list[list[int]]]:
@@ -170,7 +170,7 @@ def test_held_out_examples_never_train_and_form_the_eval_set(tokenizer):
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"max_steps": None}, "set max_steps"),
-    ({"packing": PackingConfig(strategy="wrapped")}, "packing.strategy=wrapped"),
+    ({"packing": PackingConfig(balance="tokens", strategy="wrapped")}, "packing.strategy=wrapped"),
     ({"data": DataConfig(stream=ON, mixture=MixtureConfig(sources=[{"source": "chat_synthetic"}]))}, "data.mixture.sources"),
     ({"data": DataConfig(stream=ON, limit=10)}, "data.limit"),
     ({"data": DataConfig(stream=ON, source="hf", path="some/dataset")}, "model.tokenizer=local_bpe"),

@@ -198,10 +198,11 @@ class PackingConfig:
     """Shuffle the order of micro-batches (packed bins or padded batches) every epoch, after packing."""
     padded_batch_size: int | None = None
     """Padded strategies only: examples per micro-batch. ``None`` matches the packed run (see above)."""
-    balance: str = "tokens"
-    """What the ranks are balanced on per step: ``flops`` (each example's model FLOPs, the MLP's linear term
-    and attention's quadratic one, from the model's config: ``trainer.packing.balance.TokenCost``), ``tokens``
-    or ``attention`` (sum of squared lengths)."""
+    balance: str = "flops"
+    """What the ranks are balanced on per step: ``flops`` (the default: each example's model FLOPs, the MLP's
+    linear term and attention's quadratic one, from the model's config: ``trainer.packing.balance.TokenCost``;
+    the best balance measured on long-tailed data, docs/packing.md), ``tokens`` or ``attention`` (sum of
+    squared lengths)."""
     megabatch_factor: int = 50
     """``sorted`` only: sort by length inside random groups of ``megabatch_factor x batch size`` examples."""
 
