@@ -11,12 +11,12 @@ size optimise the same objective.
 
 from __future__ import annotations
 
-from functools import partial
 import json
 import logging
 import math
 import time
 from dataclasses import asdict, replace
+from functools import partial
 from pathlib import Path
 
 import numpy as np
