@@ -6,8 +6,11 @@ it will be trained (packed through the configured backend, or padded with its ma
 examples alone through transformers' own SDPA path. Any disagreement above tolerance means examples see
 each other, positions do not restart, or the backend is wrong: the run stops with the numbers.
 
-It compares logits and the gradient: the packed batch and each example alone are run forward and backward
-(one backward per example, and in half precision one more for the reverse-order reference) and the full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
+It compares logits and the gradient: the packed batch runs the step's own path (the loss the run trains
+with, ``VarlenCausalLM.use_loss``: the chunked loss through the decoder stack and the boundary relay, or the
+naive one) forward and backward; each example alone runs through transformers' own attention and its full
+logits' cross-entropy (one backward per example, and in half precision one more for the reverse-order
+reference); the full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
 random projections (``grad_projections``: a dot with a random tensor generated chunk-wise, so memory stays
 one chunk). The gradient tolerance is ``GRAD_NOISE_MULT`` times the measured noise of the reference (run
 a second time, its examples in reverse order: the gap between the two is the rounding of summing the
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 
 from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
+from trainer.loss import summed_token_loss
 from trainer.model.wrapper import VarlenCausalLM
 from trainer.packing import piece_starts
 
@@ -166,12 +170,12 @@ def self_check(
     _zero_grads(model)
     try:
         with autocast, torch.set_grad_enabled(trains):
-            full = model(**batch.model_inputs()).float()
-            if trains:  # the gradient of the summed token loss, normalised by the batch's label count
-                sum(_token_losses(full[row, span], batch.labels[row, span]).sum() for row, span in spans).div(labelled).backward()
+            if trains:  # the run's own loss (``use_loss``: chunked or naive) over the batch's label count, as a step takes it
+                summed_token_loss(model, batch).div(labelled).backward()
                 packed = grad_projections(model)
                 _zero_grads(model)
-            full = full.detach()
+            with torch.no_grad():
+                full = model(**batch.model_inputs()).float()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
             for i, (row, span) in enumerate(spans):
                 alone = _alone(model, batch, row, span)
