@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
@@ -42,7 +43,7 @@ TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (2e-5, 2e-5)}
 transformers' float64 models, rope among them, leave ~1e-7). float32 only where a kernel refuses float64
 (grouped-GEMM MoE experts)."""
 MAX_LAYERS = 6
-VERSION = 2
+VERSION = 3
 """Bump to invalidate cached verdicts when the replica changes."""
 
 
@@ -105,9 +106,26 @@ def replica_config(config):
 
 
 def _examples(model) -> list[torch.Tensor]:
+    """Random tokens of ``LENGTHS``; the longest starts with the pad token where the config has one: real
+    inputs hold it (the pads of padded batches, a rank's one-token filler micro-batch, tokenizers whose bos /
+    eos is the pad) and its embedding row is all zeros (``padding_idx``)."""
     g = torch.Generator().manual_seed(1)
     vocab = min(SHRINK["vocab_size"], model.model.get_input_embeddings().num_embeddings)
-    return [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
+    examples = [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
+    pad = getattr(model.config, "pad_token_id", None)
+    if isinstance(pad, int) and 0 <= pad < vocab:
+        examples[0][0] = pad
+    return examples
+
+
+def _finite(run) -> bool:
+    return math.isfinite(run.loss) and all(bool(torch.isfinite(g).all()) for g in run.grads.values())
+
+
+NOT_FINITE = (
+    "its own gradients are not finite (NaN) on an input token whose embedding is zero (pad_token_id={pad}, "
+    "the embedding's padding_idx: the pads of padded batches, a rank's filler micro-batch): a step with it trains nothing"
+)
 
 
 def compare(config) -> tuple[Diffs, torch.dtype]:
@@ -138,7 +156,12 @@ def _compare(config, dtype: torch.dtype) -> Diffs:
     wrapped.use_loss("chunked")  # the packed side's gradients through the decoder stack, as a run's step takes them
     wrapped.eval()  # gradients still flow; no dropout, no sampled routing
     examples = _examples(wrapped)
-    return differences(run_packed(wrapped, examples), run_alone(wrapped, examples))
+    alone = run_alone(wrapped, examples)
+    if not _finite(alone):  # the model itself, one example at a time: no packing can fix it (Gemma 3n's AltUp)
+        family = getattr(config, "model_type", "the model")
+        reason = NOT_FINITE.format(pad=config.pad_token_id) if examples[0][0] == config.pad_token_id else "its own gradients are not finite (NaN)"
+        raise FamilyRefusedError(f"model family {family!r} cannot be trained with this config: {reason}")
+    return differences(run_packed(wrapped, examples), alone)
 
 
 def _exact(found: tuple[Diffs, torch.dtype]) -> bool:

@@ -99,6 +99,15 @@ EXACT_IF: dict[str, str] = {
 """Exact families whose verdict depends on the config: the condition (the config verdict,
 ``trainer.model.config_verdict``, or ``check_family`` enforces it per config)."""
 
+EXACT_FROM: dict[str, tuple[str, str]] = {
+    "codegen": ("5.24", NO_INTERFACE),
+    "gptj": ("5.24", NO_INTERFACE),
+    "moshi": ("5.24", DROPS_KWARGS),
+}
+"""Exact families that probed wrong on an older transformers ``pyproject.toml`` accepts (5.17: GPT-J and
+CodeGen bypass the attention interface, Moshi's layers drop the boundaries): (the oldest version probed
+exact, the reason). Refused with an older installed transformers (versions between were not probed)."""
+
 
 def _reasons(reason: str, *families: str) -> dict[str, str]:
     return dict.fromkeys(families, reason)
@@ -158,6 +167,9 @@ class Verdict:
 def verdict(family: str) -> Verdict:
     """What the table says about ``family`` (a transformers ``model_type``)."""
     if family in EXACT:
+        if family in EXACT_FROM and _older_than(EXACT_FROM[family][0]):
+            since, reason = EXACT_FROM[family]
+            return Verdict(family, "refused", f"{reason} (transformers {_installed()}; exact from {since})")
         return Verdict(family, "exact", EXACT_IF.get(family, ""))
     if family in REFUSED:
         return Verdict(family, "refused", REFUSED[family])
@@ -166,6 +178,19 @@ def verdict(family: str) -> Verdict:
     if family in NOT_PROBED:
         return Verdict(family, "untested", "the tiny probe could not build it: trains only behind the startup self-check")
     return Verdict(family, "untested")
+
+
+def _installed() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _older_than(version: str) -> bool:
+    """The installed transformers is older than ``version``."""
+    from packaging.version import Version
+
+    return Version(_installed()) < Version(version)
 
 
 def refusal_line(family: str, reason: str) -> str:
@@ -210,4 +235,4 @@ def check_family(config, self_check: bool = True) -> Verdict:
     return found
 
 
-__all__ = ["EXACT", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]
+__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]

@@ -158,7 +158,7 @@ def run_alone(model, examples: list[torch.Tensor]) -> Run:
         token_loss = _token_loss_sum(out, e)
         token_loss.backward()
         logits.append(out.detach())
-        loss += float(token_loss)
+        loss += float(token_loss.detach())
     return Run(logits, _grads(model), loss)
 
 
@@ -188,7 +188,7 @@ def run_packed(model, examples: list[torch.Tensor]) -> Run:
     loss = summed_token_loss(model, batch)
     (loss / batch.num_label_tokens).backward()
     pieces = [logits[s:t] for s, t in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())]
-    return Run(pieces, _grads(model, batch.num_label_tokens), float(loss))
+    return Run(pieces, _grads(model, batch.num_label_tokens), float(loss.detach()))
 
 
 def differences(packed: Run, alone: Run) -> Diffs:

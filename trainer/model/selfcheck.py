@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -256,9 +257,9 @@ def run_startup_self_check(
         compute_dtype = None
     device = param.device
     result = self_check(model, batch.to(device), tolerance, compute_dtype, starts)
-    excess, grad_excess = distributed.all_reduce_max(
-        [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)], device
-    )
+    ratios = [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)]
+    # A NaN gap (NaN logits or gradients) must fail: max() and the all-reduce would let a NaN ratio pass.
+    excess, grad_excess = distributed.all_reduce_max([r if math.isfinite(r) else math.inf for r in ratios], device)
     if max(excess, grad_excess) > 1.0:
         what = "logit diff" if excess >= grad_excess else "gradient gap"
         raise SelfCheckError(
