@@ -120,9 +120,9 @@ def test_lfm2_moe_with_conv_layers_is_refused_from_a_local_checkpoint_config(tmp
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "cache"))
     AutoConfig.for_model(
-        "lfm2_moe", hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=4,
+        "lfm2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
-        layer_types=["conv", "full_attention", "conv", "full_attention"], vocab_size=512,
+        layer_types=["conv", "full_attention"], vocab_size=256,
     ).save_pretrained(tmp_path / "lfm2_moe")
     with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*layer_types contains 'conv'"):
         build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
