@@ -181,3 +181,14 @@ def test_a_family_of_every_kind_probes_as_the_table_says():
 def test_every_family_is_exact_or_refused():
     """Every causal-LM family of the installed transformers, as ``benchmarks/family_matrix.py --probe``."""
     assert not probe_against_the_table(installed_families())
+
+
+def test_a_family_config_transformers_rejects_is_one_line():
+    """transformers' own validation of a family's config (GPT-Neo's layer pattern of another length) fails in
+    one ``packfsdp`` line, wherever the config is read (``build_model`` reads it too, not only the CLI)."""
+    from trainer.errors import LoadError
+    from trainer.model_config import model_config
+
+    with pytest.raises(LoadError, match="cannot load model.family=gpt_neo: StrictDataclassClassValidationError") as info:
+        model_config(ModelConfig(family="gpt_neo", random_init=dict(num_layers=2)))
+    assert "\n" not in str(info.value)
