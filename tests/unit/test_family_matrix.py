@@ -105,6 +105,8 @@ def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch, caplo
 def test_representative_families_probe_as_the_table_says(family):
     """The probe runs the trainer's step (default chunked loss, backward, one optimizer step) packed and
     one by one: an exact family is exact on logits, loss and every gradient, before and after the step."""
+    if family not in installed_families():  # e.g. dory is newer than transformers 5.17
+        pytest.skip(f"{family} is not in transformers {transformers.__version__}")
     result = probe(family)
     if verdict(family).kind == "exact":
         assert result.outcome == "exact", result.line()
