@@ -30,7 +30,6 @@ REPRESENTATIVE = [
     "gemma2",  # probed with softcapping off on CPU; flash_attn/flex honour it
     "stablelm",  # its layers drop the boundaries: build_model hands them over (the chunked loss too)
     "llama4_text",  # the chunked loss reads its decoder (`.model`: its base_model is the causal LM)
-    "dory",  # a learned logit scale in its head: the chunked loss is refused, the naive one trains it
     "gptj",  # exact on transformers 5.24, refused on 5.17 (bypasses the attention interface there)
     "falcon",  # refused
 ]
