@@ -3,11 +3,14 @@
     python benchmarks/family_matrix.py                 # the table packfsdp applies (no models built, 1 s)
     python benchmarks/family_matrix.py --probe         # also probe every family on CPU (~10 min, 2 cores)
     python benchmarks/family_matrix.py --probe llama phi3 falcon   # probe a few
+    python benchmarks/family_matrix.py --probe --exact # probe every family the table calls exact
     python benchmarks/family_matrix.py --markdown      # the summary table for docs/families.md
 
 The table (``trainer.model.families``) was probed with one transformers version; ``--probe`` reruns the probe
-(``trainer.model.family_probe``: a tiny 2-layer model, a packed row against its examples one by one, logits
-and every gradient in fp32 at 1e-5) against yours, each family in its own forked process with a time limit,
+(``trainer.model.family_probe``: a tiny 2-layer model; a packed row runs the trainer's step, the default
+chunked loss through the decoder and the boundary relay, backward, then one optimizer step; against its
+examples one by one: logits, loss and every gradient in fp32 at 1e-5, before and after the step) against
+yours, each family in its own forked process with a time limit,
 and flags any family whose probe disagrees with the table (``MISMATCH``: tell us). A family transformers
 added after the table was made shows as ``untested``: packfsdp trains it only behind the startup self-check.
 """
@@ -117,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", help="only these model types (default: every causal-LM family)")
     parser.add_argument("--probe", action="store_true", help="build and probe each family (CPU, minutes)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family probe")
+    parser.add_argument("--exact", action="store_true", help="only the families the table calls exact")
     parser.add_argument("--markdown", action="store_true", help="print the docs summary table")
     parser.add_argument("--json", type=Path, help="also write the rows (and probe results) here")
     args = parser.parse_args(argv)
@@ -129,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         preload()
 
     families = args.families or causal_lm_families()
+    if args.exact:
+        families = [f for f in families if verdict(f).kind == "exact"]
     rows, records, mismatches = [], [], 0
     print(f"transformers {transformers.__version__} (table probed with {TESTED_WITH}): {len(families)} families",
           file=sys.stderr)

@@ -25,7 +25,8 @@ def model_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfig
     if cfg.name_or_path:
         with library_load(f"model.name_or_path={cfg.name_or_path}"):
             return AutoConfig.from_pretrained(cfg.name_or_path, trust_remote_code=cfg.trust_remote_code, **cfg.init_fields())
-    return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
+    with library_load(f"model.family={cfg.family}"):  # a config transformers rejects: one line, every caller
+        return AutoConfig.for_model(cfg.family, **((base or {}) | cfg.init_fields()))
 
 
 def tokenizer_fields(tokenizer) -> dict:

@@ -138,6 +138,19 @@ def test_unknown_logit_change_falls_back_to_naive():
     assert model.loss.impl == "naive"
 
 
+def test_a_head_with_parameters_of_its_own_falls_back_to_naive():
+    """Dory's head multiplies the logits by a learned ``logit_scale`` initialised to leave them unchanged:
+    the logit probe agrees at init, but the chunked loss would never train the scale."""
+    model = tiny_model("qwen2_untied")
+    head = model.model.get_output_embeddings()
+    head.logit_scale = torch.nn.Parameter(torch.ones(head.out_features))
+    original = head.forward
+    head.forward = lambda x: original(x) * head.logit_scale
+    line = model.use_loss("chunked")
+    assert line.startswith("naive (chunked refused:") and "logit_scale" in line, line
+    assert model.loss.impl == "naive"
+
+
 def test_all_labels_masked_gives_zero_loss_and_gradient():
     model = tiny_model("gpt2_tied")
     model.use_loss("chunked")

@@ -74,3 +74,56 @@ def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkey
     assert len(list((tmp_path / "verdicts").iterdir())) == 1
     for name, tensor in cold.items():
         torch.testing.assert_close(warm[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_only_rank_0_judges_and_every_rank_follows_its_verdict(tmp_path, monkeypatch):
+    """On a cache miss rank 0 builds the replica; another rank never does, and takes rank 0's verdict."""
+    from trainer import distributed
+    from trainer.model import config_verdict
+
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    monkeypatch.setattr(distributed, "is_rank0", lambda: False)
+    sent = iter([None, ("refused", "rank 0's line")])  # rank 0's error (none), then its verdict
+    monkeypatch.setattr(distributed, "broadcast_object", lambda obj, src=0: next(sent))
+    monkeypatch.setattr(config_verdict, "_judge", lambda *a: pytest.fail("a rank other than 0 judged the config"))
+    with pytest.raises(FamilyRefusedError, match="rank 0's line"):
+        verify_config(AutoConfig.for_model("llama", num_hidden_layers=2))
+    assert not (tmp_path / "verdicts").exists()
+
+
+def test_a_window_that_never_binds_stays_unbound_in_the_replica():
+    """A window as long as the context never binds: the replica must not shrink it into one that does."""
+    from trainer.model.config_verdict import CONTEXT
+
+    unbound = replica_config(AutoConfig.for_model("mistral", sliding_window=4096, max_position_embeddings=4096))
+    assert unbound.sliding_window >= CONTEXT == unbound.max_position_embeddings
+
+
+def test_gemma3n_nan_gradients_on_the_pad_token_are_refused(tmp_path, monkeypatch):
+    """Gemma 3n's AltUp takes sqrt(mean(h^2)) of each token's embedding: for the pad token (an all-zero
+    padding_idx row) its gradient is NaN, packed and padded alike. Refused in one line naming it."""
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model(
+        "gemma3n_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
+        vocab_size=512, pad_token_id=0,
+    )
+    with pytest.raises(FamilyRefusedError, match="'gemma3n_text'.*not finite.*pad_token_id=0") as info:
+        verify_config(config)
+    assert "\n" not in str(info.value)
+
+
+def test_lfm2_moe_with_conv_layers_is_refused_from_a_local_checkpoint_config(tmp_path, monkeypatch, tokenizer):
+    """``model.name_or_path`` at a local config (no weights needed: refused before loading them)."""
+    from trainer.config import ModelConfig
+    from trainer.model import build_model, resolve_backend
+
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "cache"))
+    AutoConfig.for_model(
+        "lfm2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+        layer_types=["conv", "full_attention"], vocab_size=256,
+    ).save_pretrained(tmp_path / "lfm2_moe")
+    with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*layer_types contains 'conv'"):
+        build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
+                    resolve_backend("sdpa_varlen", torch.device("cpu")), 0)

@@ -25,12 +25,16 @@ from trainer.model.family_probe import probe
 from trainer.model.selfcheck import TOLERANCE
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "family_matrix.py"
-REPRESENTATIVE = {
-    "llama": "exact",
-    "gemma2": "exact",  # probed with softcapping off on CPU; flash_attn/flex honour it
-    "stablelm": "exact",  # its layers drop the boundaries: build_model hands them over
-    "falcon": "refused",
-}
+REPRESENTATIVE = [
+    "llama",
+    "gemma2",  # probed with softcapping off on CPU; flash_attn/flex honour it
+    "stablelm",  # its layers drop the boundaries: build_model hands them over (the chunked loss too)
+    "llama4_text",  # the chunked loss reads its decoder (`.model`: its base_model is the causal LM)
+    "gptj",  # exact on transformers 5.24, refused on 5.17 (bypasses the attention interface there)
+    "falcon",  # refused
+]
+"""Probed in the fast lane with the trainer's step; the verdict each must match is the table's for the
+installed transformers."""
 
 
 def matrix_script():
@@ -73,6 +77,19 @@ def test_phimoe_is_refused_only_with_a_window_it_would_lose():
     assert check_family(released).kind == "exact"
 
 
+def test_llama4_text_is_refused_while_a_chunk_binds():
+    """Llama 4's chunked layers keep their chunks in the mask only: its default config (chunks of 8192 in
+    a 131072 context) is refused; a chunk as long as the context, or no chunked layer, is exact, and the
+    table entry says so."""
+    with pytest.raises(FamilyRefusedError, match="'llama4_text' .*attention_chunk_size=8192 is shorter"):
+        check_family(transformers.AutoConfig.for_model("llama4_text"))
+    assert check_family(transformers.AutoConfig.for_model("llama4_text", max_position_embeddings=8192)).kind == "exact"
+    full = transformers.AutoConfig.for_model("llama4_text", num_hidden_layers=2, layer_types=["full_attention"] * 2)
+    assert check_family(full).kind == "exact"
+    for family in ("llama4_text", "lfm2"):
+        assert "refused" in verdict(family).reason, verdict(family)
+
+
 def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch, caplog):
     monkeypatch.setattr(families, "EXACT", families.EXACT - {"llama"})
     config = transformers.AutoConfig.for_model("llama")
@@ -83,20 +100,52 @@ def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch, caplo
     assert "the startup self-check decides" in caplog.text
 
 
-@pytest.mark.parametrize("family", list(REPRESENTATIVE))
+@pytest.mark.parametrize("family", REPRESENTATIVE)
 def test_representative_families_probe_as_the_table_says(family):
-    assert verdict(family).kind == REPRESENTATIVE[family]
+    """The probe runs the trainer's step (default chunked loss, backward, one optimizer step) packed and
+    one by one: an exact family is exact on logits, loss and every gradient, before and after the step."""
+    if family not in installed_families():  # e.g. dory is newer than transformers 5.17
+        pytest.skip(f"{family} is not in transformers {transformers.__version__}")
     result = probe(family)
-    if REPRESENTATIVE[family] == "exact":
+    if verdict(family).kind == "exact":
         assert result.outcome == "exact", result.line()
     else:  # what the refusal prevents: a crash or a silently wrong packed run
         assert result.outcome in ("error", "wrong"), result.line()
 
 
-def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch):
+def relay_on_the_causal_lm_only(monkeypatch):
+    """The relay's hooks on the causal LM (as before ``decoder_of``): the chunked loss, which calls the
+    decoder directly, bypasses them."""
+    monkeypatch.setattr("trainer.model.prepare.decoder_of", lambda model: model)
+
+
+def no_relay(monkeypatch):
     monkeypatch.setattr("trainer.model.prepare.RELAY_BOUNDARIES", frozenset())
+
+
+@pytest.mark.parametrize("broken", [no_relay, relay_on_the_causal_lm_only])
+def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch, broken):
+    """A forward-only probe passes the second case; the trainer's step under the chunked loss does not."""
+    broken(monkeypatch)
     result = probe("stablelm")
     assert result.outcome == "error" and "without cu_seq_lens_q" in result.detail, result.line()
+
+
+def test_the_probe_takes_an_optimizer_step(monkeypatch):
+    """A step that leaves non-finite weights makes an exact family wrong: the probe runs the step."""
+    from trainer import optim
+
+    monkeypatch.setattr(optim, "build_optimizer", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan")))
+    result = probe("llama")
+    assert result.outcome == "wrong" and "after one optimizer step" in result.detail, result.line()
+
+
+def test_a_family_exact_from_a_newer_transformers_is_refused_on_an_older_one(monkeypatch):
+    monkeypatch.setattr(families, "_installed", lambda: "5.17.0")
+    found = verdict("gptj")
+    assert found.kind == "refused" and "transformers 5.17.0; exact from 5.24" in found.reason
+    monkeypatch.setattr(families, "_installed", lambda: "5.24.0")
+    assert verdict("gptj").kind == "exact"
 
 
 KINDS = [
@@ -133,3 +182,14 @@ def test_a_family_of_every_kind_probes_as_the_table_says():
 def test_every_family_is_exact_or_refused():
     """Every causal-LM family of the installed transformers, as ``benchmarks/family_matrix.py --probe``."""
     assert not probe_against_the_table(installed_families())
+
+
+def test_a_family_config_transformers_rejects_is_one_line():
+    """transformers' own validation of a family's config (GPT-Neo's layer pattern of another length) fails in
+    one ``packfsdp`` line, wherever the config is read (``build_model`` reads it too, not only the CLI)."""
+    from trainer.errors import LoadError
+    from trainer.model_config import model_config
+
+    with pytest.raises(LoadError, match="cannot load model.family=gpt_neo: StrictDataclassClassValidationError") as info:
+        model_config(ModelConfig(family="gpt_neo", random_init=dict(num_layers=2)))
+    assert "\n" not in str(info.value)

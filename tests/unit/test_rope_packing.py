@@ -17,7 +17,7 @@ from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.model import VarlenCausalLM, resolve_backend
-from trainer.model.family_probe import LENGTHS, differences, run_alone, run_packed
+from trainer.model.family_probe import LENGTHS, Run, differences, run_alone, run_packed
 from trainer.model.loading import prepare_model
 from trainer.model.rope import RopeError, apply_per_example_rope, example_lengths
 
@@ -66,13 +66,14 @@ def fresh_rope(model: nn.Module) -> None:
 def reference(model: nn.Module, exs: list[torch.Tensor]):
     """transformers' own model, each example alone from a fresh rope state; gradients summed."""
     wrapped = VarlenCausalLM(model, backend())
-    logits, grads = [], {}
+    logits, grads, loss = [], {}, 0.0
     for e in exs:
         fresh_rope(model)
-        (out,), g = run_alone(wrapped, [e])
-        logits.append(out)
-        grads = {n: grads.get(n, 0) + t for n, t in g.items()}
-    return logits, grads
+        alone = run_alone(wrapped, [e])
+        logits.append(alone.logits[0])
+        grads = {n: grads.get(n, 0) + t for n, t in alone.grads.items()}
+        loss += alone.loss
+    return Run(logits, grads, loss)
 
 
 @pytest.mark.parametrize("case", list(ROPES))
@@ -80,7 +81,7 @@ def test_packed_equals_one_by_one(case):
     model = hf_model(case)
     expected = reference(copy.deepcopy(model), examples())
     assert max(LENGTHS) > ORIGINAL >= min(LENGTHS)
-    logit_diff, grad_diff = differences(run_packed(prepare_model(model, backend()), examples()), expected)
+    logit_diff, _, grad_diff = differences(run_packed(prepare_model(model, backend()), examples()), expected)
     assert logit_diff <= 1e-5 and grad_diff <= 1e-5, (logit_diff, grad_diff)
 
 
@@ -89,7 +90,7 @@ def test_without_the_fix_packing_is_wrong(case):
     """What transformers alone does: the longest example sets the rope of every example in the row."""
     model = hf_model(case)
     expected = reference(copy.deepcopy(model), examples())
-    logit_diff, grad_diff = differences(run_packed(VarlenCausalLM(model, backend()), examples()), expected)
+    logit_diff, _, grad_diff = differences(run_packed(VarlenCausalLM(model, backend()), examples()), expected)
     assert logit_diff > 1e-5 and grad_diff > 1e-4, (logit_diff, grad_diff)  # far outside the contract's 1e-5
 
 
@@ -98,7 +99,7 @@ def test_padded_rows_get_their_own_rope(case):
     """A padded batch: each row's rope is that of its own length, not the longest row's."""
     model = hf_model(case)
     exs = examples()
-    expected, _ = reference(copy.deepcopy(model), exs)
+    expected = reference(copy.deepcopy(model), exs).logits
     wrapped = prepare_model(model, backend())
     width = max(LENGTHS)
     ids = torch.zeros(len(exs), width, dtype=torch.long)

@@ -171,3 +171,32 @@ def test_frozen_model_checks_logits_only(model, small_dataset, tokenizer):
         for p in model.parameters():
             p.requires_grad_(True)
     assert result.ok and result.grad_gap == 0 and "no trainable" in result.line()
+
+
+def test_the_gradient_goes_through_the_runs_own_loss(model, small_dataset, tokenizer, monkeypatch):
+    """A leak in the chunked loss's path only (its label positions mix the previous token's hidden state,
+    the model's logits untouched) fails the check: its gradient is the run's loss's, not the logits'."""
+    from trainer.model import wrapper
+
+    batch = collate_packed(small_dataset, INDICES, tokenizer.pad_token_id)
+    real = wrapper.label_positions
+
+    def leaky(hidden, labels):
+        return real(hidden + 0.01 * hidden.roll(1, dims=1), labels)
+
+    model.use_loss("chunked")
+    try:
+        assert self_check(model, batch).ok
+        monkeypatch.setattr(wrapper, "label_positions", leaky)
+        result = self_check(model, batch)
+    finally:
+        model.use_loss("naive")
+    assert result.max_logit_diff <= result.tolerance and result.grad_gap > result.grad_tolerance, result.line()
+
+
+def test_a_nan_gradient_fails_the_check(model, small_dataset, tokenizer, monkeypatch):
+    from trainer.model import selfcheck
+
+    monkeypatch.setattr(selfcheck, "grad_projections", lambda m: torch.full((selfcheck.PROJECTIONS,), float("nan"), dtype=torch.float64))
+    with pytest.raises(SelfCheckError, match="gradient gap nan"):
+        run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)

@@ -17,15 +17,17 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import warnings
 from pathlib import Path
 
 import torch
 
+from trainer import distributed
 from trainer.model.families import FamilyRefusedError
 from trainer.model.prepare import prepare_model
-from trainer.model.family_probe import NO_DROPOUT, SHRINK, differences, run_alone, run_packed
+from trainer.model.family_probe import NO_DROPOUT, SHRINK, Diffs, differences, run_alone, run_packed
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +43,7 @@ TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (2e-5, 2e-5)}
 transformers' float64 models, rope among them, leave ~1e-7). float32 only where a kernel refuses float64
 (grouped-GEMM MoE experts)."""
 MAX_LAYERS = 6
-VERSION = 1
+VERSION = 3
 """Bump to invalidate cached verdicts when the replica changes."""
 
 
@@ -80,9 +82,11 @@ def replica_config(config):
             shrunk[name] = [values[name][i] for i in keep]
         if isinstance(values.get("max_window_layers"), int) and values["max_window_layers"] < layers:
             shrunk["max_window_layers"] = sum(1 for i in keep if i < values["max_window_layers"])
+    context = values.get("max_position_embeddings") or values.get("n_positions")
     for name, small in SMALL.items():
         if isinstance(values.get(name), int) and values[name] > small:
-            shrunk[name] = small
+            # a window / chunk that never binds (at least the context) stays so: as long as the replica's context
+            shrunk[name] = CONTEXT if isinstance(context, int) and values[name] >= context else small
     for name in ("rope_parameters", "rope_scaling"):
         rope = values.get(name)
         if isinstance(rope, dict):
@@ -102,23 +106,40 @@ def replica_config(config):
 
 
 def _examples(model) -> list[torch.Tensor]:
+    """Random tokens of ``LENGTHS``; the longest starts with the pad token where the config has one: real
+    inputs hold it (the pads of padded batches, a rank's one-token filler micro-batch, tokenizers whose bos /
+    eos is the pad) and its embedding row is all zeros (``padding_idx``)."""
     g = torch.Generator().manual_seed(1)
     vocab = min(SHRINK["vocab_size"], model.model.get_input_embeddings().num_embeddings)
-    return [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
+    examples = [torch.randint(3, vocab, (n,), generator=g) for n in LENGTHS]
+    pad = getattr(model.config, "pad_token_id", None)
+    if isinstance(pad, int) and 0 <= pad < vocab:
+        examples[0][0] = pad
+    return examples
 
 
-def compare(config) -> tuple[float, float, torch.dtype]:
-    """(max |logit diff|, max |grad diff|, dtype) of ``config`` packed vs one by one: float64, or float32
+def _finite(run) -> bool:
+    return math.isfinite(run.loss) and all(bool(torch.isfinite(g).all()) for g in run.grads.values())
+
+
+NOT_FINITE = (
+    "its own gradients are not finite (NaN) on an input token whose embedding is zero (pad_token_id={pad}, "
+    "the embedding's padding_idx: the pads of padded batches, a rank's filler micro-batch): a step with it trains nothing"
+)
+
+
+def compare(config) -> tuple[Diffs, torch.dtype]:
+    """(max |logit|, |loss| and |grad diff|, dtype) of ``config`` packed vs one by one: float64, or float32
     where the model cannot run in float64."""
     try:
-        return (*_compare(config, torch.float64), torch.float64)
+        return _compare(config, torch.float64), torch.float64
     except RuntimeError as e:
         if "Double" not in str(e) and "double" not in str(e):
             raise
-        return (*_compare(config, torch.float32), torch.float32)
+        return _compare(config, torch.float32), torch.float32
 
 
-def _compare(config, dtype: torch.dtype) -> tuple[float, float]:
+def _compare(config, dtype: torch.dtype) -> Diffs:
     from transformers import AutoModelForCausalLM
 
     from trainer.model.attention import AttentionNeeds, resolve_backend
@@ -132,14 +153,21 @@ def _compare(config, dtype: torch.dtype) -> tuple[float, float]:
     backend = resolve_backend("sdpa_varlen", torch.device("cpu"), dtype, needs)
     wrapped = prepare_model(model, backend)
     wrapped.padded_attention = "eager"  # the reference honours softcap, sinks and windows
+    wrapped.use_loss("chunked")  # the packed side's gradients through the decoder stack, as a run's step takes them
     wrapped.eval()  # gradients still flow; no dropout, no sampled routing
     examples = _examples(wrapped)
-    return differences(run_packed(wrapped, examples), run_alone(wrapped, examples))
+    alone = run_alone(wrapped, examples)
+    if not _finite(alone):  # the model itself, one example at a time: no packing can fix it (Gemma 3n's AltUp)
+        family = getattr(config, "model_type", "the model")
+        reason = NOT_FINITE.format(pad=config.pad_token_id) if examples[0][0] == config.pad_token_id else "its own gradients are not finite (NaN)"
+        raise FamilyRefusedError(f"model family {family!r} cannot be trained with this config: {reason}")
+    return differences(run_packed(wrapped, examples), alone)
 
 
-def _exact(diffs: tuple[float, float, torch.dtype]) -> bool:
-    logits, grads = TOLERANCE[diffs[2]]
-    return diffs[0] <= logits and diffs[1] <= grads
+def _exact(found: tuple[Diffs, torch.dtype]) -> bool:
+    diffs, dtype = found
+    logits, grads = TOLERANCE[dtype]
+    return diffs.worst < float("inf") and diffs.logits <= logits and max(diffs.loss, diffs.grads) <= grads
 
 
 def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
@@ -188,23 +216,31 @@ def _cache_file(config) -> Path | None:
 
 def verify_config(config) -> str:
     """Refuse ``config`` (``FamilyRefusedError``, one line) when its replica mixes packed examples; returns
-    ``exact``, ``unbuildable`` (no replica: the table and the self-check decide) or ``cached:...``."""
+    ``exact``, ``unbuildable`` (no replica: the table and the self-check decide) or ``cached:...``.
+    Under torchrun only rank 0 reads the cache or judges (seconds on a miss); every rank gets its verdict
+    (one broadcast), so N ranks do not each build the replica and no rank can decide otherwise."""
+    found: list[tuple[str, str]] = []
+    distributed.on_rank0_then_all(lambda: found.append(_verdict(config)))  # rank 0's error is every rank's
+    outcome, line = distributed.broadcast_object(found[0] if found else None)
+    if outcome == "refused":
+        raise FamilyRefusedError(line)
+    return outcome
+
+
+def _verdict(config) -> tuple[str, str]:
+    """(outcome, refusal line) from the cache, or judged and cached."""
     family = getattr(config, "model_type", "the model")
     cache = _cache_file(config)
     if cache is not None and cache.is_file():
         found = json.loads(cache.read_text())
-        if found["outcome"] == "refused":
-            raise FamilyRefusedError(found["line"])
-        return f"cached:{found['outcome']}"
+        return ("refused" if found["outcome"] == "refused" else f"cached:{found['outcome']}"), found["line"]
     outcome, line = _judge(config, family)
     if cache is not None:
         cache.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache.with_suffix(f".tmp{os.getpid()}")
         tmp.write_text(json.dumps({"outcome": outcome, "line": line}))
         tmp.replace(cache)
-    if outcome == "refused":
-        raise FamilyRefusedError(line)
-    return outcome
+    return outcome, line
 
 
 def _judge(config, family: str) -> tuple[str, str]:
@@ -236,10 +272,11 @@ def _judge(config, family: str) -> tuple[str, str]:
         return _judge_diffs(replica, family, diffs, config)
 
 
-def _judge_diffs(replica, family: str, diffs, user=None) -> tuple[str, str]:
-    diffs = diffs if diffs is not None else compare(replica)
-    if _exact(diffs):
-        log.info("config verdict: %s exact for this config (%s replica: |logit diff| %.1g, |grad diff| %.1g)", family, diffs[2], *diffs[:2])
+def _judge_diffs(replica, family: str, found, user=None) -> tuple[str, str]:
+    found = found if found is not None else compare(replica)
+    diffs, dtype = found
+    if _exact(found):
+        log.info("config verdict: %s exact for this config (%s replica: |logit diff| %.1g, |grad diff| %.1g)", family, dtype, diffs.logits, diffs.grads)
         return "exact", ""
     setting = "a setting of this config"
     for label, off in candidate_settings(replica, user):
@@ -252,7 +289,7 @@ def _judge_diffs(replica, family: str, diffs, user=None) -> tuple[str, str]:
             continue
     return "refused", (
         f"model family {family!r} cannot be trained packed exactly with {setting}: examples of a packed row mix "
-        f"({str(diffs[2]).split('.')[-1]} replica: |logit diff| {diffs[0]:.2g}, |grad diff| {diffs[1]:.2g})"
+        f"({str(dtype).split('.')[-1]} replica: |logit diff| {diffs.logits:.2g}, |grad diff| {diffs.grads:.2g})"
     )
 
 

@@ -52,6 +52,10 @@ WINDOW_DROPPED = frozenset({"phimoe"})
 padded path applies it through the mask): refused when the window is shorter than the context (Phi-3.5-MoE
 ships a window as long as its context, which never binds)."""
 WINDOW_DROPPED_REASON = "its attention does not pass its sliding window on to the attention function"
+CHUNK_DROPPED = frozenset({"llama4_text"})
+"""Exact families whose chunked-attention layers keep their chunks in the mask only (never passed on to the
+attention function): refused when a chunked layer's chunk is shorter than the context."""
+CHUNK_DROPPED_REASON = "its chunked-attention layers do not pass attention_chunk_size on to the attention function"
 
 RELAY_BOUNDARIES = frozenset({"stablelm", "nemotron"})
 """Families whose decoder layers drop the attention keyword arguments: ``build_model`` hands the example
@@ -73,7 +77,36 @@ EXACT: frozenset[str] = frozenset(
         "youtu"
     }
 )
-"""Probed exact (transformers ``TESTED_WITH``). Gemma2: with ``flash_attn`` or ``flex`` (softcapping)."""
+"""Probed exact (transformers ``TESTED_WITH``): the trainer's step on a tiny default config. Some only for
+some configs (``EXACT_IF``)."""
+
+EXACT_IF: dict[str, str] = {
+    "gemma2": "with flash_attn or flex, which honour its attention softcapping (the other backends are refused at start)",
+    "llama4_text": (
+        "while no chunked-attention layer's chunk binds (attention_chunk_size at least the context): its "
+        "default config and the released checkpoints (chunks of 8192) are refused, the chunks stay in the mask"
+    ),
+    "lfm2": (
+        "on configs of attention layers only (its default); short-convolution layers ('conv' in layer_types, "
+        "as the released LFM2 checkpoints have) are refused by the config verdict"
+    ),
+    "phimoe": "while its sliding window is at least its context (its attention does not pass a shorter window on: refused)",
+    "qwen2_moe": (
+        "while its layers are full attention (its default); sliding-window layers are refused by the config "
+        "verdict (the window stays in the mask and never reaches the attention function)"
+    ),
+}
+"""Exact families whose verdict depends on the config: the condition (the config verdict,
+``trainer.model.config_verdict``, or ``check_family`` enforces it per config)."""
+
+EXACT_FROM: dict[str, tuple[str, str]] = {
+    "codegen": ("5.24", NO_INTERFACE),
+    "gptj": ("5.24", NO_INTERFACE),
+    "moshi": ("5.24", DROPS_KWARGS),
+}
+"""Exact families that probed wrong on an older transformers ``pyproject.toml`` accepts (5.17: GPT-J and
+CodeGen bypass the attention interface, Moshi's layers drop the boundaries): (the oldest version probed
+exact, the reason). Refused with an older installed transformers (versions between were not probed)."""
 
 
 def _reasons(reason: str, *families: str) -> dict[str, str]:
@@ -128,12 +161,16 @@ class Verdict:
     kind: str
     """``exact``, ``refused``, ``skipped`` or ``untested``."""
     reason: str = ""
+    """Why refused or skipped; for an exact family, the condition it is exact under (``EXACT_IF``), if any."""
 
 
 def verdict(family: str) -> Verdict:
     """What the table says about ``family`` (a transformers ``model_type``)."""
     if family in EXACT:
-        return Verdict(family, "exact")
+        if family in EXACT_FROM and _older_than(EXACT_FROM[family][0]):
+            since, reason = EXACT_FROM[family]
+            return Verdict(family, "refused", f"{reason} (transformers {_installed()}; exact from {since})")
+        return Verdict(family, "exact", EXACT_IF.get(family, ""))
     if family in REFUSED:
         return Verdict(family, "refused", REFUSED[family])
     if family in SKIPPED:
@@ -143,17 +180,35 @@ def verdict(family: str) -> Verdict:
     return Verdict(family, "untested")
 
 
+def _installed() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _older_than(version: str) -> bool:
+    """The installed transformers is older than ``version``."""
+    from packaging.version import Version
+
+    return Version(_installed()) < Version(version)
+
+
 def refusal_line(family: str, reason: str) -> str:
     return f"model family {family!r} cannot be trained packed exactly: {reason}"
 
 
 def binding_window_dropped(config) -> str | None:
-    """Why a family of ``WINDOW_DROPPED`` cannot be packed with this config (a sliding window shorter than
-    its context, which its attention would lose), or ``None``."""
+    """Why a family of ``WINDOW_DROPPED`` / ``CHUNK_DROPPED`` cannot be packed with this config (a sliding
+    window or an attention chunk shorter than its context, which its attention would lose), or ``None``."""
+    family = getattr(config, "model_type", None)
     window = getattr(config, "sliding_window", None)
     context = getattr(config, "max_position_embeddings", None)
-    if getattr(config, "model_type", None) in WINDOW_DROPPED and window and (context is None or window < context):
+    if family in WINDOW_DROPPED and window and (context is None or window < context):
         return f"{WINDOW_DROPPED_REASON} (sliding_window={window} is shorter than the context {context})"
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ["chunked_attention"])
+    if family in CHUNK_DROPPED and chunk and chunked and (context is None or chunk < context):
+        return f"{CHUNK_DROPPED_REASON} (attention_chunk_size={chunk} is shorter than the context {context})"
     return None
 
 
@@ -180,4 +235,4 @@ def check_family(config, self_check: bool = True) -> Verdict:
     return found
 
 
-__all__ = ["EXACT", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]
+__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]

@@ -1,9 +1,14 @@
-"""Probe a transformers causal-LM family: is a packed row exact against its examples run one by one?
+"""Probe a transformers causal-LM family: does a packed row train exactly what its examples train one by one?
 
 ``probe(model_type)`` builds a tiny random model of the family (2 layers, small width, a sliding window of
-6 where the family has one), prepares it as ``build_model`` does (``prepare_model``: per-example rope) and
-compares a packed row of examples of lengths 9, 1, 14, 5, 11, 3 through ``sdpa_varlen`` with the same
-examples run alone through transformers' own attention: logits and every parameter's gradient, fp32.
+6 where the family has one), prepared as ``build_model`` prepares it (``prepare_model``: per-example rope,
+the boundary relay) with the loss a run trains with by default (``LossConfig().impl``: the chunked loss,
+through the decoder stack). A packed row of examples of lengths 9, 1, 14, 5, 11, 3 runs the trainer's step
+through ``sdpa_varlen`` (``summed_token_loss`` / the label count, backward) and is compared with the same
+examples run alone through transformers' own attention and full-logit cross-entropy: logits, the loss and
+every parameter's gradient, fp32 (a near miss rerun in float64). An exact family then takes one optimizer
+step (the trainer's default AdamW, clipping) and is compared again on the updated weights: it must not
+crash, and stay exact.
 ``benchmarks/family_matrix.py`` runs it over every family of the installed transformers;
 ``tests/unit/test_family_matrix.py`` checks the verdicts of ``trainer.model.families`` against it.
 """
@@ -11,11 +16,16 @@ examples run alone through transformers' own attention: logits and every paramet
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+
+from trainer.collate import IGNORE_INDEX, Batch
+from trainer.loss import summed_token_loss
 
 LENGTHS = (9, 1, 14, 5, 11, 3)
 """Longer and shorter than the window, a 1-token example."""
@@ -62,12 +72,13 @@ class ProbeResult:
     detail: str = ""
     logit_diff: float = float("nan")
     grad_diff: float = float("nan")
+    loss_diff: float = float("nan")
 
     def line(self) -> str:
         if self.outcome in ("exact", "wrong"):
             return (
                 f"{self.family}: {self.outcome} ({self.detail}max |logit diff| {self.logit_diff:.2g}, "
-                f"|grad diff| {self.grad_diff:.2g})"
+                f"|loss diff| {self.loss_diff:.2g}, |grad diff| {self.grad_diff:.2g})"
             )
         return f"{self.family}: {self.outcome}: {self.detail}"
 
@@ -103,8 +114,32 @@ def _token_loss_sum(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), ids[1:], reduction="sum")
 
 
-def _grads(model) -> dict[str, torch.Tensor]:
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+class Run(NamedTuple):
+    """What a packed or one-by-one run of the probe's examples gives."""
+
+    logits: list[torch.Tensor]
+    """Each example's logits."""
+    grads: dict[str, torch.Tensor]
+    """Every parameter's gradient of the summed token loss."""
+    loss: float
+    """The summed token loss."""
+
+
+class Diffs(NamedTuple):
+    """Packed vs one by one, each relative to max(1, |one by one|)."""
+
+    logits: float
+    loss: float
+    grads: float
+
+    @property
+    def worst(self) -> float:
+        """The largest of the three; ``inf`` where one is not finite (a NaN never passes)."""
+        return max(self) if all(math.isfinite(d) for d in self) else math.inf
+
+
+def _grads(model, scale: float = 1.0) -> dict[str, torch.Tensor]:
+    grads = {n: p.grad.clone() * scale for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     return grads
 
@@ -113,39 +148,80 @@ def _max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
 
-def run_alone(model, examples: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Logits of each example run alone through transformers' own attention, and the summed gradients."""
+def run_alone(model, examples: list[torch.Tensor]) -> Run:
+    """Each example run alone through transformers' own attention (the model's padded path) and its full
+    logits' cross-entropy: the reference, independent of the packed backend and of the run's loss."""
     model.zero_grad(set_to_none=True)
-    logits = []
+    logits, loss = [], 0.0
     for e in examples:
         out = model(input_ids=e[None], position_ids=torch.arange(len(e))[None], attention_mask=torch.ones_like(e)[None])[0]
-        _token_loss_sum(out, e).backward()
+        token_loss = _token_loss_sum(out, e)
+        token_loss.backward()
         logits.append(out.detach())
-    return logits, _grads(model)
+        loss += float(token_loss.detach())
+    return Run(logits, _grads(model), loss)
 
 
-def run_packed(model, examples: list[torch.Tensor]) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
-    """Logits of each example in one packed row through the packed backend, and the summed gradients."""
-    model.zero_grad(set_to_none=True)
-    ids = torch.cat(examples)[None]
+def packed_batch(examples: list[torch.Tensor]) -> Batch:
+    """The examples as the trainer's collate lays out a packed row: one flat row, positions restarting,
+    ``cu_seqlens``, and no label on each example's first token."""
     cu = torch.tensor([0] + [len(e) for e in examples]).cumsum(0).to(torch.int32)
-    pos = torch.cat([torch.arange(len(e)) for e in examples])[None]
-    logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=max(len(e) for e in examples))[0]
-    pieces = [logits[s:t] for s, t in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    sum(_token_loss_sum(p, e) for p, e in zip(pieces, examples)).backward()
-    return [p.detach() for p in pieces], _grads(model)
+    labels = torch.cat([torch.cat([torch.tensor([IGNORE_INDEX]), e[1:]]) for e in examples])[None]
+    return Batch(
+        input_ids=torch.cat(examples)[None], labels=labels,
+        position_ids=torch.cat([torch.arange(len(e)) for e in examples])[None], cu_seqlens=cu,
+        max_seqlen=max(len(e) for e in examples), num_examples=len(examples), num_tokens=int(cu[-1]),
+        num_label_tokens=int((labels != IGNORE_INDEX).sum()), num_positions=int(cu[-1]),
+    )
 
 
-def differences(packed, alone) -> tuple[float, float]:
-    """(max |logit diff|, max |grad diff|) between two ``run_*`` results, each relative to max(1, |value|);
-    a gradient present in one run only counts as infinite."""
-    logit_diff = max(_max_rel_diff(p, a) for p, a in zip(packed[0], alone[0]))
+def run_packed(model, examples: list[torch.Tensor]) -> Run:
+    """The examples in one packed row, as the trainer's step runs them: the loss the model is set to train
+    with (``VarlenCausalLM.use_loss``: the chunked loss through the decoder and the boundary relay, by
+    default) through ``summed_token_loss``, divided by the label count and backpropagated (``Trainer.
+    forward_backward``); the gradients are scaled back to the summed loss's. The logits come from the same
+    packed forward without labels."""
+    model.zero_grad(set_to_none=True)
+    batch = packed_batch(examples)
+    with torch.no_grad():
+        logits = model(**batch.model_inputs())[0]
+    loss = summed_token_loss(model, batch)
+    (loss / batch.num_label_tokens).backward()
+    pieces = [logits[s:t] for s, t in zip(batch.cu_seqlens[:-1].tolist(), batch.cu_seqlens[1:].tolist())]
+    return Run(pieces, _grads(model, batch.num_label_tokens), float(loss.detach()))
+
+
+def differences(packed: Run, alone: Run) -> Diffs:
+    """Max |logit diff|, |loss diff|, |grad diff| between two runs, each relative to max(1, |value|); a
+    gradient present in one run only counts as infinite."""
+    logit_diff = max(_max_rel_diff(p, a) for p, a in zip(packed.logits, alone.logits))
+    loss_diff = abs(packed.loss - alone.loss) / max(1.0, abs(alone.loss))
     grad_diff = 0.0
-    for name in packed[1].keys() | alone[1].keys():
-        if name not in packed[1] or name not in alone[1]:
-            return logit_diff, float("inf")
-        grad_diff = max(grad_diff, _max_rel_diff(packed[1][name], alone[1][name]))
-    return logit_diff, grad_diff
+    for name in packed.grads.keys() | alone.grads.keys():
+        if name not in packed.grads or name not in alone.grads:
+            return Diffs(logit_diff, loss_diff, float("inf"))
+        grad_diff = max(grad_diff, _max_rel_diff(packed.grads[name], alone.grads[name]))
+    return Diffs(logit_diff, loss_diff, grad_diff)
+
+
+def optimizer_step(model, examples: list[torch.Tensor]) -> Diffs:
+    """One training step on the packed row as the trainer takes it (the run's loss over the label count,
+    gradient clipping, the default optimizer of ``trainer.optim.build_optimizer``), then packed vs one by
+    one again on the updated weights; all ``inf`` where a weight is no longer finite."""
+    from trainer.config import OptimConfig
+    from trainer.optim import build_optimizer
+
+    cfg = OptimConfig()
+    batch = packed_batch(examples)
+    optimizer = build_optimizer(model, cfg)
+    model.zero_grad(set_to_none=True)
+    (summed_token_loss(model, batch) / batch.num_label_tokens).backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.grad is not None], cfg.grad_clip, foreach=True)
+    optimizer.step()
+    model.zero_grad(set_to_none=True)
+    if not all(bool(torch.isfinite(p).all()) for p in model.parameters()):
+        return Diffs(math.inf, math.inf, math.inf)
+    return differences(run_packed(model, examples), run_alone(model, examples))
 
 
 def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides):
@@ -153,6 +229,7 @@ def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides
     without the family table's verdict (the probe is what makes it). Raises what building raises."""
     from transformers import AutoModelForCausalLM
 
+    from trainer.config import LossConfig
     from trainer.model.attention import AttentionNeeds, resolve_backend
     from trainer.model.families import FamilyRefusedError, binding_window_dropped
     from trainer.model.prepare import prepare_model
@@ -164,7 +241,9 @@ def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides
             raise FamilyRefusedError(reason)
         resolved = resolve_backend(backend, torch.device("cpu"), torch.float32, AttentionNeeds.of(config))
         torch.manual_seed(0)
-        return prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32), counted(resolved))
+        model = prepare_model(AutoModelForCausalLM.from_config(config, dtype=torch.float32), counted(resolved))
+        model.use_loss(LossConfig().impl)  # the run's default loss (chunked), as the trainer sets it
+        return model
 
 
 def counted(backend):
@@ -216,21 +295,43 @@ def probe(model_type: str, backend: str = "sdpa_varlen", **overrides) -> ProbeRe
         return ProbeResult(model_type, "error", _one_line(e))
     if model.backend.calls[0] == 0:
         note += "the packed backend was never called; "
-    logit_diff, grad_diff = differences(packed, alone)
-    exact = logit_diff <= TOLERANCE and grad_diff <= TOLERANCE
-    if not exact and max(logit_diff, grad_diff) < ROUNDING_SUSPECT:
-        exact, note = rounding_only(model, examples, note)
-    return ProbeResult(model_type, "exact" if exact else "wrong", note, logit_diff, grad_diff)
+    diffs = differences(packed, alone)
+    exact, note = within_tolerance(model, examples, diffs, note)
+    if not exact:
+        return ProbeResult(model_type, "wrong", note, diffs.logits, diffs.grads, diffs.loss)
+    try:
+        after = optimizer_step(model, examples)
+    except Exception as e:  # noqa: BLE001 - a family whose packed step crashes in the optimizer or after it
+        return ProbeResult(model_type, "error", "the optimizer step: " + _one_line(e))
+    exact, after_note = within_tolerance(model, examples, after, "")
+    if not exact:
+        note += f"after one optimizer step: {after_note}|logit diff| {after.logits:.2g}, |loss diff| {after.loss:.2g}, |grad diff| {after.grads:.2g}; before: "
+        return ProbeResult(model_type, "wrong", note, diffs.logits, diffs.grads, diffs.loss)
+    return ProbeResult(model_type, "exact", note, diffs.logits, diffs.grads, diffs.loss)
+
+
+def within_tolerance(model, examples: list[torch.Tensor], diffs: Diffs, note: str) -> tuple[bool, str]:
+    """fp32 within ``TOLERANCE``, or a near miss that is rounding only (``rounding_only``). (exact, note)."""
+    if diffs.worst <= TOLERANCE:
+        return True, note
+    if diffs.worst < ROUNDING_SUSPECT:
+        return rounding_only(model, examples, note)
+    return False, note
 
 
 def rounding_only(model, examples: list[torch.Tensor], note: str) -> tuple[bool, str]:
     """Rerun a near miss in float64: a packing leak stays as large, fp32 rounding shrinks by orders of
-    magnitude (a family with float32 steps inside keeps ~1e-7 on its gradients). (exact, note)."""
+    magnitude (a family with float32 steps inside keeps ~1e-7 on its gradients, the chunked loss's float32
+    cross-entropy ~1e-8 on the loss). (exact, note)."""
     model.double()
-    logit_diff, grad_diff = differences(run_packed(model, examples), run_alone(model, examples))
+    f64 = differences(run_packed(model, examples), run_alone(model, examples))
     model.float()
-    exact = logit_diff <= FLOAT64_TOLERANCE[0] and grad_diff <= FLOAT64_TOLERANCE[1]
-    return exact, note + f"float64: |logit diff| {logit_diff:.1g}, |grad diff| {grad_diff:.1g}; fp32: "
+    exact = f64.worst < math.inf and f64.logits <= FLOAT64_TOLERANCE[0] and max(f64.loss, f64.grads) <= FLOAT64_TOLERANCE[1]
+    note += f"float64: |logit diff| {f64.logits:.1g}, |loss diff| {f64.loss:.1g}, |grad diff| {f64.grads:.1g}; fp32: "
+    return exact, note
 
 
-__all__ = ["LENGTHS", "ProbeResult", "build_probe_model", "differences", "probe", "run_alone", "run_packed", "tiny_config"]
+__all__ = [
+    "LENGTHS", "Diffs", "ProbeResult", "Run", "build_probe_model", "differences", "optimizer_step", "packed_batch",
+    "probe", "run_alone", "run_packed", "tiny_config",
+]

@@ -6,8 +6,11 @@ it will be trained (packed through the configured backend, or padded with its ma
 examples alone through transformers' own SDPA path. Any disagreement above tolerance means examples see
 each other, positions do not restart, or the backend is wrong: the run stops with the numbers.
 
-It compares logits and the gradient: the packed batch and each example alone are run forward and backward
-(one backward per example, and in half precision one more for the reverse-order reference) and the full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
+It compares logits and the gradient: the packed batch runs the step's own path (the loss the run trains
+with, ``VarlenCausalLM.use_loss``: the chunked loss through the decoder stack and the boundary relay, or the
+naive one) forward and backward; each example alone runs through transformers' own attention and its full
+logits' cross-entropy (one backward per example, and in half precision one more for the reverse-order
+reference); the full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
 random projections (``grad_projections``: a dot with a random tensor generated chunk-wise, so memory stays
 one chunk). The gradient tolerance is ``GRAD_NOISE_MULT`` times the measured noise of the reference (run
 a second time, its examples in reverse order: the gap between the two is the rounding of summing the
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +33,7 @@ import torch.nn.functional as F
 
 from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
+from trainer.loss import summed_token_loss
 from trainer.model.wrapper import VarlenCausalLM
 from trainer.packing import piece_starts
 
@@ -170,13 +175,17 @@ def self_check(
     _zero_grads(model)
     try:
         with autocast, torch.set_grad_enabled(trains):
-            full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
-            if trains:  # the gradient of the summed token loss, normalised by the batch's label count
+            if trains and route is not None:  # under cp: the row sharded over the group, the loss on its gathered logits
+                full = route.logits(batch).float()
                 sum(_token_losses(full[row, span], batch.labels[row, span]).sum() for row, span in spans).div(labelled).backward()
+            elif trains:  # the run's own loss (``use_loss``: chunked or naive) over the batch's label count, as a step takes it
+                summed_token_loss(model, batch).div(labelled).backward()
+            if trains:
                 packed = grad_projections(model)
                 packed = route.sum_over_ranks(packed) if route is not None else packed
                 _zero_grads(model)
-            full = full.detach()
+            with torch.no_grad():
+                full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
             for i, (row, span) in enumerate(spans):
                 alone = _alone(model, batch, row, span)
@@ -258,9 +267,9 @@ def run_startup_self_check(
         compute_dtype = None
     device = param.device
     result = self_check(model, batch.to(device), tolerance, compute_dtype, starts, route)
-    excess, grad_excess = distributed.all_reduce_max(
-        [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)], device
-    )
+    ratios = [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)]
+    # A NaN gap (NaN logits or gradients) must fail: max() and the all-reduce would let a NaN ratio pass.
+    excess, grad_excess = distributed.all_reduce_max([r if math.isfinite(r) else math.inf for r in ratios], device)
     if max(excess, grad_excess) > 1.0:
         what = "logit diff" if excess >= grad_excess else "gradient gap"
         raise SelfCheckError(

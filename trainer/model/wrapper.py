@@ -164,6 +164,10 @@ class VarlenCausalLM(nn.Module):
         head = self.model.get_output_embeddings()
         if not isinstance(head, nn.Linear):
             return f"the output head is a {type(head).__name__}, not a Linear"
+        if own := sorted(set(dict(head.named_parameters())) - {"weight", "bias"}):
+            # Dory's logit_scale: its init leaves the logits unchanged (so the probe below agrees), but the
+            # chunked loss would never train it and would drift from the model's own logits once it moves.
+            return f"the output head {type(head).__name__} has parameters of its own ({', '.join(own)})"
         positions = torch.arange(tokens, device=head.weight.device)[None]
         ids = positions % head.out_features
         inputs = self.attention_inputs(ids, positions, None, None, torch.ones_like(ids))
