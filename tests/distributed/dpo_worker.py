@@ -27,8 +27,8 @@ SIZES = {"gpt2": LORA_SIZES["gpt2"],
 CFG = DPOConfig(beta=0.5)
 
 
-def policy(family: str, lora: bool, tokenizer):
-    model_cfg = ModelConfig(family=family, config_overrides=SIZES[family])
+def policy(family: str, lora: bool, tokenizer, **overrides):
+    model_cfg = ModelConfig(family=family, config_overrides=SIZES[family] | overrides)
     model = build_model(model_cfg, tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=5)
     model.use_loss("chunked", chunk_tokens=64)
     if lora:
@@ -73,11 +73,30 @@ def run_case(family: str, lora: bool, tokenizer, microbatches, rank: int) -> dic
     loss_two = distributed.all_reduce_sum([local], torch.device("cpu"))[0]
     grads = {n: p.grad for n, p in one.named_parameters() if p.requires_grad}
     diffs = {n: float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in model.named_parameters() if p.requires_grad}
-    sharded_ref = getattr(ref, "model", None)
+    sharded_ref = ref.model if plan.kind == "copy" else None
     return {"max_grad_diff": max(diffs.values()), "params": len(diffs), "loss_diff": abs(loss_one - loss_two),
             "loss": loss_one / global_pairs, "reference": plan.kind,
             "reference_sharded": sharded_ref is not None and all(hasattr(p, "full_tensor") for p in sharded_ref.parameters()),
             "reference_frozen": sharded_ref is None or not any(p.requires_grad for p in sharded_ref.parameters())}
+
+
+def precompute_case(tokenizer, pairs, microbatches) -> dict:
+    """``dpo.reference=precompute`` over 2 ranks: the pass leaves the policy sharded (the optimizer is built
+    from its parameters next) and stores what the live reference computes."""
+    from dataclasses import replace
+
+    # bf16 compute: FSDP2's gathered parameters are then copies, which an optimizer must never be given
+    cfg = ParallelConfig(device="cpu", backend="gloo", param_dtype="bfloat16", reduce_dtype="float32")
+    mesh = build_mesh(torch.device("cpu"), 2, cfg)
+    model = policy("qwen2", False, tokenizer, tie_word_embeddings=True)  # as the recipe's
+    live_plan, plan = plan_reference(CFG, model), plan_reference(replace(CFG, reference="precompute"), model, "test")
+    model = parallelize(model, mesh, cfg)
+    live = live_plan.build(model, lambda m: parallelize(m, mesh, cfg), [], 0, torch.device("cpu"))
+    stored = plan.build(model, None, [pairs], 512, torch.device("cpu"), tokenizer.pad_token_id)
+    sharded = all(hasattr(p, "full_tensor") for p in model.parameters())
+    batches = [collate_packed(pairs, b.example_ids[::2], tokenizer.pad_token_id) for b in microbatches]  # now with them
+    diff = max(float(((stored.logps(b) - live.logps(b)) / live.logps(b)).abs().max()) for b in batches)
+    return {"policy_sharded_after": sharded, "max_logp_rel_diff": diff}
 
 
 def run_cases(cache: str) -> dict[str, dict]:
@@ -85,5 +104,6 @@ def run_cases(cache: str) -> dict[str, dict]:
     tokenizer = load_tokenizer(ModelConfig(), DataConfig(num_records=300, cache_dir=cache))
     pairs = load_dataset(DataConfig(source="preference_synthetic", num_records=16, cache_dir=cache), tokenizer, 512)
     microbatches = [collate_packed(pairs, list(range(3 * i, 3 * i + 3)), tokenizer.pad_token_id) for i in range(4)]
-    return {f"{family}_{'lora' if lora else 'full'}": run_case(family, lora, tokenizer, microbatches, rank)
-            for family in SIZES for lora in (False, True)}
+    cases = {f"{family}_{'lora' if lora else 'full'}": run_case(family, lora, tokenizer, microbatches, rank)
+             for family in SIZES for lora in (False, True)}
+    return cases | {"precompute": precompute_case(tokenizer, pairs, microbatches)}

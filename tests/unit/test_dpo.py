@@ -20,7 +20,7 @@ from trainer.config import DPOConfig
 from trainer.data.examples import from_examples
 from trainer.data.pairs import join_pair
 from trainer.preference import PreferenceObjective, pair_losses, sequence_logps
-from trainer.preference.reference import AdapterOffReference, adapters_off
+from trainer.preference.reference import LiveReference, adapters_off
 
 PAIRS = [(5, 9, 3), (1, 14, 6), (7, 2, 11), (3, 8, 8), (10, 4, 1)]
 """(prompt, chosen, rejected) lengths: long and short replies, a one-token prompt, a one-token reply."""
@@ -87,7 +87,7 @@ def test_packed_pairs_equal_each_sequence_alone(family, lora):
     indices = np.arange(len(PAIRS))
     g = torch.Generator().manual_seed(0)
     fixed = torch.randn(2 * len(PAIRS), generator=g, dtype=torch.float64) - 20.0
-    reference = AdapterOffReference(model) if lora else FixedReference(fixed)
+    reference = LiveReference(model, lora_base=True) if lora else FixedReference(fixed)
 
     batch = collate_packed(ds, indices)
     assert batch.num_pairs == len(PAIRS) and batch.num_examples == 2 * len(PAIRS)

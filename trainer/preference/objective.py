@@ -69,7 +69,7 @@ class PreferenceObjective:
     def __init__(self, cfg: DPOConfig, reference) -> None:
         self.cfg = cfg
         self.reference = reference
-        """``trainer.preference.reference``'s ``LiveReference``, ``AdapterOffReference`` or
+        """``trainer.preference.reference``'s ``LiveReference`` (a frozen copy, or the LoRA base) or
         ``PrecomputedReference`` (``None``: ``simpo``)."""
 
     def describe(self) -> str:

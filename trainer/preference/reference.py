@@ -3,7 +3,7 @@
 - ``live``, full fine-tuning: ``frozen_copy`` of the starting policy, FSDP2-sharded like it (same mesh, same
   mixed precision), no grad, no optimizer state (``LiveReference``);
 - ``live`` with ``peft=lora``: the policy itself with its adapters switched off for the reference pass
-  (``AdapterOffReference``): the base is the reference, no second copy;
+  (``LiveReference(lora_base=True)``): the base is the reference, no second copy;
 - ``precompute``: one pass of the starting policy over every pair of the data cache folder before training
   (``precompute_reference``: bins dealt to ranks like eval, the result all-reduced), stored next to the
   cache's arrays as ``ref_logps_<fingerprint>.npy`` (checksummed), keyed by the reference weights, the
@@ -32,16 +32,22 @@ log = logging.getLogger(__name__)
 
 
 class LiveReference:
-    """A frozen copy of the starting policy (sharded by the caller like the policy)."""
+    """The reference run live: a frozen copy of the starting policy (sharded by the caller like the policy),
+    or, with ``lora_base``, the policy itself with its adapters off."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.model = model
+    def __init__(self, model: torch.nn.Module, lora_base: bool = False) -> None:
+        self.model, self.lora_base = model, lora_base
 
     def describe(self) -> str:
+        if self.lora_base:
+            return "live (the LoRA base: the policy with its adapters off, no copy)"
         return "live (a frozen FSDP2-sharded copy of the starting policy)"
 
     @torch.no_grad()
     def logps(self, batch: Batch) -> torch.Tensor:
+        if self.lora_base:
+            with adapters_off(self.model):
+                return sequence_logps(self.model, batch).double()
         out = sequence_logps(self.model, batch).double()
         reshard(self.model)
         return out
@@ -82,21 +88,6 @@ def adapters_off(model: torch.nn.Module):
         for m, w in zip(layers, was):
             m._disable_adapters = w
         model.train(was_training)
-
-
-class AdapterOffReference:
-    """``peft=lora``: the policy's base (adapters off) is the reference."""
-
-    def __init__(self, policy: torch.nn.Module) -> None:
-        self.policy = policy
-
-    def describe(self) -> str:
-        return "live (the LoRA base: the policy with its adapters off, no copy)"
-
-    @torch.no_grad()
-    def logps(self, batch: Batch) -> torch.Tensor:
-        with adapters_off(self.policy):
-            return sequence_logps(self.policy, batch).double()
 
 
 class PrecomputedReference:
@@ -152,6 +143,7 @@ def precompute_reference(
                 if len(indices):
                     values[torch.as_tensor(indices, device=device)] = logps.view(-1, 2)
         model.train(was_training)
+        reshard(model)  # the optimizer, built next, must see the sharded parameters
         if distributed.is_initialized():
             torch.distributed.all_reduce(values)
         saved = values.cpu().numpy()
@@ -182,7 +174,7 @@ class ReferencePlan:
         if self.kind == "copy":
             return LiveReference(shard(self.copy))
         if self.kind == "adapters":
-            return AdapterOffReference(policy)
+            return LiveReference(policy, lora_base=True)
         if self.kind == "precompute":
             return precompute_reference(policy, datasets, self.fingerprint, token_budget, device, pad_id)
         return None
