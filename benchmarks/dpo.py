@@ -56,7 +56,7 @@ SIZES = {
 }
 """``--model`` choices (Qwen2 shapes; KV heads a quarter of the query heads, 4,096 positions, tied head)."""
 VOCAB = 4096
-PAIRS = 400
+PAIRS = 64
 WORDS = 400
 
 
@@ -73,6 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system")
     p.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch (a pair is at most this)")
+    p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (precompute's pass covers them all)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--markdown", type=Path, default=None, help="also write the table (markdown) here")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
@@ -248,11 +249,11 @@ def main(argv=None) -> dict:
 
     data_dir = Path(os.environ.get("PACKFSDP_CACHE", "~/.cache/packfsdp")).expanduser() / "benchmarks"
     data_dir.mkdir(parents=True, exist_ok=True)
-    args.data = data_dir / f"dpo_pairs_{SEED}.jsonl"
-    stats = make_pairs(args.data)
+    args.data = data_dir / f"dpo_pairs_{SEED}_{args.pairs}.jsonl"
+    stats = make_pairs(args.data, args.pairs)
     print(f"dpo benchmark: Qwen2 {args.model} (fp32), {args.steps} timed steps after {args.warmup}, {args.threads} "
           f"thread(s), ~{args.budget} tokens per step, torch {torch.__version__}, load average {load_average()}")
-    print(f"pairs: {PAIRS}, median tokens prompt {stats['prompt']} / chosen {stats['chosen']} / rejected "
+    print(f"pairs: {args.pairs}, median tokens prompt {stats['prompt']} / chosen {stats['chosen']} / rejected "
           f"{stats['rejected']}; pair (prompt twice) median {stats['pair_median']}, p95 {stats['pair_p95']}, "
           f"max {stats['pair_max']}")
     results = {}

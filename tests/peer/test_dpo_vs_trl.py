@@ -15,7 +15,8 @@ pairs. cDPO (packfsdp's ``sigmoid`` with ``label_smoothing``) is no TRL 1.16 los
 packfsdp's side: TRL's token ids as pre-tokenized pairs (``prompt_input_ids`` / ``chosen_input_ids`` /
 ``rejected_input_ids``) through packfsdp's data route, all pairs in one packed row (``collate_packed``),
 ``PreferenceObjective`` with a ``LiveReference`` through the chunked head, divided by the pair count.
-The reference is a perturbed copy of the policy, so the loss is not trivially log 2.
+The reference is a perturbed copy of the policy, so the loss is not trivially log 2. The reference-free
+``simpo`` is compared with TRL's SimPO (``trl.experimental.cpo.CPOTrainer``) the same way (last test).
 """
 
 from __future__ import annotations
@@ -178,6 +179,53 @@ def test_packed_dpo_equals_trl_dpo_trainer(peers, ours, theirs, eps, beta):
 
     assert abs(float(trl_loss) - np.log(2)) > 1e-3  # the perturbed reference: not the trivial log 2
     torch.testing.assert_close(loss, trl_loss.float(), **TOL)
+    assert grads.keys() == trl_grads.keys() and len(grads) > 5
+    for name in grads:
+        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+
+
+def test_packed_simpo_equals_trl_cpo_trainer_simpo(tokenizer, tmp_path):
+    """The reference-free ``simpo`` == TRL's SimPO (``trl.experimental.cpo.CPOTrainer``, ``loss_type="simpo"``,
+    ``cpo_alpha=0``: no NLL term): its tokenization (``tokenize_row``: BOS + prompt, reply + EOS), its padded
+    collator, ``compute_loss`` -> ``get_batch_loss_metrics`` (full logits, ``get_batch_logps`` averaged over
+    the reply tokens) against the same ids packed; GPT-2, plain strings, fp32 1e-5."""
+    from datasets import Dataset
+    from trl.experimental.cpo import CPOConfig, CPOTrainer
+
+    tok, rows = copy.deepcopy(tokenizer), string_pairs(np.random.default_rng(1))
+    model = tiny("gpt2", len(tok), tok)
+    backend = resolve_backend("sdpa_varlen", torch.device("cpu"), torch.float32)
+    policy = VarlenCausalLM(copy.deepcopy(model), backend)
+    policy.use_loss("chunked", chunk_tokens=7)
+    beta, gamma = 2.0, 0.5
+    args = CPOConfig(output_dir=str(tmp_path / "cpo"), report_to=[], use_cpu=True, bf16=False, loss_type="simpo",
+                     cpo_alpha=0.0, beta=beta, simpo_gamma=gamma, per_device_train_batch_size=len(rows),
+                     max_length=512, disable_dropout=True, save_strategy="no", dataloader_num_workers=0)
+    trainer = CPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
+    examples = [trainer.train_dataset[i] for i in range(len(rows))]
+    trl_model = trainer.model.train()
+    trl_loss = trainer.compute_loss(trl_model, trainer.data_collator(examples))
+    trl_loss.backward()
+    trl_grads = {n: p.grad.clone() for n, p in trl_model.named_parameters() if p.grad is not None}
+
+    def split(e, side):  # TRL's sequence = prompt (labels -100) + reply
+        ids, labels = e[f"{side}_input_ids"], e[f"{side}_labels"]
+        n = sum(label == -100 for label in labels)
+        return ids[:n], ids[n:]
+
+    pairs = []
+    for e in examples:
+        (prompt, chosen), (prompt_r, rejected) = split(e, "chosen"), split(e, "rejected")
+        assert prompt == prompt_r
+        pairs.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
+    batch = packfsdp_batch(pairs, tok, tmp_path)
+    policy.train()
+    loss_sum, _ = PreferenceObjective(DPOConfig(beta=beta, loss="simpo", simpo_gamma=gamma), None).loss_sum(policy, batch)
+    loss = loss_sum / batch.num_pairs
+    loss.backward()
+    grads = {n: p.grad for n, p in policy.model.named_parameters() if p.grad is not None}
+
+    torch.testing.assert_close(loss.detach(), trl_loss.detach().float(), **TOL)
     assert grads.keys() == trl_grads.keys() and len(grads) > 5
     for name in grads:
         torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
