@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,7 +43,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.peer_hf import load_average  # noqa: E402
+from benchmarks.peer_hf import load_average, run_worker, timed_train  # noqa: E402
 
 SYSTEMS = ("packfsdp_packed", "packfsdp_padded", "trl_dpo", "packfsdp_precompute")
 ARMS = {"packfsdp_packed": [], "packfsdp_padded": ["packing=none"], "packfsdp_precompute": ["dpo.reference=precompute"]}
@@ -145,7 +144,7 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
 
     import torch
     from datasets import Dataset
-    from transformers import AutoConfig, AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoConfig, AutoModelForCausalLM
     from trl import DPOConfig, DPOTrainer
 
     from trainer.config import PackingConfig
@@ -172,23 +171,9 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
                          seed=SEED)
     trainer = DPOTrainer(model=model, ref_model=ref, args=dpo_args, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer)
-    counts, positions, ends = [], [], []
-    inner = trainer.data_collator
-
-    def counting_collator(features):
-        batch = inner(features)
-        counts.append(int(batch["completion_mask"].sum()))  # every completion token is predicted
-        positions.append(batch["input_ids"].numel())
-        return batch
-
-    trainer.data_collator = counting_collator
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            ends.append(time.perf_counter())
-
-    trainer.add_callback(StepClock())
-    trainer.train()
+    # every completion token is predicted; positions: what the padded batch computes
+    sizes, ends = timed_train(trainer, lambda b: (int(b["completion_mask"].sum()), b["input_ids"].numel()))
+    counts, positions = [c for c, _ in sizes], [n for _, n in sizes]
     w = args.warmup
     seconds = ends[steps - 1] - ends[w - 1]
     useful = sum(counts[w:steps])
@@ -201,25 +186,11 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_system(system: str, args: argparse.Namespace) -> dict | None:
-    if system == "trl_dpo":
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            print(f"{system:20s} skipped: trl is not installed (pip install -e .[peer])")
-            return None
-    with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--budget", str(args.budget), "--model", args.model, "--data", str(args.data)]
-        env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": "passive",
-                            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
-        start = time.perf_counter()
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0 or not result.is_file():
-            print(f"{system:20s} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
-            return None
-        return json.loads(result.read_text()) | {"process_s": time.perf_counter() - start}
+    flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+             "--budget", str(args.budget), "--model", args.model, "--data", str(args.data)]
+    start = time.perf_counter()
+    result = run_worker(Path(__file__), system, flags, args.threads, "passive")
+    return None if result is None else result | {"process_s": time.perf_counter() - start}
 
 
 NOTES = {"packfsdp_packed": "pairs packed whole (bfd), live frozen reference",
