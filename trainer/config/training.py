@@ -103,8 +103,9 @@ class DPOConfig:
     """Strength of the implicit KL penalty: rewards are ``beta * (log pi - log ref)`` of a reply (``simpo``:
     ``beta *`` its mean token log-prob; SimPO's paper uses ~2.0)."""
     loss: str = "sigmoid"
-    """``sigmoid`` (DPO), ``robust`` (robust DPO, with ``label_smoothing``), ``ipo`` (IPO, on mean token log-probs as TRL computes it) or ``simpo``
-    (reference-free, length-normalised, with the margin ``simpo_gamma``)."""
+    """``sigmoid`` (DPO), ``robust`` (robust DPO, with ``label_smoothing``), ``ipo`` (IPO, on mean token
+    log-probs as TRL computes it) or ``simpo`` (reference-free, length-normalised, with the margin
+    ``simpo_gamma``)."""
     label_smoothing: float = 0.0
     """The assumed probability that a pair's label is flipped, in [0, 0.5): with ``sigmoid``, conservative DPO
     (cDPO, the smoothed cross-entropy); with ``robust``, robust DPO (Chowdhury et al. 2024: the unbiased
