@@ -15,7 +15,7 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import numpy as np
@@ -132,7 +132,8 @@ class Trainer:
         policy is sharded (a live copy is sharded the same way; ``precompute`` runs its pass now)."""
         if reference is None:
             return None
-        ref = reference.build(self.model, lambda m: parallelize(m, mesh, self.cfg.parallel),
+        no_grad = replace(self.cfg.parallel, activation_checkpointing="none")  # nothing to recompute
+        ref = reference.build(self.model, lambda m: parallelize(m, mesh, no_grad),
                               [self.dataset, self.eval_dataset], self.cfg.packing.token_budget, self.device,
                               self.tokenizer.pad_token_id)
         objective = PreferenceObjective(self.cfg.dpo, ref)
@@ -181,6 +182,9 @@ class Trainer:
         run_startup_self_check(
             model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first
         )
+        if batch.num_pairs:
+            log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone",
+                     batch.num_pairs, batch.num_examples)
 
     def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
