@@ -45,6 +45,7 @@ exposes every system to it alike, and the median ignores a disturbed run.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -130,7 +131,7 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
     import torch
     from datasets import Dataset
     from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
-                              Trainer, TrainerCallback, TrainingArguments)
+                              Trainer, TrainingArguments)
 
     from trainer.collate import _labels_for
 
@@ -170,28 +171,37 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
                           train_dataset=Dataset.from_dict({"input_ids": ids, "labels": labels}), data_collator=collator)
         batch_note = f"{bs} examples per batch"
 
-    counts: list[int] = []
-    inner = trainer.data_collator
-
-    def counting_collator(features):
-        batch = inner(features)
-        counts.append(int((batch["labels"][..., 1:] != -100).sum()))  # the model shifts: labels[0] is never predicted
-        return batch
-
-    trainer.data_collator = counting_collator
-    ends: list[float] = []
-
-    class StepClock(TrainerCallback):
-        def on_step_end(self, *_, **__):
-            ends.append(time.perf_counter())
-
-    trainer.add_callback(StepClock())
-    trainer.train()
+    # the model shifts: labels[0] is never predicted
+    counts, ends = timed_train(trainer, lambda batch: int((batch["labels"][..., 1:] != -100).sum()))
     w = args.warmup
     seconds = ends[steps - 1] - ends[w - 1] if w > 0 else ends[steps - 1] - ends[0]
     useful = sum(counts[w:steps]) if w > 0 else sum(counts[1:steps])
     return {"useful_tokens_per_s": useful / seconds, "useful_tokens_per_step": useful / args.steps,
             "step_time_s": seconds / args.steps, "batches": batch_note}
+
+
+def timed_train(trainer, count) -> tuple[list, list[float]]:
+    """``trainer.train()`` with ``count(batch)`` of every batch its collator made and each step's end time
+    (``time.perf_counter``): what a peer's throughput is computed from."""
+    from transformers import TrainerCallback
+
+    counts: list = []
+    ends: list[float] = []
+    inner = trainer.data_collator
+
+    def counting_collator(features):
+        batch = inner(features)
+        counts.append(count(batch))
+        return batch
+
+    class StepClock(TrainerCallback):
+        def on_step_end(self, *_, **__):
+            ends.append(time.perf_counter())
+
+    trainer.data_collator = counting_collator
+    trainer.add_callback(StepClock())
+    trainer.train()
+    return counts, ends
 
 
 # --------------------------------------------------------------------------------------------- packfsdp
@@ -250,21 +260,24 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_system(system: str, args: argparse.Namespace) -> dict | None:
-    if system == "trl_sft_bfd":
-        try:
-            import trl  # noqa: F401
-        except ImportError:
-            print(f"{system:16s} skipped: trl is not installed (pip install trl)")
-            return None
+    flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+             "--budget", str(args.budget), "--model", args.model, "--dtype", args.dtype,
+             "--omp-wait-policy", args.omp_wait_policy]
+    return run_worker(Path(__file__), system, flags, args.threads, args.omp_wait_policy)
+
+
+def run_worker(script: Path, system: str, flags: list[str], threads: int, omp_wait_policy: str) -> dict | None:
+    """``python SCRIPT --worker SYSTEM --result FILE FLAGS`` in its own process (its own threads and peak
+    memory); the JSON it writes, or None (printed) when it failed or, for a TRL system (``trl_*``), when trl
+    is not installed. Shared by the benchmarks that compare systems."""
+    if system.startswith("trl_") and importlib.util.find_spec("trl") is None:
+        print(f"{system:16s} skipped: trl is not installed (pip install -e .[peer])")
+        return None
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", system, "--result", str(result),
-               "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-               "--budget", str(args.budget), "--model", args.model, "--dtype", args.dtype,
-               "--omp-wait-policy", args.omp_wait_policy]
-        env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "OMP_WAIT_POLICY": args.omp_wait_policy,
-                            "TOKENIZERS_PARALLELISM": "false",
-                            "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+        cmd = [sys.executable, str(script.resolve()), "--worker", system, "--result", str(result), *flags]
+        env = os.environ | {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": omp_wait_policy,
+                            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
             print(f"{system:16s} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}")

@@ -91,7 +91,7 @@ class PeftConfig:
 
 
 OBJECTIVES = ("sft", "dpo")
-DPO_LOSSES = ("sigmoid", "ipo", "simpo")
+DPO_LOSSES = ("sigmoid", "robust", "ipo", "simpo")
 DPO_REFERENCES = ("live", "precompute")
 
 
@@ -103,10 +103,13 @@ class DPOConfig:
     """Strength of the implicit KL penalty: rewards are ``beta * (log pi - log ref)`` of a reply (``simpo``:
     ``beta *`` its mean token log-prob; SimPO's paper uses ~2.0)."""
     loss: str = "sigmoid"
-    """``sigmoid`` (DPO), ``ipo`` (IPO, on mean token log-probs as TRL computes it) or ``simpo``
-    (reference-free, length-normalised, with the margin ``simpo_gamma``)."""
+    """``sigmoid`` (DPO), ``robust`` (robust DPO, with ``label_smoothing``), ``ipo`` (IPO, on mean token
+    log-probs as TRL computes it) or ``simpo`` (reference-free, length-normalised, with the margin
+    ``simpo_gamma``)."""
     label_smoothing: float = 0.0
-    """Robust / conservative DPO (cDPO): the assumed probability that a pair's label is flipped, in [0, 0.5)."""
+    """The assumed probability that a pair's label is flipped, in [0, 0.5): with ``sigmoid``, conservative DPO
+    (cDPO, the smoothed cross-entropy); with ``robust``, robust DPO (Chowdhury et al. 2024: the unbiased
+    estimator, TRL's ``loss_type="robust"``)."""
     simpo_gamma: float = 0.5
     """``simpo``: the target reward margin (TRL's ``CPOConfig.simpo_gamma``)."""
     reference: str = "live"
@@ -125,8 +128,8 @@ class DPOConfig:
         check_positive("dpo.beta", self.beta)
         if not 0.0 <= self.label_smoothing < 0.5:
             raise ConfigError(f"dpo.label_smoothing must be in [0, 0.5), got {self.label_smoothing}")
-        if self.label_smoothing and self.loss != "sigmoid":
-            raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid, not {self.loss}")
+        if self.label_smoothing and self.loss not in ("sigmoid", "robust"):
+            raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid or robust, not {self.loss}")
 
 
 @dataclass

@@ -53,6 +53,7 @@ def pair_segments(record: dict, tokenizer, where: str) -> PairToRender:
     """The two sides of a pair record (``ValueError`` naming ``where`` for a bad one)."""
     if "chosen_input_ids" in record:
         return _token_pair(record, len(tokenizer), where)
+    record = with_explicit_prompt(record)
     missing = [f for f in PAIR_FIELDS if record.get(f) is None]
     if missing:
         raise ValueError(f"{where}: a preference pair needs {', '.join(PAIR_FIELDS)}; missing {', '.join(missing)}")
@@ -72,6 +73,24 @@ def pair_segments(record: dict, tokenizer, where: str) -> PairToRender:
     _check_replies(text[0].strip(), text[1].strip(), replies[0] == replies[1], where)
     turns = tuple(sum(m["role"] == "assistant" for m in r) for r in replies)
     return PairToRender(prompt + replies[0], prompt + replies[1], chat=True, reply_turns=turns)
+
+
+def with_explicit_prompt(record: dict) -> dict:
+    """TRL's implicit prompt: chat replies that carry the conversation (UltraFeedback's ``chosen`` /
+    ``rejected`` hold the user turn and the reply) get their shared leading messages as the prompt (no
+    ``prompt`` field), or lose the copy of the prompt they start with (a ``prompt`` field too)."""
+    chosen, rejected, prompt = record.get("chosen"), record.get("rejected"), record.get("prompt")
+    if not (isinstance(chosen, list) and isinstance(rejected, list)):
+        return record
+    if prompt is None:
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) - 1 and chosen[shared] == rejected[shared]:
+            shared += 1
+        return record | {"prompt": chosen[:shared] or None, "chosen": chosen[shared:], "rejected": rejected[shared:]}
+    lead = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+    if lead and chosen[: len(lead)] == lead and rejected[: len(lead)] == lead:
+        return record | {"chosen": chosen[len(lead):], "rejected": rejected[len(lead):]}
+    return record
 
 
 def _check_replies(chosen: str, rejected: str, identical: bool, where: str) -> None:

@@ -4,6 +4,7 @@ Per pair, from the summed reply log-probs of the policy (``pi``) and the referen
 
 - ``sigmoid`` (DPO): ``h = beta * ((pi_c - ref_c) - (pi_r - ref_r))``,
   ``loss = -(1 - eps) log sigmoid(h) - eps log sigmoid(-h)`` (``eps``: ``dpo.label_smoothing``, cDPO);
+- ``robust`` (robust DPO): ``loss = (-(1 - eps) log sigmoid(h) + eps log sigmoid(-h)) / (1 - 2 eps)``;
 - ``ipo``: on mean token log-probs, ``loss = (h / beta - 1 / (2 beta))^2``;
 - ``simpo`` (reference-free): ``loss = -log sigmoid(beta * (mean pi_c - mean pi_r) - gamma)``.
 
@@ -48,7 +49,10 @@ def pair_losses(
         losses = ((chosen - rejected) / beta - 1.0 / (2.0 * beta)) ** 2
     else:
         h, eps = chosen - rejected, cfg.label_smoothing
-        losses = -F.logsigmoid(h) * (1.0 - eps) - F.logsigmoid(-h) * eps
+        if cfg.loss == "robust":
+            losses = (-F.logsigmoid(h) * (1.0 - eps) + F.logsigmoid(-h) * eps) / (1.0 - 2.0 * eps)
+        else:
+            losses = -F.logsigmoid(h) * (1.0 - eps) - F.logsigmoid(-h) * eps
     return losses, chosen.detach(), rejected.detach()
 
 
