@@ -79,8 +79,9 @@ class JsonRecord:
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
-        if record.get("preference", ...) is None:  # objective=sft: its records keep their keys
-            del record["preference"]
+        for key in ("preference", "cp_skew"):  # objective=sft / cp=1: the records keep the keys they always had
+            if record.get(key, ...) is None:
+                del record[key]
         return record
 
     @classmethod

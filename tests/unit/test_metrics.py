@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from datetime import datetime, timezone
 import math
@@ -15,11 +16,12 @@ from trainer.metrics import (
 )
 from trainer.throughput import StepCounts
 
-# The keys of a metrics.jsonl line, in order: users, tests and the compare tool read them.
+# The keys of a metrics.jsonl line, in order: users, tests and the compare tool read them (``cp_skew`` joins
+# them, before ``time``, under parallel.cp>1; ``preference`` under objective=dpo).
 JSONL_KEYS = [
     "step", "epoch", "loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
     "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction", "model_flops",
-    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen", "cp_skew", "time", "elapsed_s",
+    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen", "time", "elapsed_s",
 ]
 
 
@@ -61,6 +63,8 @@ def test_json_round_trip_keeps_the_jsonl_keys():
     line = json.dumps(record)
     back = StepMetrics.from_json(json.loads(line))
     assert back == m and json.dumps(back.to_json()) == line
+    sharded = dataclasses.replace(m, cp_skew=0.25).to_json()  # under cp the group's skew comes before the clock
+    assert list(sharded) == [*JSONL_KEYS[:-2], "cp_skew", *JSONL_KEYS[-2:]]
     assert record["padding_fraction"] == m.padding_fraction  # the JSON line carries the derived ratios too
 
 
