@@ -111,35 +111,37 @@ def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
                 assert summary["dataset"]["label_tokens"] < 0.6 * summary["dataset"]["tokens"]
 
 
-def step_losses(root) -> list[float]:
-    """The per-step losses of the one run under ``root`` (its ``metrics.jsonl``)."""
-    (metrics,) = root.glob("outputs/*/*/metrics.jsonl")
-    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
-    return [row["loss"] for row in rows if "loss" in row and "step" in row and row.get("kind", "train") == "train"]
-
-
 @pytest.mark.slow
 def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budget(tmp_path):
-    """The CPU context-parallel recipe: 2 ranks sharding each row (cp=2) train the same per-step losses as 1
-    rank packing rows of twice the per-rank budget (cp=1), within 1e-4 (fp32)."""
-    quick = ["max_steps=3", "data.num_records=120", "optim.warmup_steps=1", "logger.peak_tflops=1",
-             "checkpoint.every_steps=0", "parallel=fsdp_fp32", "eval.holdout_fraction=0.1"]
+    """The CPU context-parallel recipe: 2 ranks sharding each row (cp=2), preempted after step 2 (SIGUSR1 on
+    one rank) and resumed, train the same per-step losses as 1 rank packing rows of twice the per-rank budget
+    (cp=1), within 1e-4 (fp32), and the same end-of-run eval (sharded rows under cp=2)."""
+    from trainer.preemption import PREEMPTED_EXIT_CODE
+
+    quick = ["recipe=cpu_long_context", "max_steps=3", "data.num_records=120", "optim.warmup_steps=1",
+             "logger.peak_tflops=1", "checkpoint.every_steps=0", "parallel=fsdp_fp32", "eval.holdout_fraction=0.1"]
+    env = {"PYTHONPATH": str(REPO)}
+    sharded, single = tmp_path / "cp2", tmp_path / "cp1"
+    stopped = run_torchrun(["-m", "tests.faults.signal_entry", *quick, "parallel.cp=2", f"run_dir={sharded}"],
+                           cwd=tmp_path, env=env | {"PFTEST_SIGNAL": "SIGUSR1:self:1:2"}, timeout=300)
+    assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in stopped.stderr, stopped.stderr[-3000:]
+    assert "startup self-check passed (context-parallel route" in stopped.stderr + stopped.stdout
+    resumed = run_torchrun(["-m", "trainer.train", *quick, "parallel.cp=2", f"run_dir={sharded}", "resume=auto"],
+                           cwd=tmp_path, env=env, timeout=300)
+    assert_ok(resumed)
+    assert_ok(run_torchrun(["-m", "trainer.train", *quick, "parallel.cp=1", "packing.token_budget=1024",
+                            f"run_dir={single}"], nproc=1, cwd=tmp_path, env=env, timeout=300))
     runs = {}
-    for nproc, extra in ((2, ["parallel.cp=2"]), (1, ["parallel.cp=1", "packing.token_budget=1024"])):
-        cwd = tmp_path / f"cp{nproc}"
-        cwd.mkdir()
-        proc = run_torchrun(["-m", "trainer.train", "recipe=cpu_long_context", *quick, *extra], nproc=nproc,
-                            cwd=cwd, env={"PYTHONPATH": str(REPO)}, timeout=300)
-        assert_ok(proc)
-        runs[nproc] = step_losses(cwd)
-        (evals,) = cwd.glob("outputs/*/*/eval.jsonl")  # the end-of-run eval: sharded rows under cp=2
-        runs[nproc, "eval"] = [json.loads(line)["eval_loss"] for line in evals.read_text().splitlines()]
-        if nproc == 2:  # the startup self-check ran the CP route; the step records carry the group's skew
-            assert "startup self-check passed (context-parallel route" in proc.stderr + proc.stdout
-            (metrics,) = cwd.glob("outputs/*/*/metrics.jsonl")
-            assert all(json.loads(line)["cp_skew"] is not None for line in metrics.read_text().splitlines())
-    assert len(runs[2]) == 3 and runs[2] == pytest.approx(runs[1], abs=1e-4)
-    assert len(runs[2, "eval"]) == 1 and runs[2, "eval"] == pytest.approx(runs[1, "eval"], abs=1e-5)
+    for name, run in (("cp2", sharded), ("cp1", single)):
+        records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        runs[name] = [r["loss"] for r in records]
+        runs[name, "steps"] = [r["step"] for r in records]
+        runs[name, "eval"] = [json.loads(line)["eval_loss"] for line in (run / "eval.jsonl").read_text().splitlines()]
+    # the step records carry the group's skew under cp=2 only
+    assert all(r.get("cp_skew") is not None for r in map(json.loads, (sharded / "metrics.jsonl").read_text().splitlines()))
+    assert runs["cp2", "steps"] == runs["cp1", "steps"] == [1, 2, 3]  # nothing lost, nothing repeated
+    assert runs["cp2"] == pytest.approx(runs["cp1"], abs=1e-4)
+    assert runs["cp2", "eval"][-1:] == pytest.approx(runs["cp1", "eval"], abs=1e-5)
 
 
 OWN_RECIPE = """\
