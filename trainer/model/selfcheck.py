@@ -175,6 +175,7 @@ def self_check(
     _zero_grads(model)
     try:
         with autocast, torch.set_grad_enabled(trains):
+            full = None  # the packed logits, once
             if trains and route is not None:  # under cp: the row sharded over the group, the loss on its gathered logits
                 full = route.logits(batch).float()
                 sum(_token_losses(full[row, span], batch.labels[row, span]).sum() for row, span in spans).div(labelled).backward()
@@ -184,8 +185,10 @@ def self_check(
                 packed = grad_projections(model)
                 packed = route.sum_over_ranks(packed) if route is not None else packed
                 _zero_grads(model)
-            with torch.no_grad():
-                full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
+            if full is None:  # the chunked loss gives no logits; a frozen model ran no loss
+                with torch.no_grad():
+                    full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
+            full = full.detach()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
             for i, (row, span) in enumerate(spans):
                 alone = _alone(model, batch, row, span)
