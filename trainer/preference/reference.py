@@ -131,7 +131,7 @@ def precompute_reference(
     saved = load_hashes(path) if path is not None and path.is_file() else None
     if saved is not None and saved.shape != (len(base), 2):
         saved = None
-    missing = distributed.all_reduce_max([float(saved is None)], device)[0] if distributed.is_initialized() else float(saved is None)
+    missing = distributed.all_reduce_max([float(saved is None)], device)[0]  # one rank missing it: all compute
     if missing:
         log.info("dpo.reference=precompute: one pass of the reference over %d pairs", len(base))
         values = torch.zeros((len(base), 2), dtype=torch.float64, device=device)
