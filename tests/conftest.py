@@ -18,7 +18,32 @@ os.environ.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
 
 
+SHARED_LAUNCH_DIRS = {"tests/distributed": ("worker_results", "reference"), "tests/faults": ("finished_run",)}
+"""Folders whose test files read session fixtures that each run one launch (``launch/run_tests.sh`` runs the
+suite on two xdist workers: each folder is one scope, so its launches run once)."""
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadscope`` with a scope per test file, and one per ``SHARED_LAUNCH_DIRS`` folder."""
+    if config.getvalue("dist") != "loadscope":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class SharedLaunchScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return next((d for d in SHARED_LAUNCH_DIRS if path.startswith(d + "/")), path)
+
+    return SharedLaunchScheduling(config, log)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:  # a shared launch read outside its folder would run once per worker
+        for folder, fixtures in SHARED_LAUNCH_DIRS.items():
+            if set(fixtures) & set(item.fixturenames) and not item.nodeid.startswith(folder + "/"):
+                raise pytest.UsageError(f"{item.nodeid} reads a launch of {folder} ({', '.join(fixtures)}): "
+                                        "move it there or add its folder to SHARED_LAUNCH_DIRS")
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
