@@ -8,6 +8,8 @@ fine-tuning and LoRA (whose reference is the base with the adapters off); the pa
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -230,21 +232,23 @@ def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
     model.use_loss("chunked", chunk_tokens=7)
     ds = pair_dataset()
     batch = collate_packed(ds, np.arange(len(PAIRS)))
-    for cfg in (DPOConfig(beta=0.5), DPOConfig(loss="robust", label_smoothing=0.2), DPOConfig(loss="ipo"),
-                DPOConfig(loss="simpo", beta=2.0)):
-        for b in (batch, collate_padded(ds, np.arange(len(PAIRS)), 0)):
-            result = self_check(model, b, loss=PairLossCheck(cfg))
-            assert result.ok and result.logp_diff < 1e-4 and result.grad_gap < 1e-5, result.line()
-            assert f"dpo {cfg.loss} loss" in result.line() and "sequence log-prob diff" in result.line()
+    padded = collate_padded(ds, np.arange(len(PAIRS)), 0)
+    for cfg, b in ((DPOConfig(beta=0.5), batch), (DPOConfig(beta=0.5), padded), (DPOConfig(loss="ipo"), batch),
+                   (DPOConfig(loss="simpo", beta=2.0), batch)):  # robust: sigmoid's path, another formula
+        result = self_check(model, b, loss=PairLossCheck(cfg))
+        assert result.ok and result.logp_diff < 1e-4 and result.grad_gap < 1e-5, result.line()
+        assert f"dpo {cfg.loss} loss" in result.line() and "sequence log-prob diff" in result.line()
 
     check = PairLossCheck(DPOConfig(beta=0.5))
     with monkeypatch.context() as patched:
         with_labels_shifted_into_the_next_sequence(patched)
         assert self_check(model, batch).ok  # the token loss is blind to it
-        broken = self_check(model, batch, loss=check)
-        assert broken.logp_diff > broken.logp_tolerance and broken.grad_gap > broken.grad_tolerance, broken.line()
-        with pytest.raises(SelfCheckError, match="over tolerance"):
+        with pytest.raises(SelfCheckError, match=r"sequence log-prob diff\| \S+ \(tolerance .* over tolerance") as caught:
             run_startup_self_check(model, batch, None, None, loss=check)
+        broken = caught.value.args[0]
+        logp, logp_tol, gap, gap_tol = map(float, re.search(
+            r"log-prob diff\| (\S+) \(tolerance (\S+),.*gradient gap (\S+) \(dpo sigmoid loss; tolerance (\S+),", broken).groups())
+        assert logp > logp_tol and gap > gap_tol, broken  # both the values and the gradient see it
 
     leaky = with_zero_init_leak(tiny_model("gpt2", "sdpa_varlen"))
     leaky.use_loss("chunked")
