@@ -1,6 +1,7 @@
 """Which ``packing.balance`` measure balances the model's FLOPs across data-parallel ranks (a script, not a test).
 
     python benchmarks/balance_flops.py [--worlds 4,16] [--n 20000]
+    python benchmarks/balance_flops.py --pairs [--worlds 8,32]     # preference pairs: costed as one or two sequences
 
 For each workload (example lengths) and model (its FLOPs per example length, ``TokenCost``: matmul parameters
 x length + causal attention x length^2, from ``trainer.throughput.token_cost``), the sampler deals one epoch's
@@ -14,6 +15,10 @@ Workloads:
 - ``chat``: DailyDialog-like dialog lengths (``trainer.packing.workloads``), 2048-token bins;
 - ``long_cot``: a heavy-tailed length mix (Pareto, scale 512, cap 32k) in 32k-token rows, the GPU recipe's
   regime (Qwen2.5-0.5B sizes).
+
+``--pairs``: DPO pairs of UltraFeedback-like lengths (``ultrafeedback_like_pairs``, the prompt stored twice), Qwen2.5-0.5B
+sizes, ``balance=flops``: the FLOPs skew when a pair is costed as one sequence of its total length (before)
+and as its two sequences (``pair_splits``: what the collate runs), in 4k rows and the GPU recipe's 16k.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from trainer.config import PackingConfig  # noqa: E402
-from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost  # noqa: E402
-from trainer.packing.workloads import dailydialog_like_lengths, heavy_tailed_lengths  # noqa: E402
+from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost, item_work  # noqa: E402
+from trainer.packing.workloads import (  # noqa: E402
+    dailydialog_like_lengths,
+    heavy_tailed_lengths,
+    ultrafeedback_like_pairs,
+)
 
 
 def qwen2_5_0_5b_cost() -> TokenCost:
@@ -60,12 +69,37 @@ def flops_skew(lengths: np.ndarray, budget: int, world: int, balance: str, cost:
     return report["skew"], report["worst_step_skew"], sampler
 
 
+def pair_costing(n: int, worlds: list[int]) -> None:
+    """The ``--pairs`` table: FLOPs skew (the truth: each pair's two sequences) of a deal costing a pair as
+    one sequence vs as two."""
+    parts = ultrafeedback_like_pairs(n, np.random.default_rng(0))
+    lengths, splits = 2 * parts["prompt"] + parts["chosen"] + parts["rejected"], parts["prompt"] + parts["chosen"]
+    cost = qwen2_5_0_5b_cost()
+    print("| token budget | W | skew, a pair costed as one sequence (worst step) | as two sequences (worst step) |")
+    print("|---|---|---|---|")
+    for budget in (4096, 16384):
+        for w in worlds:
+            cells = []
+            for pair_splits in (None, splits):
+                cfg = PackingConfig(strategy="bfd", token_budget=budget, balance="flops")
+                sampler = MicroBatchSampler(lengths, cfg, 0, w, 0, cost=cost, pair_splits=pair_splits)
+                report = sampler.balance_report(0, weight=lambda b: float(item_work(b, lengths, cost.of, splits).sum()))
+                cells.append(f"{100 * report['skew']:.2f}% ({100 * report['worst_step_skew']:.1f}%)")
+            print(f"| {budget} | {w} | " + " | ".join(cells) + " |")
+    whole = cost.of(lengths).sum() / item_work(np.arange(n), lengths, cost.of, splits).sum() - 1
+    print(f"\n{n} pairs, median {int(np.median(lengths))} tokens, max {lengths.max()}; costed as one sequence, "
+          f"their FLOPs are overstated by {100 * whole:.1f}%")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--worlds", default="4,16", help="data-parallel world sizes")
     parser.add_argument("--n", type=int, default=20000, help="examples of the generated workloads")
+    parser.add_argument("--pairs", action="store_true", help="the preference-pair costing table instead")
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
+    if args.pairs:
+        return pair_costing(args.n, worlds)
     cfg, dataset, tiny = recipe_corpus()
     qwen = qwen2_5_0_5b_cost()
     chat = dailydialog_like_lengths(args.n, seed=1)

@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.peer_hf import load_average, run_worker, timed_train  # noqa: E402
+from trainer.packing.workloads import ultrafeedback_like_pairs  # noqa: E402
 
 SYSTEMS = ("packfsdp_packed", "packfsdp_padded", "trl_dpo", "packfsdp_precompute")
 ARMS = {"packfsdp_packed": [], "packfsdp_padded": ["packing=none"], "packfsdp_precompute": ["dpo.reference=precompute"]}
@@ -88,9 +89,7 @@ def make_pairs(path: Path, n: int = PAIRS, seed: int = SEED) -> dict:
     g = np.random.default_rng(seed)
     vocab = [f"w{chr(97 + k // 26 % 26)}{chr(97 + k % 26)}" for k in range(WORDS)]
     words = lambda k: " " + " ".join(vocab[w] for w in g.integers(0, WORDS, k))  # noqa: E731
-    lengths = {"prompt": np.clip(g.lognormal(np.log(150), 0.6, n), 8, 512).astype(int),
-               "chosen": np.clip(g.lognormal(np.log(250), 0.7, n), 4, 1536).astype(int),
-               "rejected": np.clip(g.lognormal(np.log(250), 0.7, n), 4, 1536).astype(int)}
+    lengths = ultrafeedback_like_pairs(n, g)
     with path.open("w") as f:
         for i in range(n):
             f.write(json.dumps({"prompt": "Q:" + words(lengths["prompt"][i]),

@@ -37,7 +37,7 @@ from trainer.context_parallel import (
     step_skew,
 )
 from trainer.data import load_tokenizer
-from trainer.data.examples import holds_pairs
+from trainer.data.examples import holds_pairs, pair_splits_of
 from trainer.evaluate import evaluate
 from trainer.guard import FaultInjector, StepGuard
 from trainer.loss import summed_token_loss
@@ -60,7 +60,7 @@ from trainer.packing import build_sampler
 from trainer.pipeline import balance_cost, build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
-from trainer.preference import PAIR_SUMS, PreferenceObjective, preference_metrics
+from trainer.preference import PAIR_SUMS, PairLossCheck, PreferenceObjective, preference_metrics
 from trainer.preference.reference import plan_reference
 from trainer.run_dir import RunDir, claim_run_dir
 from trainer.safety import redact_tree, user_code
@@ -181,23 +181,25 @@ class Trainer:
 
     def startup_self_check(self, model: torch.nn.Module) -> None:
         """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``);
-        under cp > 1 the batch is a row, run sharded over the real CP group (``CPRoute``)."""
+        under cp > 1 the batch is a row, run sharded over the real CP group (``CPRoute``); under
+        ``objective=dpo`` the gradient is the DPO loss's (``PairLossCheck``)."""
         dataset, sampler = self.dataset, self.sampler
         if self.probe is not None:  # streaming: the stream's first examples stand in for the dataset
             dataset = self.probe
             sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed,
-                                    cost=balance_cost(self.cfg, self.tokenizer))
+                                    cost=balance_cost(self.cfg, self.tokenizer), pair_splits=pair_splits_of(dataset))
         first = worst_case_microbatch(sampler)
         if holds_pairs(dataset):  # pairs are packed whole: the pieces' pairs, as many as the budget holds
             first = whole_pairs(first, dataset.lengths, self.cfg.row_budget)
         batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
         route = CPRoute(model, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split) if self.cp > 1 else None
+        loss = PairLossCheck(self.cfg.dpo) if self.cfg.objective == "dpo" else None
         run_startup_self_check(
-            model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first, route
+            model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first, route, loss
         )
         if batch.num_pairs:
-            log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone",
-                     batch.num_pairs, batch.num_examples)
+            log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone "
+                     "(logits, reply log-probs, the %s's gradient)", batch.num_pairs, batch.num_examples, loss.describe())
 
     def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)

@@ -74,7 +74,7 @@ def build_training_data(
     """
     from trainer.collate import collate_packed, collate_padded
     from trainer.data import load_dataset, load_tokenizer
-    from trainer.data.examples import holds_pairs
+    from trainer.data.examples import holds_pairs, pair_splits_of
     from trainer.evaluate import split_holdout
     from trainer.packing import build_sampler
 
@@ -95,7 +95,7 @@ def build_training_data(
     cp = cfg.parallel.cp
     packing = dataclasses.replace(cfg.packing, token_budget=cfg.row_budget)
     sampler = build_sampler(dataset.lengths, packing, rank // cp, world_size // cp, cfg.seed, grad_accum=cfg.grad_accum,
-                            cost=balance_cost(cfg, tokenizer))
+                            cost=balance_cost(cfg, tokenizer), pair_splits=pair_splits_of(dataset))
     collate = collate_packed if cfg.packing.packed else collate_padded
     return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
 

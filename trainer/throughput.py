@@ -1,7 +1,8 @@
 """What a step cost and what it would have cost padded: padded-equivalent positions, model FLOPs, MFU.
 
 - **Padded-equivalent positions** of a micro-batch: the positions a padded micro-batch of the *same*
-  examples would compute (examples x longest). A packed run logs it next to ``positions`` so its saving is
+  sequences would compute (rows x longest, ``trainer.packing.padded_positions``, the count ``packfsdp
+  analyze`` uses too; a preference pair is two rows). A packed run logs it next to ``positions`` so its saving is
   visible without running the baseline; for a padded batch it equals ``positions``.
 - **Model FLOPs** count the work on real tokens only (pads are waste, not model work), forward + backward:
   ``6 * N`` per token for the trainable matmul parameters ``N`` (everything but the position table) and
@@ -17,11 +18,12 @@ import time
 from dataclasses import astuple, dataclass
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 from trainer import distributed
 from trainer.collate import Batch
-from trainer.packing.balance import TokenCost
+from trainer.packing import Bins, TokenCost, padded_positions
 
 log = logging.getLogger("trainer")
 
@@ -34,14 +36,16 @@ GPU_PEAK_TFLOPS = {
 
 
 def padded_equivalent_positions(batch: Batch) -> int:
-    """Positions a padded micro-batch of this batch's examples would cost (examples x longest)."""
+    """Positions a padded micro-batch of this batch's sequences would cost (``padded_positions``: one row per
+    segment, each a sequence of its own; a pair's two are already two segments here)."""
     if not batch.packed:
         return batch.num_positions
     if batch.num_examples == 0:
         if batch.cp_shard is not None and batch.cp_shard.rank > 0:
             return 0  # a context-parallel row is counted once, on the group's first rank
         return batch.num_positions  # a filler costs the same either way
-    return batch.num_examples * batch.max_seqlen
+    sequences = np.diff(batch.cu_seqlens.cpu().numpy()).astype(np.int64)
+    return int(padded_positions(Bins.of([np.arange(len(sequences))]), sequences)[0])
 
 
 def sum_squared_lengths(batch: Batch) -> int:

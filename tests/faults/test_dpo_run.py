@@ -5,6 +5,7 @@ in one line."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -55,12 +56,17 @@ def test_dpo_trains_resumes_bitwise_and_refuses_a_changed_beta(tmp_path):
     assert summary["objective"] == "dpo" and 0 <= summary["final_eval_rewards/accuracies"] <= 1
 
 
-def test_precomputed_reference_trains_checkpoints_and_matches_the_live_one(tmp_path):
+def test_precomputed_reference_trains_checkpoints_and_matches_the_live_one(tmp_path, capsys):
     """``dpo.reference=precompute``: one pass before training (the policy resharded after it, so the optimizer
-    holds the sharded parameters and checkpoints save), then the same losses as a live reference."""
+    holds the sharded parameters and checkpoints save), then the same losses as a live reference. The live
+    run also runs the startup self-check: a batch of whole pairs, the DPO loss's gradient (``PairLossCheck``)."""
     with one_rank_world():
-        run(tmp_path / "live", "max_steps=2")
+        run(tmp_path / "live", "max_steps=2", "model.self_check=true")
+        log = capsys.readouterr().out
         trainer = run(tmp_path / "pre", "max_steps=2", "dpo.reference=precompute")
+    assert re.search(r"startup self-check passed: packed micro-batch .* max \|sequence log-prob diff\| .* gradient gap "
+                     r"\S+ \(dpo sigmoid loss;", log), log
+    assert re.search(r"startup self-check batch: \d+ preference pairs", log), log
     held = [p for group in trainer.optimizer.param_groups for p in group["params"]]
     assert all(hasattr(p, "full_tensor") for p in held)  # the sharded parameters, not gathered copies
     live, pre = records(tmp_path / "live"), records(tmp_path / "pre")

@@ -8,6 +8,8 @@ fine-tuning and LoRA (whose reference is the base with the adapters off); the pa
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -200,3 +202,55 @@ def test_precomputed_reference_is_the_live_one_stored_with_the_cache(tokenizer, 
     plan.build(model, None, [again], 512, torch.device("cpu"))
     np.testing.assert_array_equal(again.stored_ref_logps, train.stored_ref_logps)
     assert plan_reference(DPOConfig(reference="precompute"), model, "bfloat16").fingerprint != plan.fingerprint
+
+
+def with_labels_shifted_into_the_next_sequence(monkeypatch):
+    """A DPO-only defect: the per-sequence reduction of the log-probs puts each sequence's last label into the
+    next sequence's sum (segments found one token late). The summed token loss never reduces per sequence,
+    so SFT's loss, its logits and its gradient are untouched."""
+    from trainer.model import wrapper
+
+    real = wrapper.sequence_of_labels
+
+    def late(labels, cu_seqlens):
+        return real(labels, cu_seqlens - 1).clamp(max=len(cu_seqlens) - 2)
+
+    monkeypatch.setattr(wrapper, "sequence_of_labels", late)
+
+
+def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
+    """The startup self-check under ``objective=dpo`` (``PairLossCheck``): a good packed (and padded) pair batch
+    passes for every loss variant, with the reply log-probs compared per sequence; a wrong log-prob
+    reduction fails it, although the SFT check (token loss) passes the same model; a gradient leak across
+    the sequences of a pair that the logits cannot see fails it too."""
+    from tests.unit.test_self_check import with_zero_init_leak
+    from trainer.model import SelfCheckError, self_check
+    from trainer.model.selfcheck import run_startup_self_check
+    from trainer.preference import PairLossCheck
+
+    model = tiny_model("gpt2", "sdpa_varlen")
+    model.use_loss("chunked", chunk_tokens=7)
+    ds = pair_dataset()
+    batch = collate_packed(ds, np.arange(len(PAIRS)))
+    padded = collate_padded(ds, np.arange(len(PAIRS)), 0)
+    for cfg, b in ((DPOConfig(beta=0.5), batch), (DPOConfig(beta=0.5), padded), (DPOConfig(loss="ipo"), batch),
+                   (DPOConfig(loss="simpo", beta=2.0), batch)):  # robust: sigmoid's path, another formula
+        result = self_check(model, b, loss=PairLossCheck(cfg))
+        assert result.ok and result.logp_diff < 1e-4 and result.grad_gap < 1e-5, result.line()
+        assert f"dpo {cfg.loss} loss" in result.line() and "sequence log-prob diff" in result.line()
+
+    check = PairLossCheck(DPOConfig(beta=0.5))
+    with monkeypatch.context() as patched:
+        with_labels_shifted_into_the_next_sequence(patched)
+        assert self_check(model, batch).ok  # the token loss is blind to it
+        with pytest.raises(SelfCheckError, match=r"sequence log-prob diff\| \S+ \(tolerance .* over tolerance") as caught:
+            run_startup_self_check(model, batch, None, None, loss=check)
+        broken = caught.value.args[0]
+        logp, logp_tol, gap, gap_tol = map(float, re.search(
+            r"log-prob diff\| (\S+) \(tolerance (\S+),.*gradient gap (\S+) \(dpo sigmoid loss; tolerance (\S+),", broken).groups())
+        assert logp > logp_tol and gap > gap_tol, broken  # both the values and the gradient see it
+
+    leaky = with_zero_init_leak(tiny_model("gpt2", "sdpa_varlen"))
+    leaky.use_loss("chunked")
+    result = self_check(leaky, batch, loss=check)
+    assert result.max_logit_diff <= result.tolerance and result.grad_gap > result.grad_tolerance, result.line()

@@ -80,6 +80,12 @@ class TokenizedDataset:
     def is_pairs(self) -> bool:
         return self.stored_pair_splits is not None
 
+    @property
+    def pair_splits(self) -> np.ndarray | None:
+        """Per example of this dataset, where its second sequence starts (``None``: not pairs); the sampler
+        costs a pair as its two sequences (``trainer.packing.item_work``)."""
+        return None if self.stored_pair_splits is None else self._base(self.stored_pair_splits)
+
     def base_index(self, i: int) -> int:
         """Example ``i``'s index among the base examples (the cache folder's)."""
         return i if self.rows is None else int(self.rows[i])
@@ -147,6 +153,11 @@ class TokenizedDataset:
 def holds_pairs(dataset) -> bool:
     """Are ``dataset``'s examples preference pairs (any example container: a mixture or a stream's never are)."""
     return bool(getattr(dataset, "is_pairs", False))
+
+
+def pair_splits_of(dataset) -> np.ndarray | None:
+    """``TokenizedDataset.pair_splits`` of any example container (``None`` where it holds no pairs)."""
+    return dataset.pair_splits if holds_pairs(dataset) else None
 
 
 def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.ndarray:

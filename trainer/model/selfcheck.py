@@ -6,11 +6,15 @@ it will be trained (packed through the configured backend, or padded with its ma
 examples alone through transformers' own SDPA path. Any disagreement above tolerance means examples see
 each other, positions do not restart, or the backend is wrong: the run stops with the numbers.
 
-It compares logits and the gradient: the packed batch runs the step's own path (the loss the run trains
-with, ``VarlenCausalLM.use_loss``: the chunked loss through the decoder stack and the boundary relay, or the
-naive one) forward and backward; each example alone runs through transformers' own attention and its full
-logits' cross-entropy (one backward per example, and in half precision one more for the reverse-order
-reference); the full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
+It compares logits and the gradient of the run's loss (the *loss of the check*, ``CheckLoss``): the packed
+batch runs the step's own path forward and backward (``TokenLossCheck``: the loss the run trains with,
+``VarlenCausalLM.use_loss``, the chunked loss through the decoder stack and the boundary relay, or the naive
+one; under ``objective=dpo``, ``trainer.preference.PairLossCheck``: the per-sequence log-probs through the
+same head, then the pair losses); each example alone runs through transformers' own attention and its full
+logits' cross-entropy, from which the same loss is computed (one backward per example, or per pair: a pair's
+loss needs both its sequences, and in half precision one more pass for the reverse-order reference). Where
+the loss of the check has per-sequence values (DPO's summed reply log-probs), they are compared too. The
+full parameter gradient is compared through ``PROJECTIONS`` fixed, seeded
 random projections (``grad_projections``: a dot with a random tensor generated chunk-wise, so memory stays
 one chunk). The gradient tolerance is ``GRAD_NOISE_MULT`` times the measured noise of the reference (run
 a second time, its examples in reverse order: the gap between the two is the rounding of summing the
@@ -93,23 +97,47 @@ class SelfCheckResult:
     grad_tolerance: float = float("inf")
     grad_noise: float = 0.0
     """The reference's own noise floor: its gap to itself run in reverse order."""
+    loss: str = "token loss"
+    """What the gradient is of (``CheckLoss.describe``)."""
+    logp_diff: float | None = None
+    """Where the loss of the check has per-sequence values (DPO): the worst sequence's |summed label log-prob,
+    packed (the run's path) - alone| (worst relative to its tolerance); ``None``: not compared."""
+    logp_tolerance: float = float("inf")
+    """That sequence's tolerance: 2 x its label tokens x the logit tolerance (a log-prob moves by at most
+    twice its logits' largest move, so logits within tolerance allow no more)."""
+    worst_sequence: int = 0
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """Each comparison's gap over its tolerance (the check passes when none is above 1)."""
+        out = {"logit diff": self.max_logit_diff / max(self.tolerance, 1e-30),
+               "gradient gap": self.grad_gap / max(self.grad_tolerance, 1e-30)}
+        if self.logp_diff is not None:
+            out["sequence log-prob diff"] = self.logp_diff / max(self.logp_tolerance, 1e-30)
+        return out
 
     @property
     def ok(self) -> bool:
-        return self.max_logit_diff <= self.tolerance and self.grad_gap <= self.grad_tolerance
+        return all(r <= 1.0 for r in self.ratios.values())
 
     def line(self) -> str:
         return (
             f"{self.mode} micro-batch of {self.examples} examples / {self.tokens} tokens vs one by one ({self.dtype}): "
             f"max |logit diff| {self.max_logit_diff:.3g} (tolerance {self.tolerance:.3g}, worst example "
-            f"#{self.worst_example}), max |token loss diff| {self.max_loss_diff:.3g}, " + self.grad_line()
+            f"#{self.worst_example}), max |token loss diff| {self.max_loss_diff:.3g}, " + self.logp_line() + self.grad_line()
         )
+
+    def logp_line(self) -> str:
+        if self.logp_diff is None:
+            return ""
+        return (f"max |sequence log-prob diff| {self.logp_diff:.3g} (tolerance {self.logp_tolerance:.3g}, sequence "
+                f"#{self.worst_sequence}), ")
 
     def grad_line(self) -> str:
         if self.grad_tolerance == float("inf"):
             return "gradient not compared (no trainable parameters)"
         return (
-            f"gradient gap {self.grad_gap:.3g} (tolerance {self.grad_tolerance:.3g}, reference noise "
+            f"gradient gap {self.grad_gap:.3g} ({self.loss}; tolerance {self.grad_tolerance:.3g}, reference noise "
             f"{self.grad_noise:.3g}; {PROJECTIONS} random projections)"
         )
 
@@ -148,6 +176,37 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
 
 
+class TokenLossCheck:
+    """The loss of the check under SFT: the summed token loss over the batch's label count, as a step takes it.
+
+    A loss of the check (``CheckLoss``: this class, or ``trainer.preference.PairLossCheck``) says how the
+    packed batch's loss runs through the run's own path (``packed``) and how the same loss is made from
+    its sequences run alone, ``group`` consecutive sequences at a time (``alone``)."""
+
+    group = 1
+    """Consecutive sequences whose loss comes together (a preference pair: 2): one backward per group."""
+
+    def describe(self) -> str:
+        return "token loss"
+
+    def packed(self, model: VarlenCausalLM, batch: Batch, token_losses: list[torch.Tensor] | None = None):
+        """(the batch's loss, differentiable, through the run's own path ``use_loss``, chunked or naive, or
+        from ``token_losses``, per sequence, when a route gives logits; per-sequence summed label log-probs
+        to compare with each sequence alone, or ``None``)."""
+        if token_losses is not None:
+            return sum(t.sum() for t in token_losses).div(_labelled(batch)), None
+        return summed_token_loss(model, batch).div(_labelled(batch)), None
+
+    def alone(self, batch: Batch, token_losses: list[torch.Tensor], labels: list[torch.Tensor]) -> torch.Tensor:
+        """The loss of one group of sequences run alone (their token losses and labels), normalised as
+        ``packed`` normalises."""
+        return sum(t.sum() for t in token_losses).div(_labelled(batch))
+
+
+def _labelled(batch: Batch) -> int:
+    return max(1, int((batch.labels != IGNORE_INDEX).sum()))
+
+
 def self_check(
     model: VarlenCausalLM,
     batch: Batch,
@@ -155,13 +214,16 @@ def self_check(
     compute_dtype: torch.dtype | None = None,
     starts: list[int] | None = None,
     route=None,
+    loss=None,
 ) -> SelfCheckResult:
     """Compare ``batch`` run as is with its examples run one by one (see the module docstring).
     ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0.
     ``route``: the way the run computes the batch when it is not ``model(**batch.model_inputs())`` -- an object
     with ``logits(batch)`` (the row's logits, this rank's part differentiable) and ``sum_over_ranks(t)`` (the
-    gradient projections summed over the ranks that share the row): ``trainer.context_parallel.CPRoute``."""
+    gradient projections summed over the ranks that share the row): ``trainer.context_parallel.CPRoute``.
+    ``loss``: the loss of the check (``TokenLossCheck``, the default; ``objective=dpo``: ``PairLossCheck``)."""
     check_positions(batch, starts)
+    loss = loss or TokenLossCheck()
     device = next(model.parameters()).device
     dtype = compute_dtype or next(model.parameters()).dtype
     autocast = (
@@ -169,60 +231,79 @@ def self_check(
     )
     trains = any(p.requires_grad for p in model.parameters())
     spans = example_spans(batch)
-    labelled = max(1, sum(int((batch.labels[row, span][1:] != IGNORE_INDEX).sum()) for row, span in spans))
+    groups = [range(g, min(g + loss.group, len(spans))) for g in range(0, len(spans), loss.group)]
+
+    def alone_losses(group: range) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        labels = [batch.labels[spans[i][0], spans[i][1]] for i in group]
+        return [_token_losses(_alone(model, batch, *spans[i]), y) for i, y in zip(group, labels)], labels
+
     was_training = model.training
     model.eval()
     _zero_grads(model)
     try:
         with autocast, torch.set_grad_enabled(trains):
-            full = None  # the packed logits, once
-            if trains and route is not None:  # under cp: the row sharded over the group, the loss on its gathered logits
-                full = route.logits(batch).float()
-                sum(_token_losses(full[row, span], batch.labels[row, span]).sum() for row, span in spans).div(labelled).backward()
-            elif trains:  # the run's own loss (``use_loss``: chunked or naive) over the batch's label count, as a step takes it
-                summed_token_loss(model, batch).div(labelled).backward()
+            full = packed_values = None  # the packed logits, once; the loss's per-sequence values
             if trains:
+                if route is not None:  # under cp: the row sharded over the group, the loss on its gathered logits
+                    full = route.logits(batch).float()
+                    value, packed_values = loss.packed(
+                        model, batch, [_token_losses(full[row, span], batch.labels[row, span]) for row, span in spans])
+                else:  # the run's own loss through its own path, over its own count, as a step takes it
+                    value, packed_values = loss.packed(model, batch)
+                value.backward()
                 packed = grad_projections(model)
                 packed = route.sum_over_ranks(packed) if route is not None else packed
                 _zero_grads(model)
+                packed_values = None if packed_values is None else packed_values.detach().float()
             if full is None:  # the chunked loss gives no logits; a frozen model ran no loss
                 with torch.no_grad():
                     full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
             full = full.detach()
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
-            for i, (row, span) in enumerate(spans):
-                alone = _alone(model, batch, row, span)
-                labels = batch.labels[row, span]
-                if trains:  # the grads of the examples accumulate in place, in the parameters' dtype
-                    _token_losses(alone, labels).sum().div(labelled).backward()
+            logps = []  # (|packed - alone| summed label log-prob, label tokens) per sequence
+            for group in groups:  # one group's graph at a time: memory of one example (or pair) alone
+                token_losses, labels = [], []
+                for i in group:
+                    row, span = spans[i]
+                    alone = _alone(model, batch, row, span)
+                    labels.append(batch.labels[row, span])
+                    token_losses.append(_token_losses(alone, labels[-1]))
                     alone = alone.detach()
-                together = full[row, span]
-                diff = float((together - alone).abs().max())
-                scale = max(scale, float(alone.abs().max()))
-                if diff > worst:
-                    worst, worst_i = diff, i
-                if len(labels) > 1:
-                    d = (_token_losses(together, labels) - _token_losses(alone, labels)).abs().max()
-                    loss_diff = max(loss_diff, float(d))
-            grad = {}
+                    together = full[row, span]
+                    diff = float((together - alone).abs().max())
+                    scale = max(scale, float(alone.abs().max()))
+                    if diff > worst:
+                        worst, worst_i = diff, i
+                    if len(labels[-1]) > 1:
+                        d = (_token_losses(together, labels[-1]) - token_losses[-1].detach()).abs().max()
+                        loss_diff = max(loss_diff, float(d))
+                    if packed_values is not None:
+                        logps.append((abs(float(packed_values[i]) + float(token_losses[-1].detach().sum())),
+                                      max(1, int((labels[-1][1:] != IGNORE_INDEX).sum()))))
+                if trains:  # the grads of the groups accumulate in place, in the parameters' dtype
+                    loss.alone(batch, token_losses, labels).backward()
+            found = {}  # the gradient's and the log-probs' figures, where compared
             if trains:
                 reference = grad_projections(model)
                 _zero_grads(model)
                 rms = max(float(reference.pow(2).mean().sqrt()), 1e-30)
                 noise = 0.0
                 if dtype in NOISY_DTYPES:
-                    for row, span in reversed(spans):  # the same reference, summed in the other order: its noise
-                        _token_losses(_alone(model, batch, row, span), batch.labels[row, span]).sum().div(labelled).backward()
+                    for group in reversed(groups):  # the same reference, summed in the other order: its noise
+                        loss.alone(batch, *alone_losses(group)).backward()
                     noise = float((grad_projections(model) - reference).abs().max()) / rms
-                grad = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
-                            grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
+                found = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
+                             grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
     finally:
         _zero_grads(model)
         model.train(was_training)
     tol = (TOLERANCE.get(dtype, 5e-2) if tolerance is None else tolerance) * scale
+    if logps:  # the worst sequence relative to its tolerance (2 x its label tokens x the logit tolerance)
+        k = max(range(len(logps)), key=lambda j: logps[j][0] / logps[j][1])
+        found |= dict(logp_diff=logps[k][0], logp_tolerance=2 * logps[k][1] * tol, worst_sequence=k)
     return SelfCheckResult(
         "packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens, worst, loss_diff, tol,
-        worst_i, str(dtype).split(".")[-1], **grad,
+        worst_i, str(dtype).split(".")[-1], loss=loss.describe(), **found,
     )
 
 
@@ -259,24 +340,25 @@ def worst_case_microbatch(sampler) -> np.ndarray:
 
 def run_startup_self_check(
     model: VarlenCausalLM, batch: Batch, tolerance: float | None, compute_dtype, indices: np.ndarray | None = None,
-    route=None,
+    route=None, loss=None,
 ) -> None:
     """Run ``self_check`` on every rank, agree on the worst result, log it, raise ``SelfCheckError`` on a
-    mismatch. ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split)."""
+    mismatch. ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split);
+    ``loss``: the loss of the check (``self_check``)."""
     starts = piece_starts(indices) if indices is not None else None
     param = next(model.parameters())
     # Check in the master dtype (exact); only kernels that refuse it run under autocast to the compute dtype.
     if model.backend.unavailable(param.device, param.dtype) is None:
         compute_dtype = None
     device = param.device
-    result = self_check(model, batch.to(device), tolerance, compute_dtype, starts, route)
-    ratios = [result.max_logit_diff / max(result.tolerance, 1e-30), result.grad_gap / max(result.grad_tolerance, 1e-30)]
+    result = self_check(model, batch.to(device), tolerance, compute_dtype, starts, route, loss)
+    names, ratios = zip(*result.ratios.items())  # the same keys on every rank: the same loss of the check
     # A NaN gap (NaN logits or gradients) must fail: max() and the all-reduce would let a NaN ratio pass.
-    excess, grad_excess = distributed.all_reduce_max([r if math.isfinite(r) else math.inf for r in ratios], device)
-    if max(excess, grad_excess) > 1.0:
-        what = "logit diff" if excess >= grad_excess else "gradient gap"
+    excess = distributed.all_reduce_max([r if math.isfinite(r) else math.inf for r in ratios], device)
+    if max(excess) > 1.0:
+        what = names[max(range(len(excess)), key=excess.__getitem__)]
         raise SelfCheckError(
-            f"startup self-check failed: {result.line()}; worst rank's {what} is {max(excess, grad_excess):.3g}x over "
+            f"startup self-check failed: {result.line()}; worst rank's {what} is {max(excess):.3g}x over "
             "tolerance. "
             "Examples are not kept apart: stopping before step 1 (model.self_check=false skips this check)"
         )

@@ -18,6 +18,7 @@ from trainer.packing.balance import (
     bin_weight,
     deal_bins,
     even_out_bins,
+    item_work,
     rank_balance,
     work_measure,
 )
@@ -33,7 +34,9 @@ from trainer.packing.strategies import (
     bin_tokens,
     get_strategy,
     item_lengths,
+    item_sequences,
     pack,
+    padded_positions,
     piece_starts,
     split_into_pieces,
 )
@@ -44,16 +47,17 @@ if TYPE_CHECKING:  # trainer.config imports the strategy registry from this pack
 
 def build_sampler(
     lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int, grad_accum: int = 1,
-    oversize: str = "error", cost: TokenCost | None = None,
+    oversize: str = "error", cost: TokenCost | None = None, pair_splits: np.ndarray | None = None,
 ) -> MicroBatchSampler:
     """The sampler for ``cfg.strategy``; a padded baseline's batch size is matched to the packed run.
     ``oversize``: ``error`` or ``drop`` an example over the budget (tools only; see ``pack_params``);
-    ``cost``: the model's FLOPs per example length (``packing.balance=flops``)."""
+    ``cost``: the model's FLOPs per example length (``packing.balance=flops``); ``pair_splits``: where each
+    preference pair's second sequence starts (``TokenizedDataset.pair_splits``; ``None``: no pairs)."""
     padded_bs = None
     if get_strategy(cfg.strategy).padded:
         padded_bs = cfg.padded_batch_size or matched_padded_batch_size(lengths, cfg, seed)
     return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs, grad_accum=grad_accum,
-                             oversize=oversize, cost=cost)
+                             oversize=oversize, cost=cost, pair_splits=pair_splits)
 
 
 __all__ = [
@@ -74,10 +78,13 @@ __all__ = [
     "even_out_bins",
     "get_strategy",
     "item_lengths",
+    "item_sequences",
+    "item_work",
     "matched_padded_batch_size",
     "pack",
     "pack_best_fit_decreasing",
     "pack_params",
+    "padded_positions",
     "piece_starts",
     "rank_balance",
     "split_into_pieces",

@@ -5,8 +5,8 @@
    Only when nothing can be split is a rank given an *empty* micro-batch (a forward/backward with no label
    token). Both are counted and logged by the sampler; data is never dropped or duplicated to even up.
 2. ``deal_bins``: bins are sorted by weight (``packing.balance``: tokens, attention cost = sum of squared item
-   lengths, or model FLOPs = both terms weighed as the model's own FLOPs weigh them, ``TokenCost``) and
-   cut into rounds of ``world_size`` neighbours, so the micro-batches that run side by side hold about the
+   lengths, or model FLOPs = both terms weighed as the model's own FLOPs weigh them, ``TokenCost``; a
+   preference pair weighs what its two sequences weigh, ``item_work``) and cut into rounds of ``world_size`` neighbours, so the micro-batches that run side by side hold about the
    same work; the rounds are then shuffled (when asked) and rank ``r`` takes the ``r``-th bin of each round.
 3. ``rank_balance``: the max/mean skew of per-rank work per optimizer step, the figure to watch.
 """
@@ -19,7 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from trainer.packing.bins import Bins
-from trainer.packing.strategies import item_lengths
+from trainer.packing.strategies import item_lengths, item_sequences
+
 
 @dataclass(frozen=True)
 class TokenCost:
@@ -36,8 +37,9 @@ class TokenCost:
 
 
 WORK_MEASURES = ("flops", "tokens", "attention")
-"""What ranks can be balanced on (``packing.balance``): the work of each item of a bin from its length
-(a bin's work is the sum over its items): model FLOPs (``TokenCost``), tokens, or attention (length^2)."""
+"""What ranks can be balanced on (``packing.balance``): the work of each sequence from its length (a bin's
+work is the sum over its items' sequences, ``item_work``): model FLOPs (``TokenCost``), tokens, or attention
+(length^2). Every measure gives 0 work to a sequence of 0 tokens."""
 
 Measure = Callable[[np.ndarray], np.ndarray]
 
@@ -59,19 +61,34 @@ def work_measure(balance: str | Measure, cost: TokenCost | None = None) -> Measu
     raise ValueError(f"packfsdp: packing.balance={balance!r}; choose one of {', '.join(WORK_MEASURES)}")
 
 
-def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens") -> int:
-    """Work in a bin (``work_measure``): its tokens, its attention cost (sum of squared item lengths), ..."""
-    return int(work_measure(balance)(item_lengths(bin_, lengths)).sum())
+def item_work(items: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens",
+              pair_splits: np.ndarray | None = None) -> np.ndarray:
+    """Work of every item (example, piece, or preference pair) of a bin: the measure of each of its
+    sequences, summed. A pair runs as two sequences (``pair_splits``, ``item_sequences``), so its attention
+    term is ``a^2 + b^2``, not ``(a + b)^2``; any other item is one sequence (the other is 0 tokens)."""
+    measure = work_measure(balance)
+    if pair_splits is None:
+        return measure(item_lengths(items, lengths))
+    sequences = item_sequences(items, lengths, pair_splits)
+    return measure(sequences[:, 0]) + measure(sequences[:, 1])
 
 
-def bin_weights(bins: Sequence[np.ndarray], lengths: np.ndarray, balance: str | Measure = "tokens") -> np.ndarray:
+def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens",
+               pair_splits: np.ndarray | None = None) -> int:
+    """Work in a bin (``item_work``): its tokens, its attention cost (sum of squared sequence lengths), ..."""
+    return int(item_work(bin_, lengths, balance, pair_splits).sum())
+
+
+def bin_weights(bins: Sequence[np.ndarray], lengths: np.ndarray, balance: str | Measure = "tokens",
+                pair_splits: np.ndarray | None = None) -> np.ndarray:
     """``bin_weight`` of every bin, in one numpy pass (a plan over 1M examples has ~100k bins)."""
     bins = Bins.of(bins)
-    return bins.segment_sums(work_measure(balance)(item_lengths(bins.items, lengths)))
+    return bins.segment_sums(item_work(bins.items, lengths, balance, pair_splits))
 
 
 def even_out_bins(
-    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, balance: str | Measure = "tokens"
+    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, balance: str | Measure = "tokens",
+    pair_splits: np.ndarray | None = None,
 ) -> tuple[Bins, int, int]:
     """Make ``len(bins)`` a multiple of ``world_size``: split the heaviest splittable bins, then add empty
     filler bins. Returns (bins, number split, number of fillers)."""
@@ -80,7 +97,7 @@ def even_out_bins(
     if need == 0:
         return bins, 0, 0
     splittable = np.flatnonzero(bins.counts >= 2)
-    heaviest_first = np.argsort(-bin_weights(bins.take(splittable), lengths, balance), kind="stable")
+    heaviest_first = np.argsort(-bin_weights(bins.take(splittable), lengths, balance, pair_splits), kind="stable")
     items, ends = bins.items.copy(), bins.ends.copy()  # a split bin is rewritten in place: its two halves
     halves: list[int] = []
     for i in splittable[heaviest_first[:need]].tolist():
@@ -97,10 +114,10 @@ def even_out_bins(
 
 def deal_bins(
     bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, rng: np.random.Generator | None,
-    balance: str | Measure = "tokens",
+    balance: str | Measure = "tokens", pair_splits: np.ndarray | None = None,
 ) -> list[list[np.ndarray]]:
     """Rounds of ``world_size`` bins of similar weight (snake order), shuffled when ``rng`` is given."""
-    order = deal_order(bin_weights(bins, lengths, balance), world_size, rng)
+    order = deal_order(bin_weights(bins, lengths, balance, pair_splits), world_size, rng)
     return [list(map(bins.__getitem__, row)) for row in order]
 
 

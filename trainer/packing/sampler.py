@@ -105,6 +105,9 @@ class MicroBatchSampler:
         oversize: what a whole-example strategy does with an example over the budget (``error``/``drop``;
             see ``pack_params``).
         cost: the model's FLOPs per example length (``TokenCost``); needed by ``packing.balance=flops``.
+        pair_splits: preference pairs (``TokenizedDataset.pair_splits``): where each example's second
+            sequence starts, so a pair weighs what its two sequences weigh (``item_work``) and a padded
+            plan counts it as two rows; ``None``: no example is a pair.
     """
 
     def __init__(
@@ -118,10 +121,14 @@ class MicroBatchSampler:
         grad_accum: int = 1,
         oversize: str = "error",
         cost: TokenCost | None = None,
+        pair_splits: np.ndarray | None = None,
     ) -> None:
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} outside world of {world_size}")
         self.lengths = np.asarray(lengths, dtype=np.int64)
+        self.pair_splits = None if pair_splits is None else np.asarray(pair_splits, dtype=np.int64)
+        if self.pair_splits is not None and self.pair_splits.shape != self.lengths.shape:
+            raise ValueError(f"pair_splits has {len(self.pair_splits)} entries for {len(self.lengths)} examples")
         self.cfg = cfg
         self.cost = cost if cfg.balance == "flops" else None  # the plan depends on it only under flops
         self.measure = work_measure(cfg.balance, cost)
@@ -141,9 +148,9 @@ class MicroBatchSampler:
         return np.random.default_rng([self.seed, epoch, stream])
 
     def _deal(self, bins: Bins, world_size: int, epoch: int, stream: int, stats: PackStats) -> EpochPlan:
-        bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.measure)
+        bins, splits, fillers = even_out_bins(bins, world_size, self.lengths, self.measure, self.pair_splits)
         rng = self._rng(epoch, stream) if self.cfg.shuffle else None
-        weights = bin_weights(bins, self.lengths, self.measure)
+        weights = bin_weights(bins, self.lengths, self.measure, self.pair_splits)
         order = deal_grid(weights, world_size, rng)  # evened out: full rounds only, no -1
         return EpochPlan(bins, order, world_size, stats, splits, fillers, weights[order])
 
@@ -157,7 +164,7 @@ class MicroBatchSampler:
         return self._cache[1]
 
     def _make_plan(self, epoch: int, lineage: tuple[tuple[int, int], ...]) -> EpochPlan:
-        result = pack(self.lengths, self.cfg.strategy, self.params, self._rng(epoch, 0))
+        result = pack(self.lengths, self.cfg.strategy, self.params, self._rng(epoch, 0), self.pair_splits)
         worlds = [ws for ws, _ in lineage] + [self.world_size]
         plan = self._deal(result.bins, worlds[0], epoch, 1, result.stats)
         for j, (_, consumed) in enumerate(lineage):
@@ -227,6 +234,10 @@ class MicroBatchSampler:
         cfg = asdict(self.cfg) | {"padded_batch_size": self.padded_batch_size, "oversize": self.params.oversize}
         if self.cost is not None:  # flops: the deal depends on the model's sizes
             cfg["cost"] = asdict(self.cost)
+        if self.pair_splits is not None and self.cfg.balance != "tokens":
+            # a pair is weighed as its two sequences (under tokens that is its length either way); a plan
+            # dealt when a pair weighed as one sequence of its total length is refused, not re-dealt
+            cfg["pair_splits"] = hashlib.sha256(self.pair_splits.tobytes()).hexdigest()[:16]
         digest = hashlib.sha256(self.lengths.tobytes()).hexdigest()[:16]
         return hashlib.sha256(json.dumps([cfg, digest], sort_keys=True).encode()).hexdigest()[:16]
 

@@ -56,6 +56,40 @@ def bin_tokens(bin_: np.ndarray, lengths: np.ndarray) -> int:
     return int(item_lengths(bin_, lengths).sum())
 
 
+def item_sequences(items: np.ndarray, lengths: np.ndarray, pair_splits: np.ndarray | None = None) -> np.ndarray:
+    """The sequences each item of a bin runs as, ``(k, 2)`` lengths: ``[split, length - split]`` for a
+    preference pair (``pair_splits``: where each example's second sequence starts, 0 for an example that is
+    not a pair; ``trainer.data.pairs``), ``[0, length]`` for anything else. The collate runs a pair's two
+    sequences as two segments (or two padded rows), so what an item costs is what its sequences cost."""
+    sizes = item_lengths(items, lengths)
+    first = np.zeros_like(sizes)
+    if pair_splits is not None:
+        if items.ndim == 2:
+            raise ValueError("preference pairs are packed whole; pieces cannot hold a pair")
+        first = np.asarray(pair_splits, dtype=np.int64)[items]
+    return np.stack([first, sizes - first], axis=-1)
+
+
+def padded_positions(bins: Bins, lengths: np.ndarray, pair_splits: np.ndarray | None = None) -> np.ndarray:
+    """Positions each bin computes as a padded micro-batch (``collate_padded``): its rows x its widest row,
+    where a row is an example, or each sequence of a preference pair (two rows, padded to the widest
+    sequence of the micro-batch, not to the widest pair). ``pack``'s ``positions``, ``packfsdp analyze`` and
+    the trainer's padded counterfactual (``trainer.throughput.padded_equivalent_positions``) all count it here."""
+    bins = Bins.of(bins)
+    out = np.zeros(len(bins), dtype=np.int64)
+    full = np.flatnonzero(bins.counts > 0)
+    if not len(full):
+        return out
+    sequences = item_sequences(bins.items, lengths, pair_splits)
+    rows = bins.segment_sums((sequences > 0).sum(axis=1))
+    counts, starts = bins.counts[full], bins.starts[full]
+    firsts = np.cumsum(counts) - counts  # the full bins' items gathered back to back, then a max per bin
+    gathered = np.arange(int(counts.sum())) - np.repeat(firsts - starts, counts)
+    widest = np.maximum.reduceat(sequences.max(axis=1)[gathered], firsts)
+    out[full] = rows[full] * widest
+    return out
+
+
 def piece_starts(bin_: np.ndarray) -> list[int] | None:
     """First position of every item of a bin of pieces (where its ``position_ids`` start); ``None`` for
     whole examples (each starts at 0)."""
@@ -117,7 +151,8 @@ class PackStats:
     bin_tokens: int = 0
     """Tokens placed in bins: ``tokens`` plus one overlap token per cut."""
     positions: int = 0
-    """Positions the model computes: ``bin_tokens`` packed; rows x longest row summed when padded."""
+    """Positions the model computes: ``bin_tokens`` packed; rows x longest row summed when padded
+    (``padded_positions``: a preference pair is two rows)."""
 
     @property
     def lower_bound(self) -> int:
@@ -201,7 +236,8 @@ def check_params(strategy: Strategy, params: PackParams) -> None:
 
 
 def pack(
-    lengths: np.ndarray, strategy: str, params: PackParams, rng: np.random.Generator | None = None
+    lengths: np.ndarray, strategy: str, params: PackParams, rng: np.random.Generator | None = None,
+    pair_splits: np.ndarray | None = None,
 ) -> PackResult:
     """Group examples of ``lengths`` tokens into bins with ``strategy``; skips and drops are counted.
 
@@ -210,6 +246,8 @@ def pack(
         strategy: a name in ``STRATEGIES``.
         params: budget, caps, what to do with over-long examples, padded batch size.
         rng: per-epoch randomness (tie-breaking, shuffles); ``None`` is deterministic by index.
+        pair_splits: preference pairs, where each one's second sequence starts (``item_sequences``): the
+            bins are the same, a padded strategy's ``positions`` count each sequence as its own row.
 
     Raises:
         ValueError: bad parameters, negative lengths, or an over-long example under ``oversize="error"``.
@@ -248,8 +286,7 @@ def pack(
         stats.bin_tokens = int(sizes.sum())
         stats.positions = stats.bin_tokens
         if strat.padded:
-            widest = np.maximum.reduceat(sizes, bins.starts)
-            stats.positions = int((widest * bins.counts).sum())
+            stats.positions = int(padded_positions(bins, lengths, pair_splits).sum())
         if strat.splits:
             per_example = np.bincount(flat[:, 0], minlength=len(lengths))
             stats.split_examples = int((per_example > 1).sum())

@@ -8,13 +8,16 @@
       -> ``objective.pair_losses``     sigmoid / ipo / simpo per pair, and the rewards
       -> ``objective.PreferenceObjective``  what the loop calls: the summed pair loss of a micro-batch (the
                                        loop divides by the GLOBAL pair count) and the TRL-named metrics.
+
+``check.PairLossCheck``: the startup self-check's loss for pairs (the same path, packed vs each sequence alone).
 """
 
+from trainer.preference.check import PairLossCheck
 from trainer.preference.logps import sequence_label_counts, sequence_logps
 from trainer.preference.objective import (
     PAIR_SUMS, PreferenceObjective, pair_losses, preference_metrics,
 )
 
 __all__ = [
-    "PAIR_SUMS", "PreferenceObjective", "pair_losses", "preference_metrics", "sequence_label_counts", "sequence_logps",
+    "PAIR_SUMS", "PairLossCheck", "PreferenceObjective", "pair_losses", "preference_metrics", "sequence_label_counts", "sequence_logps",
 ]

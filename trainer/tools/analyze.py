@@ -4,7 +4,8 @@ Reports on the examples training sees: built by ``trainer.pipeline.build_trainin
 trainer builds them (same truncation, same cache, the eval hold-out removed), then prints:
 - the length histogram (also drawn as a PNG, default ``outputs/analyze/<name>_lengths.png``);
 - the padding overhead of padded batching at the recipe's batch size (the padded baseline's examples per
-  micro-batch: ``packing.padded_batch_size``, or matched to the packed run as the trainer does);
+  micro-batch: ``packing.padded_batch_size``, or matched to the packed run as the trainer does; a
+  preference pair is two rows, each padded to the micro-batch's widest sequence, as ``collate_padded`` pads it);
 - every strategy's bins and fill rate against the lower bound ``ceil(total tokens / budget)``;
 - the rank balance (max/mean skew of useful tokens per optimizer step) at a few world sizes;
 - the largest speedup packing can give on this data: positions a padded run computes / real tokens.
@@ -25,6 +26,7 @@ import numpy as np
 from trainer.config import ConfigError, JobConfig
 
 from trainer.compose import compose_job_config, register_configs
+from trainer.data.examples import pair_splits_of
 from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_size, pack, pack_params
 
 
@@ -74,6 +76,7 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
     """The report's lines and its figures (a dict, for tests and scripts); ``cost``: the model's
     ``TokenCost`` when ``packing.balance=flops`` (``trainer.pipeline.balance_cost``)."""
     lengths, budget, seed = dataset.lengths, cfg.packing.token_budget, cfg.seed
+    pair_splits = pair_splits_of(dataset)  # pairs: costed and padded as their two sequences
     total, useful = int(lengths.sum()), useful_tokens_counter(dataset)
     batch_size = cfg.packing.padded_batch_size or matched_padded_batch_size(lengths, cfg.packing, seed)
     lower = math.ceil(total / budget)
@@ -83,21 +86,28 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
         f"lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
         f"max {lengths.max()} | token budget {budget} | lower bound ceil({total}/{budget}) = {lower} bins",
         "", "length histogram (tokens: examples)", *text_histogram(lengths), "",
-        f"padded batching at the recipe's batch size ({batch_size} examples per micro-batch, "
+        f"padded batching at the recipe's batch size ({batch_size} "
+        f"{'examples' if pair_splits is None else f'pairs ({2 * batch_size} rows)'} per micro-batch, "
         f"{'set' if cfg.packing.padded_batch_size else 'matched to the packed run'}):",
     ]
+    if pair_splits is not None:
+        lines[-1:-1] = [f"the examples are preference pairs: {2 * len(lengths)} sequences, each its own segment "
+                        "(packed) or row (padded); strategies that cut examples are not shown (a pair is packed whole)", ""]
     figures: dict = {"examples": len(lengths), "tokens": total, "lower_bound": lower, "batch_size": batch_size,
                      "strategies": {}}
     rows = [f"  {'strategy':<10} {'micro-batches':>13} {'fill':>8} {'vs bound':>9} {'positions':>11} "
             f"{'pad overhead':>12} {'pos/token':>9} " + " ".join(f"{'skew@' + str(w):>8}" for w in world_sizes)]
-    for name in STRATEGIES:
+    # a pair is packed whole: the strategies that cut examples are refused for pairs (JobConfig), so not shown
+    names = [n for n in STRATEGIES if pair_splits is None or not STRATEGIES[n].splits]
+    for name in names:
         pcfg = replace(cfg.packing, strategy=name)  # the report's lengths may exceed the budget: drop, counted
-        result = pack(lengths, name, pack_params(pcfg, batch_size, "drop"), np.random.default_rng([seed, 0, 0]))
+        result = pack(lengths, name, pack_params(pcfg, batch_size, "drop"), np.random.default_rng([seed, 0, 0]),
+                      pair_splits)
         s = result.stats
         skews, worst = [], []
         for w in world_sizes:
             sampler = MicroBatchSampler(lengths, pcfg, 0, w, seed, padded_batch_size=batch_size,
-                                        grad_accum=cfg.grad_accum, oversize="drop", cost=cost)
+                                        grad_accum=cfg.grad_accum, oversize="drop", cost=cost, pair_splits=pair_splits)
             balance = sampler.balance_report(0, weight=useful)
             skews.append(balance["skew"])
             worst.append(balance["worst_step_skew"])
@@ -116,7 +126,8 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
     lines += [
         "",
         "fill = real tokens / (micro-batches x budget); vs bound = lower bound / micro-batches (100% is optimal);",
-        "positions = what the model computes (padded: rows x longest row); pos/token = positions / real tokens;",
+        "positions = what the model computes (padded: rows x longest row"
+        + ("; a pair is two rows, one per sequence" if pair_splits is not None else "") + "); pos/token = positions / real tokens;",
         f"skew@W = sum over steps of the busiest rank's useful tokens / sum of the mean, minus 1, over W ranks"
         f" (grad_accum {cfg.grad_accum}); the worst single step (bfd: "
         + ", ".join(f"{100 * k:.1f}% @{w}" for w, k in figures["strategies"]["bfd"]["worst_step_skew"].items())
