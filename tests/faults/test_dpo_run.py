@@ -96,6 +96,10 @@ def test_dpo_trains_is_preempted_in_its_eval_resumes_bitwise_and_refuses_a_chang
     steps = records(whole_dir)
     assert [r["step"] for r in steps] == [1, 2, 3, 4] and steps[0]["preference"]["rewards/margins"] == 0.0
     assert abs(steps[0]["loss"] - 0.6931) < 1e-3  # the policy starts as its reference: log 2 per pair
+    # the frozen copy is held in the compute dtype (bf16), the policy in fp32 cast by FSDP2 per forward: the
+    # same forward, so the margins above are exactly 0 at step 1
+    assert {p.dtype for p in whole.objective.reference.model.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in whole.model.parameters()} == {torch.float32}
     evals = records(whole_dir, "eval.jsonl")
     assert [e["step"] for e in evals] == [2, 4] and evals[-1]["preference"]["eval_pairs"] > 0
     assert_same_run(whole, resumed, whole_dir, tmp_path / "cut")
