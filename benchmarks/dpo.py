@@ -1,12 +1,15 @@
 """DPO benchmark: packed DPO vs padded DPO vs TRL's ``DPOTrainer``, and the reference's memory, side by side.
 
     python benchmarks/dpo.py [--model qwen2_30m] [--steps 2] [--warmup 1] [--threads 2] [--budget 4096]
+                             [--activation-checkpointing on|off]
     python benchmarks/dpo.py --model qwen2_8m --steps 4 --markdown docs/dpo_benchmark.md
 
 Each system in its own process (so each one's peak memory is its own), one after the other, on the same
 Qwen2-shaped model (``--model``: random init, same seed, fp32, GQA 4:1, tied embeddings), the same generated
 pairs, the same CPU threads (``torch.set_num_threads`` and ``OMP_NUM_THREADS``), AdamW, one micro-batch of
-about ``--budget`` tokens per optimizer step, the sigmoid DPO loss at beta 0.1, a live reference unless said:
+about ``--budget`` tokens per optimizer step, the sigmoid DPO loss at beta 0.1, a live reference unless said,
+and the same activation checkpointing (``--activation-checkpointing``: ``on``, TRL ``DPOConfig``'s default
+``gradient_checkpointing=True``, is packfsdp's ``parallel.activation_checkpointing=full``; ``off`` for both):
 
 - ``packfsdp_packed``: ``trainer.train`` on one rank, ``objective=dpo``, pairs packed whole (bfd);
 - ``packfsdp_padded``: the same with ``packing=none`` (one row per sequence, padded to the longest of the
@@ -25,7 +28,9 @@ length in words is a length in tokens (plus the EOS and, for packfsdp, a BOS: TR
 Useful tokens = the label tokens of both replies (prompts never count), from the batches each system trained
 on. Throughput = useful tokens of the timed steps / their wall time (forward of policy and reference,
 backward, optimizer step), after ``--warmup`` steps. Peak memory: the process's peak resident set (CPU),
-setup included. Prints one line per system, the ratios, and (``--markdown``) writes the table.
+setup included. Saved for backward: the peak over the run of the tensors autograd holds for the backward
+(distinct storages, weights left out; ``SavedForBackward``), what activation checkpointing trades for
+recompute. Prints one line per system, the ratios, and (``--markdown``) writes the table.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import os
 import sys
 import tempfile
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -75,6 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch (a pair is at most this)")
     p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (precompute's pass covers them all)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
+    p.add_argument("--activation-checkpointing", default="on", choices=("on", "off"),
+                   help="recompute each block's activations in backward, in every system (on: TRL's default)")
     p.add_argument("--markdown", type=Path, default=None, help="also write the table (markdown) here")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
@@ -108,7 +116,8 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
             f"max_steps={args.warmup + args.steps}", f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0",
             f"optim.lr={LR}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}",
             "logger.peak_tflops=1", "logger.progress_bar=false", "logger.log_every=1000", "checkpoint.every_steps=0",
-            "model.self_check=false"]
+            "model.self_check=false",
+            f"parallel.activation_checkpointing={'full' if args.activation_checkpointing == 'on' else 'none'}"]
 
 
 def compose_job(overrides: list[str]):
@@ -122,6 +131,48 @@ def compose_job(overrides: list[str]):
 
 
 # ---------------------------------------------------------------------------------------------- workers
+class SavedForBackward:
+    """Installed around training (``torch.autograd.graph.saved_tensors_hooks``): the bytes of the tensors
+    autograd holds for the backward, each storage once, and their peak. Weights (leaves that require grad)
+    are left out: they are counted as parameters. Under activation checkpointing only what is saved outside
+    the recomputed blocks is seen (the checkpoint keeps each block's input itself)."""
+
+    def __init__(self) -> None:
+        self.live: dict[int, list[int]] = {}
+        self.bytes = self.peak = 0
+
+    def __enter__(self) -> SavedForBackward:
+        import torch
+
+        self.hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self.hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.hooks.__exit__(*exc)
+
+    def pack(self, t):
+        if t.is_leaf and t.requires_grad:
+            return t
+        storage = t.untyped_storage()
+        ptr, entry = storage.data_ptr(), self.live.get(storage.data_ptr())
+        if entry is None:
+            self.live[ptr] = [storage.nbytes(), 1]
+            self.bytes += storage.nbytes()
+            self.peak = max(self.peak, self.bytes)
+        else:
+            entry[1] += 1
+        weakref.finalize(t, self.release, ptr)  # autograd drops it after the backward that used it
+        return t
+
+    def release(self, ptr: int) -> None:
+        entry = self.live[ptr]
+        entry[1] -= 1
+        if entry[1] == 0:
+            self.bytes -= entry[0]
+            del self.live[ptr]
+
+
 def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     """trainer.train on one rank, in this process, timed by its own summary."""
     import torch
@@ -130,11 +181,13 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     cfg = compose_job([*job_overrides(args), f"run_dir={tempfile.mkdtemp(prefix=f'dpo-{system}-')}", *ARMS[system]])
-    summary = run(cfg)
+    with SavedForBackward() as saved:
+        summary = run(cfg)
     return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "step_time_s": summary["mean_step_time_s"],
             "useful_tokens_per_step": summary["useful_tokens_per_s"] * summary["mean_step_time_s"],
             "peak_mem_gib": summary["peak_mem_gib"], "padding_fraction": summary["padding_fraction"],
-            "params": summary.get("model", {}).get("parameters") if isinstance(summary.get("model"), dict) else None}
+            "params": summary.get("model", {}).get("parameters") if isinstance(summary.get("model"), dict) else None,
+            "saved_peak_gib": saved.peak / 2**30}
 
 
 def trl_worker(system: str, args: argparse.Namespace) -> dict:
@@ -167,11 +220,12 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
                          per_device_train_batch_size=batch_size, max_length=None, beta=BETA, loss_type=["sigmoid"],
                          max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
                          save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
-                         seed=SEED)
+                         seed=SEED, gradient_checkpointing=args.activation_checkpointing == "on")
     trainer = DPOTrainer(model=model, ref_model=ref, args=dpo_args, train_dataset=Dataset.from_list(rows),
                          processing_class=tokenizer)
     # every completion token is predicted; positions: what the padded batch computes
-    sizes, ends = timed_train(trainer, lambda b: (int(b["completion_mask"].sum()), b["input_ids"].numel()))
+    with SavedForBackward() as saved:
+        sizes, ends = timed_train(trainer, lambda b: (int(b["completion_mask"].sum()), b["input_ids"].numel()))
     counts, positions = [c for c, _ in sizes], [n for _, n in sizes]
     w = args.warmup
     seconds = ends[steps - 1] - ends[w - 1]
@@ -180,13 +234,15 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
             "useful_tokens_per_step": useful / args.steps,
             "peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
             "padding_fraction": 1 - sum(counts[w:steps]) / max(1, sum(positions[w:steps])),
-            "pairs_per_batch": batch_size, "params": sum(p.numel() for p in model.parameters())}
+            "pairs_per_batch": batch_size, "params": sum(p.numel() for p in model.parameters()),
+            "saved_peak_gib": saved.peak / 2**30}
 
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_system(system: str, args: argparse.Namespace) -> dict | None:
     flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-             "--budget", str(args.budget), "--model", args.model, "--data", str(args.data)]
+             "--budget", str(args.budget), "--model", args.model, "--data", str(args.data),
+             "--activation-checkpointing", args.activation_checkpointing]
     start = time.perf_counter()
     result = run_worker(Path(__file__), system, flags, args.threads, "passive")
     return None if result is None else result | {"process_s": time.perf_counter() - start}
@@ -194,18 +250,18 @@ def run_system(system: str, args: argparse.Namespace) -> dict | None:
 
 NOTES = {"packfsdp_packed": "pairs packed whole (bfd), live frozen reference",
          "packfsdp_padded": "packing=none: one padded row per sequence, live reference",
-         "trl_dpo": "TRL DPOTrainer defaults (padded), ref_model a frozen copy",
+         "trl_dpo": "TRL DPOTrainer (padded: its default), ref_model a frozen copy",
          "packfsdp_precompute": "packed, dpo.reference=precompute (one model in memory)"}
 
 
 def table(results: dict[str, dict]) -> str:
     packed = results.get("packfsdp_packed", {}).get("useful_tokens_per_s")
-    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) | what |",
-             "|---|---:|---:|---:|---:|---:|---|"]
+    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) | saved for backward (GiB) | what |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         ratio = f"{packed / r['useful_tokens_per_s']:.2f}x" if packed else "-"
         lines.append(f"| `{name}` | {r['useful_tokens_per_s']:,.0f} | {ratio} | {100 * r['padding_fraction']:.0f}% | "
-                     f"{1000 * r['step_time_s']:,.0f} | {r['peak_mem_gib']:.2f} | {NOTES[name]} |")
+                     f"{1000 * r['step_time_s']:,.0f} | {r['peak_mem_gib']:.2f} | {r['saved_peak_gib']:.2f} | {NOTES[name]} |")
     return "\n".join(lines)
 
 
@@ -222,7 +278,8 @@ def main(argv=None) -> dict:
     args.data = data_dir / f"dpo_pairs_{SEED}_{args.pairs}.jsonl"
     stats = make_pairs(args.data, args.pairs)
     print(f"dpo benchmark: Qwen2 {args.model} (fp32), {args.steps} timed steps after {args.warmup}, {args.threads} "
-          f"thread(s), ~{args.budget} tokens per step, torch {torch.__version__}, load average {load_average()}")
+          f"thread(s), ~{args.budget} tokens per step, activation checkpointing {args.activation_checkpointing}, "
+          f"torch {torch.__version__}, load average {load_average()}")
     print(f"pairs: {args.pairs}, median tokens prompt {stats['prompt']} / chosen {stats['chosen']} / rejected "
           f"{stats['rejected']}; pair (prompt twice) median {stats['pair_median']}, p95 {stats['pair_p95']}, "
           f"max {stats['pair_max']}")
@@ -234,6 +291,7 @@ def main(argv=None) -> dict:
         results[system] = r
         print(f"{system:20s} {r['useful_tokens_per_s']:8,.0f} useful tok/s | {r['useful_tokens_per_step']:6.0f} "
               f"useful tok/step | {1000 * r['step_time_s']:7,.0f} ms/step | peak {r['peak_mem_gib']:.2f} GiB | "
+              f"saved for backward {r['saved_peak_gib']:.2f} GiB | "
               f"padding {100 * r['padding_fraction']:.0f}% | process {r['process_s']:.0f} s", flush=True)
     print(f"load average at the end: {load_average()}")
     for name, r in results.items():

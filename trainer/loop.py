@@ -112,8 +112,8 @@ class Trainer:
                      self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget,
                      100 * split_skew(rows, self.cp, "contiguous"), 100 * split_skew(rows, self.cp, "balanced"))
         mesh = build_mesh(self.device, self.world_size, cfg.parallel)
-        reference = plan_reference(cfg.dpo, model, cfg.parallel.param_dtype, self.backend.name, self.loss_impl) \
-            if cfg.objective == "dpo" else None
+        reference = plan_reference(cfg.dpo, model, cfg.parallel.param_dtype, self.backend.name, self.loss_impl,
+                                   dtype=DTYPES[cfg.parallel.param_dtype]) if cfg.objective == "dpo" else None
         self.model = parallelize(model, mesh, cfg.parallel)
         self.objective = self.preference_objective(reference, mesh)
         self.optimizer = build_optimizer(self.model, cfg.optim)

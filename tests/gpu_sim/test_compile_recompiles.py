@@ -14,6 +14,9 @@ would print) and compares every loss and gradient with an eager copy. The kernel
 ``aot_eager`` (dynamo, then AOT autograd over the kernels' fake implementations, as Inductor sees them,
 without code generation); ``sdpa_varlen`` with ``eager`` (dynamo alone decides recompiles; its attention is
 not traced anyway, and ``tests/distributed/test_parallelize.py`` runs it under ``aot_eager``).
+
+``objective=dpo`` (issue 27) adds no-grad passes through compiled blocks (the frozen reference, the policy's
+eval): one graph each per grad mode, made in the first pack, and the same log-probs, loss and gradients.
 """
 
 from __future__ import annotations
@@ -120,3 +123,67 @@ def test_sdpa_varlen_blocks_compile_once_under_inductor(recompile_log):
     the (opaque) attention. Still no recompile after warm-up, and compiled == eager. Fewer packs than the
     other cases: Inductor's code generation is the cost (~45 s of CPU), each pack adds little."""
     assert_no_recompiles("sdpa_varlen", "inductor", recompile_log, steps=8)
+
+
+def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    """``objective=dpo``'s work on one pack of (prompt, chosen, rejected) lengths, as the trainer runs it: the
+    policy's per-sequence reply log-probs through the chunked head (with grad), the frozen reference's and the
+    policy's eval pass (both no-grad). Returns (DPO loss, gradients, eval log-probs)."""
+    from trainer.config import DPOConfig
+    from trainer.preference import pair_losses
+
+    g = torch.Generator().manual_seed(sum(map(sum, pairs)))
+    ids, labels, lengths = [], [], []
+    for prompt, *replies in pairs:
+        head = torch.randint(0, VOCAB, (prompt,), generator=g)
+        for reply in replies:  # each sequence: the prompt, then its reply; loss on the reply only
+            seq = torch.cat([head, torch.randint(0, VOCAB, (reply,), generator=g)])
+            ids.append(seq)
+            labels.append(torch.cat([torch.full((prompt,), IGNORE_INDEX), seq[prompt:]]))
+            lengths.append(prompt + reply)
+    batch = dict(input_ids=torch.cat(ids)[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+                 cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), max_seqlen=max(lengths),
+                 labels=torch.cat(labels)[None], per_sequence=True)
+    policy.zero_grad(set_to_none=True)
+    logps = policy(**batch)
+    with torch.no_grad():
+        ref = reference(**batch)
+    loss = pair_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], DPOConfig())[0].sum()
+    loss.backward()
+    policy.eval()
+    with torch.no_grad():
+        evaluated = policy(**batch)
+    policy.train()
+    return loss.detach(), [p.grad.clone() for p in policy.parameters()], evaluated
+
+
+def test_dpo_compiles_once_per_grad_mode_and_equals_eager(recompile_log, monkeypatch):
+    """``objective=dpo`` under ``parallel.compile=true``: the policy's blocks run with grad (training) and
+    without (its eval), the frozen reference's compiled blocks without grad; each is a graph of its own
+    (dynamo guards grad mode and ``requires_grad``), made in the first pack, none after, within dynamo's
+    recompile limit; losses, gradients and eval log-probs equal eager's. The chunked head sits in the root's
+    forward, outside the compiled blocks."""
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # never a silent eager fallback
+    eager = tiny_model(FAMILY, "sdpa_varlen")
+    eager.use_loss("chunked")
+    eager_ref = copy.deepcopy(eager).requires_grad_(False).eval()
+    with torch.no_grad():  # a reference apart from the policy, so the loss is not log 2 everywhere
+        for p in eager_ref.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    compiled, compiled_ref = copy.deepcopy(eager), copy.deepcopy(eager_ref)
+    counter = CompileCounterWithBackend("eager")
+    for model in (compiled, compiled_ref):
+        apply_compile(model.decoder_layers(), ParallelConfig(compile=True, compile_backend=counter))
+    rng = random.Random(1)
+    packs = [[(rng.randint(1, 6), rng.randint(1, 9), rng.randint(1, 9)) for _ in range(rng.randint(1, 3))] for _ in range(4)]
+    for step, pairs in enumerate(packs):
+        if step == 1:
+            graphs_after_warmup, reasons_after_warmup = counter.frame_count, len(recompile_log.records)
+        got, want = dpo_step(compiled, compiled_ref, pairs), dpo_step(eager, eager_ref, pairs)
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5, msg=lambda m: f"pack {step}: {m}")
+        torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5, msg=lambda m: f"pack {step} eval: {m}")
+        for g, w in zip(got[1], want[1], strict=True):
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"pack {step} grads: {m}")
+    recompiles = [r.getMessage() for r in recompile_log.records[reasons_after_warmup:]]
+    assert graphs_after_warmup > 0 and counter.frame_count == graphs_after_warmup and not recompiles, recompiles[:3]

@@ -1,7 +1,7 @@
 """The reference log-probs of ``objective=dpo`` (``dpo.reference``), for the config actually run:
 
 - ``live``, full fine-tuning: ``frozen_copy`` of the starting policy, FSDP2-sharded like it (same mesh, same
-  mixed precision), no grad, no optimizer state (``LiveReference``);
+  mixed precision), its weights held in the compute dtype, no grad, no optimizer state (``LiveReference``);
 - ``live`` with ``peft=lora``: the policy itself with its adapters switched off for the reference pass
   (``LiveReference(lora_base=True)``): the base is the reference, no second copy;
 - ``precompute``: one pass of the starting policy over every pair of the data cache folder before training
@@ -41,7 +41,8 @@ class LiveReference:
     def describe(self) -> str:
         if self.lora_base:
             return "live (the LoRA base: the policy with its adapters off, no copy)"
-        return "live (a frozen FSDP2-sharded copy of the starting policy)"
+        dtype = str(next(self.model.parameters()).dtype).removeprefix("torch.")
+        return f"live (a frozen FSDP2-sharded copy of the starting policy, held in {dtype})"
 
     @torch.no_grad()
     def logps(self, batch: Batch) -> torch.Tensor:
@@ -63,10 +64,17 @@ def reshard(model: torch.nn.Module) -> None:
             module.reshard()
 
 
-def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """The reference of full fine-tuning: the unsharded starting policy, copied, frozen, in eval mode."""
+def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> torch.nn.Module:
+    """The reference of full fine-tuning: the unsharded starting policy, copied, frozen, in eval mode, its
+    parameters in ``dtype`` (the compute dtype). FSDP2's mixed precision casts the policy's fp32 weights to that
+    dtype for every forward; a frozen copy needs nothing else, so holding it cast gives the same forward
+    (the same rounding, once) in half the memory under bf16. Buffers keep their dtype (RoPE's inverse
+    frequencies stay fp32, as in the policy)."""
     reference = copy.deepcopy(model)
     reference.requires_grad_(False)
+    if dtype is not None:
+        for param in reference.parameters():
+            param.data = param.data.to(dtype)
     return reference.eval()
 
 
@@ -180,13 +188,14 @@ class ReferencePlan:
         return None
 
 
-def plan_reference(cfg, model: torch.nn.Module, *facts: str) -> ReferencePlan:
+def plan_reference(cfg, model: torch.nn.Module, *facts: str, dtype: torch.dtype | None = None) -> ReferencePlan:
     """``cfg``: the ``DPOConfig``; ``model``: the unsharded starting policy, on its device; ``facts``: what
-    else its log-probs depend on (compute dtype, attention backend, loss implementation)."""
+    else its log-probs depend on (compute dtype, attention backend, loss implementation); ``dtype``: the
+    compute dtype a frozen copy is held in."""
     if not cfg.needs_reference:
         return ReferencePlan("none")
     if cfg.reference == "precompute":
         return ReferencePlan("precompute", fingerprint=reference_fingerprint(model, *facts))
     if getattr(model, "lora_base", None) is not None:
         return ReferencePlan("adapters")
-    return ReferencePlan("copy", copy=frozen_copy(model))
+    return ReferencePlan("copy", copy=frozen_copy(model, dtype))
