@@ -69,12 +69,13 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
     parameters in ``dtype`` (the compute dtype). FSDP2's mixed precision casts the policy's fp32 weights to that
     dtype for every forward; a frozen copy needs nothing else, so holding it cast gives the same forward
     (the same rounding, once) in half the memory under bf16. Buffers keep their dtype (RoPE's inverse
-    frequencies stay fp32, as in the policy)."""
-    reference = copy.deepcopy(model)
+    frequencies stay fp32, as in the policy). The parameters are cast as they are copied (``deepcopy``'s memo
+    holds their cast copies), so setup holds the policy plus the cast copy, never two policies; tied weights
+    stay tied (one memo entry per parameter object)."""
+    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
+            for p in model.parameters()}
+    reference = copy.deepcopy(model, memo)
     reference.requires_grad_(False)
-    if dtype is not None:
-        for param in reference.parameters():
-            param.data = param.data.to(dtype)
     return reference.eval()
 
 
