@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up .venv (first run only) and run the test suite on CPU. Extra arguments go to pytest:
 #   bash launch/run_tests.sh                 everything (what .ci/run runs)
-#   bash launch/run_tests.sh -m "not slow"   the fast lane: in-process tests only, well under a minute
+#   bash launch/run_tests.sh -m "not slow"   the fast lane: in-process tests only, about a minute
 # The tests run on PYTEST_WORKERS pytest-xdist workers (default 2; 1: one process): a scope per test file, and
 # one per folder whose files share a launch (tests/conftest.py SHARED_LAUNCH_DIRS), so each launch runs once.
 set -euo pipefail
