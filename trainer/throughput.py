@@ -18,12 +18,11 @@ import time
 from dataclasses import astuple, dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from trainer import distributed
 from trainer.collate import Batch
-from trainer.packing import Bins, TokenCost, padded_positions
+from trainer.packing.balance import TokenCost
 
 log = logging.getLogger("trainer")
 
@@ -36,16 +35,16 @@ GPU_PEAK_TFLOPS = {
 
 
 def padded_equivalent_positions(batch: Batch) -> int:
-    """Positions a padded micro-batch of this batch's sequences would cost (``padded_positions``: one row per
-    segment, each a sequence of its own; a pair's two are already two segments here)."""
+    """Positions a padded micro-batch of this batch's sequences would cost: one row per segment (a pair's two
+    sequences are two segments) x the longest, ``trainer.packing.padded_positions`` for one packed batch,
+    read from the batch's own counts (no copy of ``cu_seqlens`` to the host on every step)."""
     if not batch.packed:
         return batch.num_positions
     if batch.num_examples == 0:
         if batch.cp_shard is not None and batch.cp_shard.rank > 0:
             return 0  # a context-parallel row is counted once, on the group's first rank
         return batch.num_positions  # a filler costs the same either way
-    sequences = np.diff(batch.cu_seqlens.cpu().numpy()).astype(np.int64)
-    return int(padded_positions(Bins.of([np.arange(len(sequences))]), sequences)[0])
+    return batch.num_examples * batch.max_seqlen
 
 
 def sum_squared_lengths(batch: Batch) -> int:

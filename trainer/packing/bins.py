@@ -71,3 +71,15 @@ class Bins(Sequence):
         np.cumsum(per_item, dtype=dtype, out=running[1:])
         return running[self.ends] - running[self.starts]
 
+    def segment_max(self, per_item: np.ndarray) -> np.ndarray:
+        """Per bin, the largest of ``per_item`` over its items (0 for an empty bin). Bins may lie anywhere in
+        ``items`` (``take``, a split bin's halves), so the non-empty ones are gathered back to back first."""
+        out = np.zeros(len(self), dtype=np.asarray(per_item).dtype)
+        full = np.flatnonzero(self.counts > 0)
+        if len(full):
+            counts, starts = self.counts[full], self.starts[full]
+            firsts = np.cumsum(counts) - counts
+            gathered = np.arange(int(counts.sum())) - np.repeat(firsts - starts, counts)
+            out[full] = np.maximum.reduceat(np.asarray(per_item)[gathered], firsts)
+        return out
+

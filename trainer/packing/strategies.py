@@ -74,20 +74,12 @@ def padded_positions(bins: Bins, lengths: np.ndarray, pair_splits: np.ndarray | 
     """Positions each bin computes as a padded micro-batch (``collate_padded``): its rows x its widest row,
     where a row is an example, or each sequence of a preference pair (two rows, padded to the widest
     sequence of the micro-batch, not to the widest pair). ``pack``'s ``positions``, ``packfsdp analyze`` and
-    the trainer's padded counterfactual (``trainer.throughput.padded_equivalent_positions``) all count it here."""
+    the trainer's padded counterfactual (``trainer.throughput.padded_equivalent_positions``, the same count
+    for one packed batch: its segments x its longest) agree on it."""
     bins = Bins.of(bins)
-    out = np.zeros(len(bins), dtype=np.int64)
-    full = np.flatnonzero(bins.counts > 0)
-    if not len(full):
-        return out
     sequences = item_sequences(bins.items, lengths, pair_splits)
     rows = bins.segment_sums((sequences > 0).sum(axis=1))
-    counts, starts = bins.counts[full], bins.starts[full]
-    firsts = np.cumsum(counts) - counts  # the full bins' items gathered back to back, then a max per bin
-    gathered = np.arange(int(counts.sum())) - np.repeat(firsts - starts, counts)
-    widest = np.maximum.reduceat(sequences.max(axis=1)[gathered], firsts)
-    out[full] = rows[full] * widest
-    return out
+    return rows * bins.segment_max(sequences.max(axis=1))
 
 
 def piece_starts(bin_: np.ndarray) -> list[int] | None:
