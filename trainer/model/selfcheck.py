@@ -355,7 +355,7 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
             part.with_counts_of(stats).backward()
         parts.append(RouterStats(*(t.detach() for t in part)))
     reference = float(RouterStats.merged(parts).balance_loss())
-    found = dict(aux_diff=abs(float(value) - reference) / max(abs(reference), 1e-30),
+    found = dict(aux_diff=abs(float(value.detach()) - reference) / max(abs(reference), 1e-30),
                  aux_tolerance=TOLERANCE.get(dtype, 5e-2))
     if trains:
         alone = grad_projections(model)
