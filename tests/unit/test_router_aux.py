@@ -151,8 +151,10 @@ def test_step_weighs_microbatches_by_their_real_tokens():
     step = aux.step_share(parts[0], 30, 40) + aux.step_share(parts[1], 10, 40)
     expected = (30 * parts[0].balance_loss() + 10 * parts[1].balance_loss()) / 40
     torch.testing.assert_close(step, expected)
-    filler = aux.statistics((torch.randn(1, 4, requires_grad=True),), None)
-    assert float(aux.step_share(filler, 0, 40)) == 0.0  # a filler micro-batch weighs nothing
+    one_pad = torch.randn(1, 4, requires_grad=True)
+    share = aux.step_share(aux.statistics((one_pad,), None), 0, 40)
+    share.backward()
+    assert float(share.detach()) == 0.0 and not one_pad.grad.any()  # a filler micro-batch weighs nothing
 
 
 def step_record(router_aux=None) -> StepMetrics:
