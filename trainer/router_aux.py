@@ -66,8 +66,7 @@ class RouterStats(NamedTuple):
 
     def balance_loss(self) -> torch.Tensor:
         """``E * sum_e f_e * P_e`` with ``f = counts / rows`` and ``P = probs / rows`` (transformers' aux)."""
-        rows = self.rows.clamp_min(1.0)
-        return self.counts.numel() * torch.sum((self.counts / rows) * (self.probs / rows))
+        return self.with_counts_of(self)
 
     def with_counts_of(self, total: RouterStats) -> torch.Tensor:
         """This part's share of ``total.balance_loss()``, whose counts are fixed: the shares of disjoint parts sum
