@@ -62,6 +62,7 @@ from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
 from trainer.preference import PAIR_SUMS, PairLossCheck, PreferenceObjective, preference_metrics
 from trainer.preference.reference import plan_reference
+from trainer.router_aux import use_router_aux
 from trainer.run_dir import RunDir, claim_run_dir
 from trainer.safety import redact_tree, user_code
 from trainer.throughput import StepCounts, flop_params, model_flops, peak_tflops
@@ -101,6 +102,7 @@ class Trainer:
         self.loss_impl = model.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
         log.info("loss: %s", self.loss_impl)
         self.cp = cfg.parallel.cp
+        self.router_aux = use_router_aux(model, self.cp, cfg.objective)
         refuse_unshardable(model.model, self.cp)
         model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
         if cfg.model.self_check:  # before FSDP: the unsharded model (under cp, its CP route), before step 1
@@ -247,16 +249,23 @@ class Trainer:
 
     def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
         """Summed token loss (``objective=dpo``: summed pair loss) of one micro-batch; backward of its share of
-        the global mean (``global_label_tokens``; for ``objective=dpo``, the global pair count)."""
+        the global mean (``global_label_tokens``; for ``objective=dpo``, the global pair count), plus, where the
+        config asks, its share of the router aux loss (``trainer.router_aux``: by its part of the step's tokens)."""
         self.faults.before_forward()
+        aux = None
         if self.objective is not None:
             loss_sum, sums = self.objective.loss_sum(self.model, batch)
             self.pair_sums += sums
+        elif self.router_aux is not None:
+            loss_sum, stats = self.model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+            aux = self.router_aux.step_share(stats, batch.num_tokens, self.step_tokens)
+            self.aux_sum += aux.detach()
         else:
             loss_sum = summed_token_loss(self.model, batch)
         loss_sum = self.faults.on_loss(loss_sum)
         # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
-        (loss_sum / max(global_label_tokens, 1.0)).backward()  # objective=dpo: the global pair count
+        objective = loss_sum / max(global_label_tokens, 1.0)  # objective=dpo: the global pair count
+        (objective if aux is None else objective + self.router_aux.coef * aux).backward()
         return loss_sum.detach()
 
     def train_step(self) -> StepMetrics:
@@ -268,6 +277,7 @@ class Trainer:
         cp_skew = step_skew(batches, self.cp, self.device) if self.cp > 1 else None
         loss_sum = torch.zeros((), device=self.device)
         self.pair_sums = torch.zeros(len(PAIR_SUMS), dtype=torch.float64, device=self.device)
+        self.aux_sum, self.step_tokens = torch.zeros((), device=self.device), counts.tokens  # the router aux loss's
         global_count = counts.pairs if self.objective is not None else counts.label_tokens
         for i, batch in enumerate(batches):
             set_gradient_sync(self.model, i == len(batches) - 1)
@@ -285,9 +295,16 @@ class Trainer:
             skipped=verdict.skip, step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
             model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, self.flop_params),
             tokens_seen_before=self.tokens_seen, cp_skew=cp_skew, preference=self.step_preference_metrics(counts),
+            router_aux=self.step_router_aux(),
         )
         self.tokens_seen = metrics.tokens_seen
         return metrics
+
+    def step_router_aux(self) -> tuple[float, float] | None:
+        """The step's router aux loss over every rank (one all-reduce) and its coefficient, where trained."""
+        if self.router_aux is None:
+            return None
+        return distributed.all_reduce_sum([self.aux_sum.item()], self.device)[0], self.router_aux.coef
 
     def step_preference_metrics(self, counts: StepCounts) -> dict[str, float] | None:
         """``objective=dpo``: the step's TRL-named metrics over every rank (one all-reduce)."""

@@ -79,7 +79,7 @@ class JsonRecord:
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
-        for key in ("preference", "cp_skew"):  # objective=sft / cp=1: the records keep the keys they always had
+        for key in ("preference", "cp_skew", "token_loss", "aux_loss"):  # the records keep the keys they always had
             if record.get(key, ...) is None:
                 del record[key]
         return record
@@ -102,7 +102,8 @@ class StepMetrics(JsonRecord):
     epoch: int
     """The sampler epoch the step's micro-batches came from (0-based)."""
     loss: float
-    """Mean token cross-entropy: summed token loss over every micro-batch and rank / global label tokens.
+    """Mean token cross-entropy: summed token loss over every micro-batch and rank / global label tokens (with a
+    router aux loss, the objective trained: ``token_loss + coef * aux_loss``, transformers' ``outputs.loss``).
     0 on a step with no label token, NaN on a step skipped as non-finite."""
     lr: float
     """Learning rate the step used (the scheduler advances after it)."""
@@ -139,6 +140,11 @@ class StepMetrics(JsonRecord):
     tokens_seen: int | None = None
     """``useful_tokens`` summed over the run so far, this step included (restored on resume). ``None`` only
     in records written before it was logged."""
+    token_loss: float | None = None
+    """With a router aux loss (``trainer.router_aux``): the mean token cross-entropy alone; ``None`` without."""
+    aux_loss: float | None = None
+    """With a router aux loss: the step's load-balancing loss (unscaled; each micro-batch's weighed by its share of
+    the step's real tokens); ``None`` without."""
     cp_skew: float | None = None
     """Context parallel (``parallel.cp > 1``): the step's attention-cost skew across each CP group (the busiest
     rank's causal attention pairs over the group's mean, minus 1; mean over groups). ``None`` without CP."""
@@ -163,13 +169,18 @@ class StepMetrics(JsonRecord):
         skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
         cp_skew: float | None = None,
         preference: dict[str, float] | None = None,
+        router_aux: tuple[float, float] | None = None,
     ) -> StepMetrics:
         """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks
-        (``preference``: its summed pair loss, divided by the global pair count)."""
+        (``preference``: its summed pair loss, divided by the global pair count; ``router_aux``: the step's
+        aux loss and its coefficient, added to the loss)."""
         useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
         denominator = counts.pairs if preference is not None else counts.label_tokens
+        loss = loss_sum / max(denominator, 1.0)
+        token_loss, aux_loss = (None, None) if router_aux is None else (loss, router_aux[0])
         return cls(
-            step=step, epoch=epoch, loss=loss_sum / max(denominator, 1.0), lr=lr, grad_norm=grad_norm, preference=preference,
+            step=step, epoch=epoch, loss=loss if router_aux is None else loss + router_aux[1] * router_aux[0], lr=lr,
+            grad_norm=grad_norm, preference=preference, token_loss=token_loss, aux_loss=aux_loss,
             useful_tokens=useful, tokens=int(counts.tokens), positions=int(counts.positions),
             padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
             step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
@@ -184,7 +195,8 @@ class EvalMetrics(JsonRecord):
     step: int
     """Optimizer steps done when the eval ran."""
     eval_loss: float
-    """Mean token cross-entropy over every held-out label token of every rank."""
+    """Mean token cross-entropy over every held-out label token of every rank (never a router aux loss: the
+    held-out loss stays the token loss)."""
     eval_tokens: int
     """Held-out label tokens over all ranks."""
     eval_time_s: float
@@ -267,6 +279,8 @@ class RunSummary:
             "model_tflops_per_s": model_tflops_per_s,
             "mfu": model_flops_utilization(model_tflops_per_s, peak_tflops_total),
             "final_loss": trained[-1].loss,
+            **({} if trained[-1].aux_loss is None else
+               {"final_token_loss": trained[-1].token_loss, "final_aux_loss": trained[-1].aux_loss}),
             "final_eval_loss": self.evals[-1].eval_loss if self.evals else float("nan"),
             "peak_mem_gib": max(m.peak_mem_gib for m in self.steps),
         } | self.preference_result()
@@ -447,6 +461,7 @@ def format_step(m: StepMetrics) -> str:
         f"useful tok/s {m.useful_tokens_per_s:,.0f} | pad {100 * m.padding_fraction:.1f}% | "
         f"saved {100 * m.padding_saved_fraction:.1f}% | "
         f"step {1000 * m.step_time_s:.0f} ms | mem {m.peak_mem_gib:.2f} GiB"
+        + (f" | token {m.token_loss:.4f} aux {m.aux_loss:.4f}" if m.aux_loss is not None else "")
         + (f" | cp skew {100 * m.cp_skew:.1f}%" if m.cp_skew is not None else "")
         + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
         + (" | reward acc {:.3f} margin {:.4f}".format(m.preference["rewards/accuracies"], m.preference["rewards/margins"])

@@ -46,7 +46,7 @@ def reference(tmp_path_factory, cache_dir):
 
 
 
-WORKERS = ("parallel_worker", "chunked_loss_worker", "lora_worker", "dpo_worker")
+WORKERS = ("parallel_worker", "chunked_loss_worker", "lora_worker", "dpo_worker", "router_aux_worker")
 """The worker modules of tests/distributed whose cases ``worker_results`` runs."""
 
 

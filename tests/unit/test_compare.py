@@ -78,6 +78,16 @@ def test_report_states_loss_impl_and_compile_and_warns_when_they_differ(tmp_path
     assert ("different loss implementation or compile mode" in md) is not same
 
 
+def test_report_shows_the_router_aux_loss_apart(tmp_path):
+    """An MoE run with a router aux loss: the token loss and the aux loss each get a row (``trainer.router_aux``)."""
+    _fake_run(tmp_path / "padded", "padded", 1000.0, 2200, 4.50, final_token_loss=4.6, final_aux_loss=2.031)
+    _fake_run(tmp_path / "packed", "packed", 1600.0, 1100, 4.52, final_token_loss=4.61, final_aux_loss=2.012)
+    report = compare.main(["--report-only", str(tmp_path), "recipe=x"])
+    assert report["comparison"]["final_aux_loss_diff"] == pytest.approx(-0.019)
+    md = (tmp_path / "report.md").read_text()
+    assert "| final router aux loss (MoE) | 2.0310 | 2.0120 | -0.0190 |" in md
+    assert "| final train token loss | 4.6000 | 4.6100 | +0.0100 |" in md
+
 def test_summarize_prints_the_compare_table_for_any_two_run_dirs(tmp_path, capsys):
     from trainer.tools import summarize
 

@@ -20,6 +20,10 @@ one chunk). The gradient tolerance is ``GRAD_NOISE_MULT`` times the measured noi
 a second time, its examples in reverse order: the gap between the two is the rounding of summing the
 examples' gradients in the parameters' dtype), plus a dtype term ``GRAD_TOLERANCE``: a 0.5% leak fails in float32 while bf16 rounding passes in bf16.
 
+A router aux loss (``trainer.router_aux``) is a statistic of a micro-batch's tokens, not a sum over examples:
+the token check above runs without it, and ``router_aux_check`` compares it apart, the batch's value and
+gradient through the run's path against the same tokens' statistic from each example run alone.
+
 It runs on the unsharded model (before FSDP), in eval mode (no dropout), in the master dtype; backends whose kernels compute only in half precision run under autocast to the compute
 dtype, with a looser tolerance. The worst difference is agreed across ranks, so every rank stops or none.
 """
@@ -40,6 +44,7 @@ from trainer.collate import IGNORE_INDEX, Batch
 from trainer.loss import summed_token_loss
 from trainer.model.wrapper import VarlenCausalLM
 from trainer.packing import piece_starts
+from trainer.router_aux import RouterStats
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +111,13 @@ class SelfCheckResult:
     """That sequence's tolerance: 2 x its label tokens x the logit tolerance (a log-prob moves by at most
     twice its logits' largest move, so logits within tolerance allow no more)."""
     worst_sequence: int = 0
+    aux_diff: float | None = None
+    """With a router aux loss: |the batch's aux loss, through the run's path - the same tokens' from each example
+    alone| relative to the latter (``router_aux_check``); ``None``: not compared."""
+    aux_tolerance: float = float("inf")
+    aux_grad_gap: float | None = None
+    """With a router aux loss and trainable parameters: its gradient's gap, as ``grad_gap``."""
+    aux_grad_tolerance: float = float("inf")
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -114,6 +126,10 @@ class SelfCheckResult:
                "gradient gap": self.grad_gap / max(self.grad_tolerance, 1e-30)}
         if self.logp_diff is not None:
             out["sequence log-prob diff"] = self.logp_diff / max(self.logp_tolerance, 1e-30)
+        if self.aux_diff is not None:
+            out["router aux loss diff"] = self.aux_diff / max(self.aux_tolerance, 1e-30)
+        if self.aux_grad_gap is not None:
+            out["router aux gradient gap"] = self.aux_grad_gap / max(self.aux_grad_tolerance, 1e-30)
         return out
 
     @property
@@ -125,7 +141,16 @@ class SelfCheckResult:
             f"{self.mode} micro-batch of {self.examples} examples / {self.tokens} tokens vs one by one ({self.dtype}): "
             f"max |logit diff| {self.max_logit_diff:.3g} (tolerance {self.tolerance:.3g}, worst example "
             f"#{self.worst_example}), max |token loss diff| {self.max_loss_diff:.3g}, " + self.logp_line() + self.grad_line()
+            + self.aux_line()
         )
+
+    def aux_line(self) -> str:
+        if self.aux_diff is None:
+            return ""
+        grad = "" if self.aux_grad_gap is None else (
+            f", its gradient gap {self.aux_grad_gap:.3g} (tolerance {self.aux_grad_tolerance:.3g})")
+        return (f"; router aux loss (the batch's statistic vs its examples alone) relative diff {self.aux_diff:.3g} "
+                f"(tolerance {self.aux_tolerance:.3g}){grad}")
 
     def logp_line(self) -> str:
         if self.logp_diff is None:
@@ -294,6 +319,8 @@ def self_check(
                     noise = float((grad_projections(model) - reference).abs().max()) / rms
                 found = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
                              grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
+            if getattr(model, "router_aux", None) is not None and route is None:  # cp > 1 refuses it
+                found |= router_aux_check(model, batch, spans, trains, dtype, found.get("grad_noise", 0.0))
     finally:
         _zero_grads(model)
         model.train(was_training)
@@ -305,6 +332,38 @@ def self_check(
         "packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens, worst, loss_diff, tol,
         worst_i, str(dtype).split(".")[-1], loss=loss.describe(), **found,
     )
+
+
+def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int, slice]], trains: bool,
+                     dtype: torch.dtype, noise: float) -> dict:
+    """The router aux loss of ``batch`` through the run's path against the same tokens' statistic from each
+    example run alone (their ``RouterStats`` merged); with trainable parameters its gradient too, the reference's
+    taken one example at a time with the batch's counts (``RouterStats.with_counts_of``: the counts carry no
+    gradient; a count that differs shows in the value). ``SelfCheckResult``'s ``aux_*`` fields."""
+    _, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+    value = stats.balance_loss()
+    if trains:
+        value.backward()
+        packed = grad_projections(model)
+        _zero_grads(model)
+    parts = []
+    for row, span in spans:  # one example's graph at a time
+        ids = batch.input_ids[row : row + 1, span]
+        _, part = model(input_ids=ids, position_ids=batch.position_ids[row : row + 1, span],
+                        attention_mask=torch.ones_like(ids), router_aux=True)
+        if trains:
+            part.with_counts_of(stats).backward()
+        parts.append(RouterStats(*(t.detach() for t in part)))
+    reference = float(RouterStats.merged(parts).balance_loss())
+    found = dict(aux_diff=abs(float(value.detach()) - reference) / max(abs(reference), 1e-30),
+                 aux_tolerance=TOLERANCE.get(dtype, 5e-2))
+    if trains:
+        alone = grad_projections(model)
+        _zero_grads(model)
+        rms = max(float(alone.pow(2).mean().sqrt()), 1e-30)
+        found |= dict(aux_grad_gap=float((packed - alone).abs().max()) / rms,
+                      aux_grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
+    return found
 
 
 LADDER = (0.25, 0.5, 0.75, 0.9)

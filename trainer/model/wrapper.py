@@ -6,7 +6,8 @@
 - a padded batch (``attention_mask`` given) runs transformers' own SDPA path with the padding mask (eager
   for a family without one, ``padded_attention``).
 The wrapper returns logits, or with ``labels`` the summed token loss (``trainer.loss``: naive or chunked); the
-trainer normalises it by the global label count.
+trainer normalises it by the global label count. With ``router_aux=True`` it also returns the batch's router
+statistics (``trainer.router_aux``), from the router logits the decoder records on the same pass.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from trainer.loss import (
 from trainer.model.attention import AttentionBackend
 from trainer.model.attention_needs import AttentionNeeds
 from trainer.model.packed_layout import packed_attention_kwargs
+from trainer.router_aux import RouterAux
 
 PADDED_ATTENTION = "sdpa"
 
@@ -60,6 +62,8 @@ class VarlenCausalLM(nn.Module):
         """Context parallel: the process group a sharded row's keys/values are gathered over."""
         self.cp_gather = None
         """Context parallel, one process (tests, GPU check): replaces the all-gather."""
+        self.router_aux: RouterAux | None = None
+        """The router aux loss the config asks for (``trainer.router_aux.use_router_aux``); ``None``: none."""
 
     @property
     def config(self):
@@ -75,30 +79,44 @@ class VarlenCausalLM(nn.Module):
         labels: torch.Tensor | None = None,
         cp_shard=None,
         per_sequence: bool = False,
+        router_aux: bool = False,
     ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``; with ``labels``, the summed token loss (fp32 scalar) instead,
         through the loss implementation ``use_loss`` picked. The loss runs here, inside the root module's
         forward, because that is where FSDP2 holds the head's parameters gathered. With ``per_sequence``
-        (the preference objective), each sequence's summed label log-probability ``[sequences]`` instead."""
+        (the preference objective), each sequence's summed label log-probability ``[sequences]`` instead.
+        With ``router_aux`` (``self.router_aux`` set), ``(that, RouterStats of the batch's real tokens)``."""
         if per_sequence:
             return self.sequence_logps(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, labels)
         if cp_shard is not None:
             inputs = self.context_parallel_inputs(input_ids, position_ids, cp_shard)
         else:
             inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
+        if self.router_aux is not None:  # recorded only where asked (not in eval, nor the reference's pass)
+            inputs["output_router_logits"] = router_aux
         if labels is None or self.loss.impl == "naive":
-            logits = self.model(**inputs).logits
+            outputs = self.model(**inputs)
+            logits = outputs.logits
             if labels is None:
-                return logits
+                return self.with_router_stats(logits, outputs, attention_mask, router_aux)
             if cp_shard is not None:  # labels already shifted before the row was sharded
                 return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-            return naive_summed_loss(logits, labels)
-        hidden = decoder_of(self.model)(**inputs).last_hidden_state
+            return self.with_router_stats(naive_summed_loss(logits, labels), outputs, attention_mask, router_aux)
+        outputs = decoder_of(self.model)(**inputs)
+        hidden = outputs.last_hidden_state
         if cp_shard is not None:  # pre-shifted: one dummy position after the last makes label_positions' shift a no-op
             hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
         hidden, targets = label_positions(hidden, labels)
         head = self.model.get_output_embeddings()
-        return self.loss(hidden, head.weight, head.bias, targets)
+        loss = self.loss(hidden, head.weight, head.bias, targets)
+        return self.with_router_stats(loss, outputs, attention_mask, router_aux)
+
+    def with_router_stats(self, result: torch.Tensor, outputs, attention_mask, router_aux: bool):
+        """``result``, or with ``router_aux`` ``(result, RouterStats)`` of the router logits in ``outputs`` (the
+        decoder's or the causal LM's): over every position of a packed row, over ``attention_mask`` of a padded one."""
+        if not router_aux:
+            return result
+        return result, self.router_aux.statistics(getattr(outputs, "router_logits", None), attention_mask)
 
     def sequence_logps(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, labels) -> torch.Tensor:
         """Summed label log-probabilities per sequence (a packed segment or a padded row), fp32: the chunked

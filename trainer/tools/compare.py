@@ -7,7 +7,8 @@ micro-batch as a packed micro-batch holds on average), then writes into the comp
 
 - ``padded/`` and ``packed/``: each run's ``config.yaml``, ``metrics.jsonl``, ``eval.jsonl``, ``summary.json``;
 - ``report.json`` and ``report.md``: useful tokens/s of each and the ratio, padding, step time, peak
-  memory, final train and eval loss and their difference, model TFLOP/s and MFU, attention backend, loss
+  memory, final train and eval loss and their difference (an MoE run with a router aux loss: the train token
+  loss and the aux loss apart too), model TFLOP/s and MFU, attention backend, loss
   implementation and compile mode (the same in both runs, so the ratio measures packing alone), world size,
   versions;
 - ``loss.png`` (both runs' train and eval loss on one axis) and ``throughput.png`` (useful tokens/s).
@@ -32,7 +33,7 @@ from datetime import datetime
 from pathlib import Path
 
 from trainer.cli import check_overrides
-from trainer.compose import register_configs
+from trainer.compose import open_mapping_overrides, register_configs
 from trainer.metrics import SUMMARY_FILE, read_evals, read_metrics
 from trainer.packing import STRATEGIES
 from trainer.tools.plots import plot_loss, plot_throughput
@@ -87,7 +88,7 @@ def run_both(overrides: list[str], nproc: int, out: Path) -> None:
     os.environ["WORLD_SIZE"] = str(nproc)  # the mesh checks see the world the runs will have
     try:
         for run_overrides in runs.values():
-            check_overrides(run_overrides)
+            check_overrides(open_mapping_overrides(run_overrides))  # as trainer.train composes them
     finally:
         if saved_world is None:
             del os.environ["WORLD_SIZE"]
@@ -158,6 +159,9 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
             "same_per_token_setup": all(packed.get(key) == padded.get(key) for key in PER_TOKEN_SETUP),
             "step_time_ratio": _ratio(packed.get("mean_step_time_s"), padded.get("mean_step_time_s")),
             "final_train_loss_diff": _diff(packed.get("final_loss"), padded.get("final_loss")),
+            # MoE with a router aux loss: the loss above is token + coef x aux; the aux is a statistic of each
+            # micro-batch's tokens, so packed and padded differ by what their micro-batches hold.
+            "final_aux_loss_diff": _diff(packed.get("final_aux_loss"), padded.get("final_aux_loss")),
             "final_eval_loss_diff": eval_diff,
             "loss_parity_tolerance": tolerance,
             "eval_loss_within_tolerance": None if eval_diff is None else abs(eval_diff) <= tolerance,
@@ -188,6 +192,10 @@ def comparison_table(report: dict) -> str:
          _fmt(c["step_time_ratio"], ".2f", suffix="x")),
         ("peak memory (GiB)", _fmt(p["peak_mem_gib"], ".2f"), _fmt(q["peak_mem_gib"], ".2f"), ""),
         ("final train loss", _fmt(p["final_loss"], ".4f"), _fmt(q["final_loss"], ".4f"), _fmt(c["final_train_loss_diff"], "+.4f")),
+        *([("final train token loss", _fmt(p.get("final_token_loss"), ".4f"), _fmt(q.get("final_token_loss"), ".4f"),
+            _fmt(_diff(q.get("final_token_loss"), p.get("final_token_loss")), "+.4f")),
+           ("final router aux loss (MoE)", _fmt(p.get("final_aux_loss"), ".4f"), _fmt(q.get("final_aux_loss"), ".4f"),
+            _fmt(c.get("final_aux_loss_diff"), "+.4f"))] if q.get("final_aux_loss") is not None else []),
         ("final eval loss (held out)", _fmt(p.get("final_eval_loss"), ".4f"), _fmt(q.get("final_eval_loss"), ".4f"),
          _fmt(c["final_eval_loss_diff"], "+.4f")),
         *([("held-out reward accuracy (dpo)", _fmt(p.get(HELD_OUT_ACCURACY), ".3f"), _fmt(q.get(HELD_OUT_ACCURACY), ".3f"), "")]
