@@ -22,7 +22,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.chat import ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template
+from trainer.data.chat import (
+    ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template, media_refusal,
+)
 from trainer.data.examples import DatasetStats
 from trainer.data.pairs import PairToRender, is_pair_record, join_pair, only_last_replies, pair_segments
 from trainer.data.parts import Places
@@ -36,6 +38,11 @@ RENDER_VERSION = 5
 """Bumped whenever rendering changes, so stale cached datasets are never reused (3: a chat is tokenized
 whole, its mask taken from character spans, no longer piece by piece; 4, 5: preference pairs, a
 ``pair_split`` per example)."""
+
+
+MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
+"""Record keys that hold images, videos or audio beside the text (``{"messages": [...], "images": [...]}``):
+such a record is refused (``media_refusal``), never trained on its text alone."""
 
 
 @dataclass
@@ -59,6 +66,8 @@ def record_segments(
     - ``{"input_ids": [...], "labels": [...]}`` (pre-tokenized, ``trainer.data.pretokenized``): the ids as
       they are, loss where the labels (or a ``loss_mask``) say.
     """
+    if media := [k for k in MEDIA_KEYS if record.get(k)]:
+        raise ValueError(f"{where}: {media_refusal(f'the record holds {media[0]!r}')}")
     if is_pair_record(record):
         return pair_segments(record, tokenizer, where)
     if "input_ids" in record:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty, parse_json, utf8_lines
+from trainer.data.chat import media_part, media_refusal
 from trainer.data.pairs import PAIR_FIELDS, TOKEN_PAIR_FIELDS
 from trainer.data.pretokenized import TOKEN_FIELDS
 
@@ -259,7 +260,7 @@ def normalise_messages(value, role_key: str | None, content_key: str | None, rol
     if not isinstance(value, list):
         raise ValueError(f"{where}: messages must be a list, got {type(value).__name__}")
     out = []
-    for m in value:
+    for k, m in enumerate(value):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: a message must be a dict, got {m!r}")
         rk = role_key or ("role" if "role" in m else "from")
@@ -267,6 +268,8 @@ def normalise_messages(value, role_key: str | None, content_key: str | None, rol
         if rk not in m or ck not in m:
             raise ValueError(f"{where}: message {m!r} has no {rk!r}/{ck!r}; set data.columns.role / data.columns.content")
         content = m[ck]
+        if kind := media_part(content):  # never dropped silently: the text around an image is about the image
+            raise ValueError(f"{where}: {media_refusal(f'message {k} holds an {kind!r} part')}")
         if isinstance(content, list):  # OpenAI-style parts: keep the text parts
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         out.append({"role": roles.get(m[rk], m[rk]), "content": "" if content is None else content})
