@@ -59,7 +59,7 @@ def test_the_table_covers_the_installed_families():
     assert not families.EXACT & (families.REFUSED.keys() | families.SKIPPED.keys())
 
 
-@pytest.mark.parametrize("family", ["falcon", "bert", "bart", "gpt_oss", "gemma3"])
+@pytest.mark.parametrize("family", ["falcon", "bert", "bart", "gpt_oss", "git"])
 def test_a_refused_family_stops_the_build_with_one_line(family, tokenizer):
     with pytest.raises(FamilyRefusedError) as info:
         build_model(ModelConfig(family=family), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), 0)

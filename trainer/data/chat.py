@@ -111,6 +111,19 @@ def media_refusal(what: str) -> str:
     )
 
 
+MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
+"""Record (or table row) keys that hold images, videos or audio beside the text (``{"messages": [...],
+"images": [...]}``): such a record is refused (``media_refusal``), never trained on its text alone."""
+
+
+def media_key(record: dict) -> str | None:
+    """The first of ``MEDIA_KEYS`` that ``record`` holds a value under, or ``None``."""
+    def held(value) -> bool:
+        return value is not None and not (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
+
+    return next((k for k in MEDIA_KEYS if held(record.get(k))), None)
+
+
 def media_part(content: object) -> str | None:
     """The kind of the first part of a message's ``content`` (a list of parts) that is no text, or ``None``."""
     for part in content if isinstance(content, list) else ():

@@ -23,7 +23,7 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
 from trainer.data.chat import (
-    ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template, media_refusal,
+    ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template, media_key, media_refusal,
 )
 from trainer.data.examples import DatasetStats
 from trainer.data.pairs import PairToRender, is_pair_record, join_pair, only_last_replies, pair_segments
@@ -38,11 +38,6 @@ RENDER_VERSION = 5
 """Bumped whenever rendering changes, so stale cached datasets are never reused (3: a chat is tokenized
 whole, its mask taken from character spans, no longer piece by piece; 4, 5: preference pairs, a
 ``pair_split`` per example)."""
-
-
-MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
-"""Record keys that hold images, videos or audio beside the text (``{"messages": [...], "images": [...]}``):
-such a record is refused (``media_refusal``), never trained on its text alone."""
 
 
 @dataclass
@@ -66,8 +61,8 @@ def record_segments(
     - ``{"input_ids": [...], "labels": [...]}`` (pre-tokenized, ``trainer.data.pretokenized``): the ids as
       they are, loss where the labels (or a ``loss_mask``) say.
     """
-    if media := [k for k in MEDIA_KEYS if record.get(k)]:
-        raise ValueError(f"{where}: {media_refusal(f'the record holds {media[0]!r}')}")
+    if media := media_key(record):  # a source's own records (tables are checked row by row, rows_to_records)
+        raise ValueError(f"{where}: {media_refusal(f'the record holds {media!r}')}")
     if is_pair_record(record):
         return pair_segments(record, tokenizer, where)
     if "input_ids" in record:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty, parse_json, utf8_lines
-from trainer.data.chat import media_part, media_refusal
+from trainer.data.chat import MEDIA_KEYS, media_key, media_part, media_refusal
 from trainer.data.pairs import PAIR_FIELDS, TOKEN_PAIR_FIELDS
 from trainer.data.pretokenized import TOKEN_FIELDS
 
@@ -175,6 +175,7 @@ def mapped_columns_only(ds, cfg: DataConfig):
     are read column-wise and unused columns are never loaded; unchanged when none of them is there."""
     columns = dict(cfg.columns) or detect_columns(ds.column_names)
     keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
+    keep += [c for c in MEDIA_KEYS if c in ds.column_names and c not in keep]  # read to refuse its rows, never dropped
     return ds.select_columns(keep) if keep else ds
 
 
@@ -212,6 +213,9 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
         absent = [c for c in wanted if c not in row]
         if absent:
             bad.bad(where, f"no column {', '.join(map(repr, absent))} (columns: {', '.join(map(str, row))})")
+            continue
+        if media := media_key(row):
+            bad.bad(where, media_refusal(f"the record holds {media!r}"))
             continue
         try:
             if kind == "chosen_input_ids":
