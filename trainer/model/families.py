@@ -50,8 +50,8 @@ SINKS = "attention sinks (s_aux): no packed backend implements them"
 NOT_CAUSAL = "a bidirectional encoder: causal only as an encoder-decoder's decoder, not a decoder-only causal LM"
 ENCODER_DECODER = "the decoder of an encoder-decoder model, not a decoder-only causal LM"
 MULTIMODAL_ROUTE = (
-    "its language model trains as its text family ({text} in the default config; a folder's own decides), "
-    "the vision/audio parts frozen and written back by export"
+    "a multimodal model: its language model trains as its text family (gemma3 as gemma3_text; a folder's text "
+    "config decides) and takes that family's verdict; the vision/audio parts are frozen, written back by export"
 )
 MULTIMODAL_FLAT = "a multimodal model with one config for all its parts: no separate language model to train"
 MULTIMODAL_NO_LM = "a multimodal model whose language model ({text}) is no causal-LM family of transformers"
@@ -195,18 +195,28 @@ def multimodal_verdict(family: str) -> Verdict | None:
     or skipped where it has none. ``None`` for a family outside transformers' multimodal-LM mapping."""
     if family not in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
         return None
+    if (text := text_family(family)) is not None:
+        return Verdict(family, verdict(text).kind, MULTIMODAL_ROUTE)
     try:
         config = AutoConfig.for_model(family)
     except (ValueError, TypeError, KeyError) as e:  # one that needs its parts given (vision-encoder-decoder)
         return Verdict(family, "skipped", f"a multimodal model without a default config ({type(e).__name__})")
     if config.is_encoder_decoder:
         return Verdict(family, "skipped", ENCODER_DECODER)
-    if (text := language_model_config(config)) is not None:
-        inner = verdict(text.model_type)
-        reason = MULTIMODAL_ROUTE.format(text=text.model_type) + (f"; {inner.kind} as: {inner.reason}" if inner.reason else "")
-        return Verdict(family, inner.kind, reason)
     inner = config.get_text_config(decoder=True)
     return Verdict(family, "skipped", MULTIMODAL_FLAT if inner is config else MULTIMODAL_NO_LM.format(text=inner.model_type))
+
+
+def text_family(family: str) -> str | None:
+    """The text family a multimodal family's language model trains as, in its default config (a folder's
+    own text config decides for the folder), or ``None`` for any other family."""
+    if family not in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return None
+    try:
+        text = language_model_config(AutoConfig.for_model(family))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return text.model_type if text is not None else None
 
 
 def has_causal_lm(config) -> bool:
@@ -273,4 +283,4 @@ def check_family(config, self_check: bool = True) -> Verdict:
     return found
 
 
-__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]
+__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "text_family", "verdict"]
