@@ -31,6 +31,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     (``trainer.model.families``: one line, the family and the reason), then the config itself: a tiny
     float64 replica of it, packed vs one by one (``trainer.model.config_verdict``, cached by config hash).
 
+    A multimodal folder (``trainer.model.multimodal``) trains its language model, judged as its text family;
+    the vision / audio tower and projector stay out of the step, kept for export (the wrapper's
+    ``multimodal``; ``None`` for any other model).
+
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.
     """
@@ -39,6 +43,9 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     if cfg.name_or_path:
         whole = folder_config(cfg)
         config = trained_config(whole)  # model_config(cfg): a multimodal model's language model's
+        if whole is not config:
+            log.info("%s: a multimodal %s; its language model is judged and trained as %s, the rest is kept aside",
+                     cfg.name_or_path, whole.model_type, config.model_type)
         check_family(config, cfg.self_check)
         verify_config(config)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
