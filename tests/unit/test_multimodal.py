@@ -23,7 +23,7 @@ from trainer.model import build_model, resolve_backend
 from trainer.model import families
 from trainer.model.families import FamilyRefusedError, check_family, verdict
 from trainer.model.lora import apply_peft
-from trainer.model.multimodal import FROZEN_WEIGHTS, MULTIMODAL_DIR, split
+from trainer.model.multimodal import FROZEN_WEIGHTS, MULTIMODAL_DIR, MultimodalError, split
 from trainer.model_config import folder_config, model_config
 from trainer.optim import build_optimizer
 from trainer.tools.export import export
@@ -86,6 +86,16 @@ def test_the_language_model_is_the_multimodal_models_own_modules(gemma3_folder):
         p.numel() for p in whole.parameters())
     assert frozen and all(k.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for k in frozen)
     assert not any(t.requires_grad for t in frozen.values())
+
+
+def test_a_multimodal_model_that_computes_text_otherwise_is_refused(gemma3_folder):
+    """The split is checked on its logits, not assumed from the family: a whole model whose text-only
+    logits differ from its language model's (here: shifted by a hook) is refused in one line."""
+    whole = AutoModelForImageTextToText.from_pretrained(gemma3_folder)
+    whole.register_forward_hook(lambda module, args, out: out.__class__(logits=out.logits + 1))
+    with pytest.raises(MultimodalError, match=r"^Gemma3ForConditionalGeneration computes text otherwise than its "
+                                              r"language model as Gemma3ForCausalLM \(max \|logit difference\| 1 "):
+        split(whole)
 
 
 def test_the_vision_tower_is_left_out_of_the_step(gemma3_folder, tokenizer):

@@ -44,6 +44,7 @@ from transformers.utils import (
 
 from trainer import distributed
 from trainer.config import ConfigError
+from trainer.errors import first_line
 from trainer.loss import head_matches_logits
 from trainer.model_config import language_model_config
 
@@ -100,7 +101,7 @@ def load(source: str, config: PretrainedConfig, **kwargs) -> tuple[nn.Module, Ke
     for name in CARRIED_FILES:
         if path := cached_file(source, name, _raise_exceptions_for_missing_entries=False):
             files[name] = Path(path).read_bytes()
-    kept = KeptParts(whole.config, {k: t.detach() for k, t in frozen.items()} if distributed.rank() == 0 else None, files)
+    kept = KeptParts(whole.config, unaliased(frozen) if distributed.rank() == 0 else None, files)
     log.info(
         "%s: %s; training its language model as %s (%.2fM parameters); left out of the step, frozen and written "
         "back by export: %s (%.2fM parameters)", source, cls.__name__, type(model).__name__,
@@ -108,6 +109,18 @@ def load(source: str, config: PretrainedConfig, **kwargs) -> tuple[nn.Module, Ke
         sum(t.numel() for t in frozen.values()) / 1e6,
     )
     return model, kept
+
+
+def unaliased(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` detached, those sharing storage with an earlier one copied (safetensors stores no alias;
+    a tie is made again when the model is rebuilt, ``tie_weights``)."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in tensors.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.detach().clone() if ptr in seen else tensor.detach()
+        seen.add(ptr)
+    return out
 
 
 def frozen_modules(whole: nn.Module, model: nn.Module) -> list[str]:
@@ -183,6 +196,8 @@ def language_model_mismatch(whole: nn.Module, model: nn.Module, tokens: int = 8)
     try:
         reference = whole(input_ids=input_ids, use_cache=False).logits
         ours = model(input_ids=input_ids, use_cache=False).logits
+    except Exception as e:  # noqa: BLE001 -- a model that cannot run text alone: refused in one line, with why
+        return f"{type(whole).__name__} cannot run a text-only input ({type(e).__name__}: {first_line(e)})"
     finally:
         whole.train(was_training)
     if reference.shape == ours.shape and head_matches_logits(reference, ours):
@@ -241,5 +256,5 @@ def carried_files(hf_dir: Path) -> list[Path]:
 __all__ = [
     "CARRIED_FILES", "FROZEN_WEIGHTS", "MULTIMODAL_DIR", "KeptParts", "MultimodalError", "carried_files",
     "is_multimodal_checkpoint", "language_model_mismatch", "language_model_of", "load", "rebuild",
-    "save_multimodal_assets", "split",
+    "save_multimodal_assets", "split", "unaliased",
 ]

@@ -117,7 +117,7 @@ def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation
     # Built on the CPU (not on the meta device) so that buffers computed at init, such as rotary
     # frequencies, are right; the parameters are then replaced by the checkpoint's.
     if is_multimodal_checkpoint(path / HF_DIR):
-        whole, model = rebuild_multimodal(path / HF_DIR, attn_implementation)
+        whole, model = multimodal_model(path, attn_implementation)
     else:
         config = AutoConfig.from_pretrained(path / HF_DIR)
         config.use_cache = True  # training turned the KV cache off; generation wants it
@@ -135,6 +135,15 @@ def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation
     return whole
 
 
+def multimodal_model(path: Path, attn_implementation: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The multimodal model of a checkpoint that trained its language model, with its kept parts in place,
+    and that language model (``trainer.model.multimodal.rebuild``)."""
+    try:
+        return rebuild_multimodal(path / HF_DIR, attn_implementation)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
+
+
 def lora_model(path: Path, tensors: dict[str, torch.Tensor], format: str, attn_implementation: str) -> torch.nn.Module:
     """A LoRA checkpoint's adapters on its rebuilt, verified base: merged into a transformers model, or as a
     ``PeftModel`` whose ``save_pretrained`` writes peft's adapter format."""
@@ -148,7 +157,7 @@ def lora_model(path: Path, tensors: dict[str, torch.Tensor], format: str, attn_i
     merged = model.merge_and_unload()
     merged.config.use_cache = True
     if is_multimodal_checkpoint(path / HF_DIR):  # the merged language model back into its multimodal model
-        whole, language_model = rebuild_multimodal(path / HF_DIR, attn_implementation)
+        whole, language_model = multimodal_model(path, attn_implementation)
         language_model.load_state_dict(merged.state_dict(), assign=True)
         whole.tie_weights()
         return whole
