@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import datasets
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -241,3 +242,8 @@ def test_images_in_the_data_are_refused_naming_the_record(tmp_path, tokenizer):
     assert len(kept) == 1 and kept.stats.dropped_bad == 2  # the text-only example trains; the others are counted
     with pytest.raises(ValueError, match=r"row 0: message 0 holds an 'image' part"):  # a table's parts, never dropped
         rows_to_records([{"messages": IMAGE_CHAT}], DataConfig(source="parquet"))
+    saved = tmp_path / "saved"  # a dataset's image column is read to refuse its rows, not cut away unseen
+    datasets.Dataset.from_list([{"messages": TEXT_CHAT, "images": None}, {"messages": TEXT_CHAT, "images": ["cat.png"]}]
+                               ).save_to_disk(str(saved))
+    with pytest.raises(BadRecordError, match=r"row 1: the record holds 'images': packfsdp packs text-only examples"):
+        load_records(DataConfig(source="hf", path=str(saved)))

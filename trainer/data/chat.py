@@ -129,7 +129,7 @@ def media_part(content: object) -> str | None:
     for part in content if isinstance(content, list) else ():
         if isinstance(part, dict):
             kind = part.get("type")
-            if kind in MEDIA or (kind := next((k for k in MEDIA if k in part), None)):
+            if kind in MEDIA or (kind := next((k for k in MEDIA if part.get(k) is not None), None)):
                 return kind
     return None
 
