@@ -4,7 +4,10 @@
 directory (its latest complete checkpoint is used). The checkpoint is verified against its manifest, its
 model tensors are consolidated from however many shards were saved (no process group, no GPU needed) and
 written with ``save_pretrained`` as safetensors, next to the transformers config and the tokenizer saved
-in the checkpoint. ``AutoModelForCausalLM.from_pretrained(out)`` loads the result.
+in the checkpoint. ``AutoModelForCausalLM.from_pretrained(out)`` loads the result. A run that trained a
+multimodal model's language model (``trainer.model.multimodal``) exports the whole multimodal model, its
+kept vision / audio parts and the folder's processor files from the checkpoint's ``hf/multimodal/``:
+``AutoModelForImageTextToText`` (or the class its ``config.json`` names) loads it.
 
 A LoRA checkpoint (``peft.method=lora``) holds only the adapters: the exporter rebuilds the frozen base it
 records (``model.name_or_path`` or the seeded random init, checked against the base's SHA-256) and writes
