@@ -48,6 +48,7 @@ from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
 from trainer.config import CheckpointConfig, ConfigError
 from trainer.model.lora import TRAINABLE_ONLY, base_mismatch, save_lora_assets, trainable_state_dict
+from trainer.model.multimodal import save_multimodal_assets
 from trainer.safety import redact_tree
 
 log = logging.getLogger("trainer.checkpoint")
@@ -92,6 +93,7 @@ def save_hf_assets(state: TrainingState, directory: Path) -> None:
     if state.tokenizer is not None:
         state.tokenizer.save_pretrained(str(directory))
     save_lora_assets(state.model, directory)
+    save_multimodal_assets(state.model, directory, redact_tree)  # a multimodal model's parts left out of the step
 
 
 class Checkpointer:

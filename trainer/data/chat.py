@@ -98,11 +98,50 @@ KNOWN_ROLES = ("system", "user", "assistant", "tool")
 ``asistant`` would otherwise silently lose its loss."""
 
 
+MEDIA = ("image", "image_url", "input_image", "video", "video_url", "audio", "audio_url", "input_audio")
+"""Kinds of message content part that carry no text (OpenAI's and transformers' chat formats:
+``{"type": "image", ...}``, ``{"type": "image_url", "image_url": {...}}``): packfsdp packs text only."""
+
+
+def media_refusal(what: str) -> str:
+    """Why a record with an image (video, audio) is refused, and what to do instead."""
+    return (
+        f"{what}: packfsdp packs text-only examples; train the text-only examples, or image+text examples "
+        "with a multimodal trainer"
+    )
+
+
+MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
+"""Record (or table row) keys that hold images, videos or audio beside the text (``{"messages": [...],
+"images": [...]}``): such a record is refused (``media_refusal``), never trained on its text alone."""
+
+
+def media_key(record: dict) -> str | None:
+    """The first of ``MEDIA_KEYS`` that ``record`` holds a value under, or ``None``."""
+    def held(value) -> bool:
+        return value is not None and not (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
+
+    return next((k for k in MEDIA_KEYS if held(record.get(k))), None)
+
+
+def media_part(content: object) -> str | None:
+    """The kind of the first part of a message's ``content`` (a list of parts) that is no text, or ``None``."""
+    for part in content if isinstance(content, list) else ():
+        if isinstance(part, dict):
+            kind = part.get("type")
+            if kind in MEDIA or (kind := next((k for k in MEDIA if part.get(k) is not None), None)):
+                return kind
+    return None
+
+
 def check_messages(messages: object, where: str) -> list[dict]:
-    """Validate the shape of a ``messages`` value; a malformed record is an error naming the record."""
+    """Validate the shape of a ``messages`` value; a malformed record is an error naming the record, one
+    with an image (video, audio) part too (``media_refusal``)."""
     if not isinstance(messages, list):
         raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} dicts, got {type(messages).__name__}")
-    for m in messages:
+    for k, m in enumerate(messages):
+        if isinstance(m, dict) and (kind := media_part(m.get("content"))):
+            raise ValueError(f"{where}: {media_refusal(f'message {k} holds an {kind!r} part')}")
         if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
             raise ValueError(f"{where}: every message needs a string 'role' and a string 'content', got {m!r}")
         if m["role"] not in KNOWN_ROLES:

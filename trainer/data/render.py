@@ -22,7 +22,9 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.chat import ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template
+from trainer.data.chat import (
+    ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template, media_key, media_refusal,
+)
 from trainer.data.examples import DatasetStats
 from trainer.data.pairs import PairToRender, is_pair_record, join_pair, only_last_replies, pair_segments
 from trainer.data.parts import Places
@@ -59,6 +61,8 @@ def record_segments(
     - ``{"input_ids": [...], "labels": [...]}`` (pre-tokenized, ``trainer.data.pretokenized``): the ids as
       they are, loss where the labels (or a ``loss_mask``) say.
     """
+    if media := media_key(record):  # a source's own records (tables are checked row by row, rows_to_records)
+        raise ValueError(f"{where}: {media_refusal(f'the record holds {media!r}')}")
     if is_pair_record(record):
         return pair_segments(record, tokenizer, where)
     if "input_ids" in record:

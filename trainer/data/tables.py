@@ -25,6 +25,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty, parse_json, utf8_lines
+from trainer.data.chat import MEDIA_KEYS, media_key, media_part, media_refusal
 from trainer.data.pairs import PAIR_FIELDS, TOKEN_PAIR_FIELDS
 from trainer.data.pretokenized import TOKEN_FIELDS
 
@@ -174,6 +175,7 @@ def mapped_columns_only(ds, cfg: DataConfig):
     are read column-wise and unused columns are never loaded; unchanged when none of them is there."""
     columns = dict(cfg.columns) or detect_columns(ds.column_names)
     keep = [c for f, c in columns.items() if f not in ("role", "content") and c in ds.column_names]
+    keep += [c for c in MEDIA_KEYS if c in ds.column_names and c not in keep]  # read to refuse its rows, never dropped
     return ds.select_columns(keep) if keep else ds
 
 
@@ -211,6 +213,9 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
         absent = [c for c in wanted if c not in row]
         if absent:
             bad.bad(where, f"no column {', '.join(map(repr, absent))} (columns: {', '.join(map(str, row))})")
+            continue
+        if media := media_key(row):
+            bad.bad(where, media_refusal(f"the record holds {media!r}"))
             continue
         try:
             if kind == "chosen_input_ids":
@@ -259,7 +264,7 @@ def normalise_messages(value, role_key: str | None, content_key: str | None, rol
     if not isinstance(value, list):
         raise ValueError(f"{where}: messages must be a list, got {type(value).__name__}")
     out = []
-    for m in value:
+    for k, m in enumerate(value):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: a message must be a dict, got {m!r}")
         rk = role_key or ("role" if "role" in m else "from")
@@ -267,6 +272,8 @@ def normalise_messages(value, role_key: str | None, content_key: str | None, rol
         if rk not in m or ck not in m:
             raise ValueError(f"{where}: message {m!r} has no {rk!r}/{ck!r}; set data.columns.role / data.columns.content")
         content = m[ck]
+        if kind := media_part(content):  # never dropped silently: the text around an image is about the image
+            raise ValueError(f"{where}: {media_refusal(f'message {k} holds an {kind!r} part')}")
         if isinstance(content, list):  # OpenAI-style parts: keep the text parts
             content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
         out.append({"role": roles.get(m[rk], m[rk]), "content": "" if content is None else content})

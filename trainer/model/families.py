@@ -19,8 +19,12 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+from transformers import AutoConfig
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+
 from trainer.config import ConfigError
 from trainer.model.attention_needs import SINK_FAMILIES
+from trainer.model_config import language_model_config, trained_config
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +49,13 @@ OWN_MASK = "its attention adds a learned dynamic mask through the attention mask
 SINKS = "attention sinks (s_aux): no packed backend implements them"
 NOT_CAUSAL = "a bidirectional encoder: causal only as an encoder-decoder's decoder, not a decoder-only causal LM"
 ENCODER_DECODER = "the decoder of an encoder-decoder model, not a decoder-only causal LM"
-MULTIMODAL = "a multimodal model: packfsdp trains text-only causal LMs (use its text family)"
+MULTIMODAL_ROUTE = (
+    "a multimodal model: its language model trains as its text family (gemma3 as gemma3_text; a folder's text "
+    "config decides) and takes that family's verdict; the vision/audio parts are frozen, written back by export"
+)
+MULTIMODAL_FLAT = "a multimodal model with one config for all its parts: no separate language model to train"
+MULTIMODAL_NO_LM = "a multimodal model whose language model ({text}) is no causal-LM family of transformers"
+NO_CAUSAL_LM = "transformers has no causal-LM class for it: not a decoder-only causal LM"
 
 WINDOW_DROPPED = frozenset({"phimoe"})
 """Exact families whose attention does not pass the sliding window on to the attention function (their
@@ -135,14 +145,11 @@ SKIPPED: dict[str, str] = {
     ),
     **_reasons(
         ENCODER_DECODER, "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart",
-        "moss_transcribe_diarize", "musicgen", "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "trocr",
-    ),
-    **_reasons(
-        MULTIMODAL, "dots3_note", "emu3", "fuyu", "gemma3", "gemma3n", "gemma4", "gemma4_unified", "git",
-        "got_ocr2", "llama4", "mllama", "phi4_multimodal", "qwen3_5", "qwen3_5_moe", "qwen4_exp",
+        "musicgen", "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "trocr",
     ),
 }
-"""Not decoder-only causal LMs (refused the same way, with the reason)."""
+"""Not decoder-only causal LMs (refused the same way, with the reason). A multimodal family (transformers'
+multimodal-LM mapping) takes its text family's verdict or is skipped, with why (``multimodal_verdict``)."""
 
 NOT_PROBED = frozenset(
     {
@@ -175,9 +182,47 @@ def verdict(family: str) -> Verdict:
         return Verdict(family, "refused", REFUSED[family])
     if family in SKIPPED:
         return Verdict(family, "skipped", SKIPPED[family])
+    if (routed := multimodal_verdict(family)) is not None:
+        return routed
     if family in NOT_PROBED:
         return Verdict(family, "untested", "the tiny probe could not build it: trains only behind the startup self-check")
     return Verdict(family, "untested")
+
+
+def multimodal_verdict(family: str) -> Verdict | None:
+    """A multimodal family's verdict: its language model's text family's (``trainer.model.multimodal`` trains
+    it as that family's causal LM; a folder's text config decides, the default config's is reported here),
+    or skipped where it has none. ``None`` for a family outside transformers' multimodal-LM mapping."""
+    if family not in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return None
+    if (text := text_family(family)) is not None:
+        return Verdict(family, verdict(text).kind, MULTIMODAL_ROUTE)
+    try:
+        config = AutoConfig.for_model(family)
+    except (ValueError, TypeError, KeyError) as e:  # one that needs its parts given (vision-encoder-decoder)
+        return Verdict(family, "skipped", f"a multimodal model without a default config ({type(e).__name__})")
+    if config.is_encoder_decoder:
+        return Verdict(family, "skipped", ENCODER_DECODER)
+    inner = config.get_text_config(decoder=True)
+    return Verdict(family, "skipped", MULTIMODAL_FLAT if inner is config else MULTIMODAL_NO_LM.format(text=inner.model_type))
+
+
+def text_family(family: str) -> str | None:
+    """The text family a multimodal family's language model trains as, in its default config (a folder's
+    own text config decides for the folder), or ``None`` for any other family."""
+    if family not in MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES:
+        return None
+    try:
+        text = language_model_config(AutoConfig.for_model(family))
+    except (ValueError, TypeError, KeyError):
+        return None
+    return text.model_type if text is not None else None
+
+
+def has_causal_lm(config) -> bool:
+    """transformers (or the model's own code, ``auto_map``) has a causal-LM class for ``config``."""
+    auto_map = getattr(config, "auto_map", None) or {}
+    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map
 
 
 def _installed() -> str:
@@ -216,10 +261,13 @@ def check_family(config, self_check: bool = True) -> Verdict:
     """Raise ``FamilyRefusedError`` (one line: the family and the reason) for a refused or skipped family,
     an exact family whose config asks for what it cannot pack (``binding_window_dropped``), and an untested
     one when the startup self-check is off (it is then the only guard)."""
+    config = trained_config(config)  # a multimodal model is judged by its language model
     family = getattr(config, "model_type", None) or "the model"
     found = verdict(family)
     if found.kind in ("refused", "skipped"):
         raise FamilyRefusedError(refusal_line(family, found.reason))
+    if found.kind == "untested" and not has_causal_lm(config):  # transformers could not load it: one line
+        raise FamilyRefusedError(refusal_line(family, NO_CAUSAL_LM))
     if reason := binding_window_dropped(config):
         raise FamilyRefusedError(refusal_line(family, reason))
     if found.kind == "untested":
@@ -235,4 +283,4 @@ def check_family(config, self_check: bool = True) -> Verdict:
     return found
 
 
-__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "verdict"]
+__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "text_family", "verdict"]

@@ -264,11 +264,16 @@ def counted(backend):
 
 
 def probe(model_type: str, backend: str = "sdpa_varlen", **overrides) -> ProbeResult:
-    """Build a tiny ``model_type`` model as ``build_model`` prepares it and compare packed with one by one.
-    A family whose attention softcapping the CPU backends refuse is probed with softcapping off (the
-    backends that honour it, flash_attn and flex, are checked in tests/unit/test_attention_softcap.py)."""
+    """Build a tiny ``model_type`` model as ``build_model`` prepares it and compare packed with one by one
+    (a multimodal family: its language model's text family, ``families.text_family``). A family whose
+    attention softcapping the CPU backends refuse is probed with softcapping off (the backends that honour
+    it, flash_attn and flex, are checked in tests/unit/test_attention_softcap.py)."""
+    from trainer.model.families import text_family
     from trainer.model.packed_layout import AttentionBackendError
 
+    if text := text_family(model_type):  # what packfsdp trains of a multimodal family: its language model
+        result = probe(text, backend, **overrides)
+        return dataclasses.replace(result, family=model_type, detail=f"as {text}: {result.detail}")
     note = ""
     try:
         try:

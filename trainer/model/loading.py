@@ -8,10 +8,11 @@ import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import DTYPE_NAMES, ModelConfig
-from trainer.model_config import model_config, tokenizer_fields
+from trainer.model_config import folder_config, model_config, tokenizer_fields, trained_config
 from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.config_verdict import verify_config
+from trainer.model import multimodal
 from trainer.model.families import check_family
 from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM
@@ -30,24 +31,35 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     (``trainer.model.families``: one line, the family and the reason), then the config itself: a tiny
     float64 replica of it, packed vs one by one (``trainer.model.config_verdict``, cached by config hash).
 
+    A multimodal folder (``trainer.model.multimodal``) trains its language model, judged as its text family;
+    the vision / audio tower and projector stay out of the step, kept for export (the wrapper's
+    ``multimodal``; ``None`` for any other model).
+
     Random init is seeded identically on every rank: FSDP keeps each rank's shard of its *local* copy,
     so the copies must agree.
     """
     dtype = DTYPES[cfg.dtype]
+    kept = None
     if cfg.name_or_path:
-        config = model_config(cfg)
+        whole = folder_config(cfg)
+        config = trained_config(whole)  # model_config(cfg): a multimodal model's language model's
+        if whole is not config:
+            log.info("%s: a multimodal %s; its language model is judged and trained as %s, the rest is kept aside",
+                     cfg.name_or_path, whole.model_type, config.model_type)
         check_family(config, cfg.self_check)
         verify_config(config)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
+        load = dict(
+            dtype=dtype,
+            attn_implementation=None,  # transformers' choice: SDPA, or eager where the family has none
+            trust_remote_code=cfg.trust_remote_code,
+            weights_only=True,  # a .bin checkpoint is never unpickled beyond tensors (safetensors preferred)
+        )
         with library_load(f"model.name_or_path={cfg.name_or_path}"):
-            model = AutoModelForCausalLM.from_pretrained(
-                cfg.name_or_path,
-                dtype=dtype,
-                attn_implementation=None,  # transformers' choice: SDPA, or eager where the family has none
-                trust_remote_code=cfg.trust_remote_code,
-                weights_only=True,  # a .bin checkpoint is never unpickled beyond tensors (safetensors preferred)
-                **cfg.init_fields(),
-            )
+            if whole is not config:  # multimodal: its language model trained, the rest kept aside
+                model, kept = multimodal.load(cfg.name_or_path, whole, **load)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **load, **cfg.init_fields())
     else:
         config = model_config(cfg, base=tokenizer_fields(tokenizer))
         check_family(config, cfg.self_check)
@@ -56,6 +68,11 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
     if len(tokenizer) > model.get_input_embeddings().num_embeddings:
+        if kept is not None:
+            raise multimodal.MultimodalError(
+                f"the tokenizer has {len(tokenizer)} tokens, {cfg.name_or_path}'s embeddings "
+                f"{model.get_input_embeddings().num_embeddings}: a multimodal model trains with its own vocabulary"
+            )
         model.resize_token_embeddings(len(tokenizer))
     model.config.use_cache = False
     n_params = sum(p.numel() for p in model.parameters())
@@ -63,4 +80,6 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         "model %s: %s, %.2fM parameters, %s", cfg.name_or_path or cfg.family, model.config.model_type, n_params / 1e6,
         cfg.dtype,
     )
-    return prepare_model(model, backend)
+    wrapped = prepare_model(model, backend)
+    wrapped.multimodal = kept
+    return wrapped

@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from trainer.config import ConfigError, ModelConfig, PeftConfig
+from trainer.model.multimodal import MULTIMODAL_DIR, is_multimodal_checkpoint
+from trainer.model.multimodal import load as load_multimodal
 from trainer.model.wrapper import VarlenCausalLM
 
 log = logging.getLogger(__name__)
@@ -165,7 +167,12 @@ def rebuild_base(hf_dir: Path, attn_implementation: str | None = None) -> nn.Mod
     base = LoraBase(**json.loads((hf_dir / LORA_BASE).read_text()))
     config = AutoConfig.from_pretrained(hf_dir)
     torch.manual_seed(base.seed)  # as build_model: the random init (and any resized rows) follow the seed
-    if base.name_or_path:
+    if base.name_or_path and is_multimodal_checkpoint(hf_dir):  # the language model of the multimodal model there
+        whole = AutoConfig.from_pretrained(hf_dir / MULTIMODAL_DIR)
+        model, _ = load_multimodal(
+            base.name_or_path, whole, dtype=DTYPES[base.dtype], weights_only=True, attn_implementation=attn_implementation,
+        )
+    elif base.name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
             base.name_or_path, config=config, dtype=DTYPES[base.dtype], weights_only=True,
             attn_implementation=attn_implementation,

@@ -4,7 +4,10 @@
 directory (its latest complete checkpoint is used). The checkpoint is verified against its manifest, its
 model tensors are consolidated from however many shards were saved (no process group, no GPU needed) and
 written with ``save_pretrained`` as safetensors, next to the transformers config and the tokenizer saved
-in the checkpoint. ``AutoModelForCausalLM.from_pretrained(out)`` loads the result.
+in the checkpoint. ``AutoModelForCausalLM.from_pretrained(out)`` loads the result. A run that trained a
+multimodal model's language model (``trainer.model.multimodal``) exports the whole multimodal model, its
+kept vision / audio parts and the folder's processor files from the checkpoint's ``hf/multimodal/``:
+``AutoModelForImageTextToText`` (or the class its ``config.json`` names) loads it.
 
 A LoRA checkpoint (``peft.method=lora``) holds only the adapters: the exporter rebuilds the frozen base it
 records (``model.name_or_path`` or the seeded random init, checked against the base's SHA-256) and writes
@@ -31,6 +34,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trainer.checkpoint import HF_DIR, TRAINER_STATE, CheckpointError, find_checkpoint, read_full_tensors, verify_checkpoint
 from trainer.model import DTYPES
 from trainer.model.lora import is_lora_checkpoint, peft_model_with, rebuild_base
+from trainer.model.multimodal import carried_files, is_multimodal_checkpoint
+from trainer.model.multimodal import rebuild as rebuild_multimodal
 
 log = logging.getLogger("trainer.tools.export")
 
@@ -63,6 +68,11 @@ def export(
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{path} holds no {HF_DIR}/config.json (saved by an older packfsdp?)")
     tensors = {k[len(MODEL_PREFIX):]: v for k, v in read_full_tensors(path, prefix=MODEL_PREFIX).items()}
+    if format == "adapter" and is_multimodal_checkpoint(hf_dir):
+        raise CheckpointError(
+            f"{path} trained a multimodal model's language model: its adapter names the language model's modules, "
+            "which the multimodal model does not; export it with format=merged"
+        )
     if is_lora_checkpoint(hf_dir):
         model = lora_model(path, tensors, format, attn_implementation)
     elif format == "adapter":
@@ -76,6 +86,9 @@ def export(
     out.mkdir(parents=True)
     model.save_pretrained(out, safe_serialization=True)
     AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
+    for carried in carried_files(hf_dir):  # a multimodal model's processor files, where the export wrote none
+        if not (out / carried.name).exists():
+            shutil.copyfile(carried, out / carried.name)
     state = json.loads((path / TRAINER_STATE).read_text())
     (out / "packfsdp_export.json").write_text(json.dumps({
         "checkpoint": str(path.resolve()),
@@ -102,14 +115,18 @@ def _replace(final: Path, written: Path) -> None:
 
 
 def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation: str) -> torch.nn.Module:
-    """The transformers model of a full fine-tuning checkpoint, every weight from ``tensors``."""
-    config = AutoConfig.from_pretrained(path / HF_DIR)
-    config.use_cache = True  # training turned the KV cache off; generation wants it
+    """The transformers model of a full fine-tuning checkpoint, every weight from ``tensors``; of a
+    multimodal model's language model, the whole multimodal model (``trainer.model.multimodal.rebuild``)."""
     # Built on the CPU (not on the meta device) so that buffers computed at init, such as rotary
     # frequencies, are right; the parameters are then replaced by the checkpoint's.
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
+    if is_multimodal_checkpoint(path / HF_DIR):
+        whole, model = multimodal_model(path, attn_implementation)
+    else:
+        config = AutoConfig.from_pretrained(path / HF_DIR)
+        config.use_cache = True  # training turned the KV cache off; generation wants it
+        whole = model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
-    model.tie_weights()
+    whole.tie_weights()
     tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
     # Buffers that are rebuilt at init (e.g. rotary inv_freq) are not in a checkpoint either.
     buffers = {name for name, _ in model.named_buffers()}
@@ -118,7 +135,16 @@ def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation
         raise CheckpointError(
             f"{path}: the checkpoint does not fit the saved config: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    return model
+    return whole
+
+
+def multimodal_model(path: Path, attn_implementation: str) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """The multimodal model of a checkpoint that trained its language model, with its kept parts in place,
+    and that language model (``trainer.model.multimodal.rebuild``)."""
+    try:
+        return rebuild_multimodal(path / HF_DIR, attn_implementation)
+    except ValueError as e:
+        raise CheckpointError(f"{path}: {e}") from None
 
 
 def lora_model(path: Path, tensors: dict[str, torch.Tensor], format: str, attn_implementation: str) -> torch.nn.Module:
@@ -133,6 +159,11 @@ def lora_model(path: Path, tensors: dict[str, torch.Tensor], format: str, attn_i
         return model
     merged = model.merge_and_unload()
     merged.config.use_cache = True
+    if is_multimodal_checkpoint(path / HF_DIR):  # the merged language model back into its multimodal model
+        whole, language_model = multimodal_model(path, attn_implementation)
+        language_model.load_state_dict(merged.state_dict(), assign=True)
+        whole.tie_weights()
+        return whole
     return merged
 
 
