@@ -124,10 +124,6 @@ class Trainer:
         distributed.check_same_on_all_ranks(same, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
         saved_config = redact_tree(asdict(cfg))  # what checkpoints and wandb keep of the config
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=saved_config
-        )
-        self.checkpointer.check_writable()  # a read-only checkpoint dir fails now, not at the first save
         self.resume()
         self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
@@ -163,6 +159,10 @@ class Trainer:
         self.faults = FaultInjector.from_env(self.rank)
         self.owner: RunDir = claim_run_dir(cfg)
         self.run_dir = self.owner.path
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=redact_tree(asdict(cfg))
+        )
+        self.checkpointer.check_writable()  # an unwritable or foreign checkpoint dir fails now, before any heavy work
         log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
         if self.rank == 0 and (imported := user_code(asdict(cfg))):
             log.warning("user code this run imports: %s", "; ".join(imported))
