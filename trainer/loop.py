@@ -243,6 +243,7 @@ class Trainer:
             self.faults.on_batch(batches[-1])
             if last_of_epoch:
                 break
+        self.dataset.check_unchanged()  # after the reads: a cache edited under the run stops it before it trains on it
         return batches
 
     def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
@@ -360,6 +361,7 @@ class Trainer:
         result = EvalMetrics(step=self.step, **run(
             self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id
         ))
+        self.eval_dataset.check_unchanged()  # before the result counts
         self.summary.add_eval(result)
         self.metrics.log_eval(result)
         return result
