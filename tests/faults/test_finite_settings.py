@@ -77,3 +77,21 @@ def test_packing_structures_grow_with_bins_not_budget_units(pack):
     assert peak < 20 * 2**20, f"{peak / 2**20:.0f} MiB for 2000 items"
     assert (huge == 0).all()  # everything fits one bin
     assert np.bincount(capped).max() == 7
+
+
+@pytest.mark.parametrize("override, line", [
+    ("dpo.beta=1e12", r"dpo.beta=1e\+12 has no sane meaning \(rewards are beta x log-prob ratios.*give a value in \[0, 100\)"),
+    ("optim.lr=50", r"optim.lr=50 has no sane meaning"),
+    ("optim.weight_decay=2e4", r"optim.lr x optim.weight_decay=20 has no sane meaning \(each step multiplies"),
+    ("optim.optimizer.betas=[0.9,1.5]", r"optim.optimizer.betas=1.5 has no sane meaning"),
+    ("optim.optimizer.eps=1e6", r"optim.optimizer.eps=1e\+06 has no sane meaning"),
+    ("dpo.simpo_gamma=1e9", r"dpo.simpo_gamma=1e\+09 has no sane meaning"),
+    ("peft.alpha=1e6", r"peft.alpha / peft.rank=125000 has no sane meaning"),
+    ("model.self_check_tolerance=5", r"model.self_check_tolerance=5 has no sane meaning .*model.self_check=false"),
+])
+def test_a_finite_setting_with_no_sane_meaning_is_one_line(override, line):
+    """Issue 33, case 11: dpo.beta=1e12 was accepted (held-out loss 7e10, no warning); its kin likewise
+    (``trainer.config.sanity``: one table)."""
+    with pytest.raises(ConfigError, match=line):
+        compose_job([*BASE, override])
+
