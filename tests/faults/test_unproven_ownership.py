@@ -12,6 +12,8 @@ import os
 
 import pytest
 
+from tests.conftest import compose_job
+from tests.faults.conftest import SMALL_RUN, one_rank_world
 from tests.faults.test_nothing_lost import checkpointer_of, save_steps
 from trainer.checkpoint import CheckpointError, complete_checkpoints
 from trainer.checkpoint.ownership import MARKER, CheckpointDirError
@@ -101,6 +103,19 @@ def test_a_file_added_to_a_checkpoint_of_this_run_is_never_deleted(tmp_path, cap
     with pytest.raises(CheckpointDirError, match=r"step_00000001 holds files packfsdp did not write \(notes.txt\)"):
         save_steps(checkpointer, (1,), state)  # a save of the same step would replace it
     assert (ckpt / "step_00000001" / "notes.txt").read_text() == "the good one"
+
+
+def test_a_checkpoint_dir_of_user_files_is_refused_before_the_data_and_the_model(tmp_path, monkeypatch):
+    """Cases 1 and 7 through the trainer: refused right after the run dir is claimed (before the tokenizer,
+    the data and the model are built), and the folder is untouched."""
+    from trainer import loop
+
+    ckpt = tmp_path / "ckpts"
+    users_step_folder(ckpt)
+    monkeypatch.setattr(loop, "load_tokenizer", lambda *a: pytest.fail("the start went on past the checkpoint dir"))
+    with one_rank_world(), pytest.raises(CheckpointDirError, match="did not write for this run .step_00000099"):
+        loop.Trainer(compose_job([*SMALL_RUN, f"run_dir={tmp_path / 'run'}", f"checkpoint.dir={ckpt}"]))
+    assert (ckpt / "step_00000099" / "thesis.tex").read_text() == THESIS
 
 
 # ------------------------------------------------------------------------------------------------- export
