@@ -17,8 +17,8 @@ from transformers import AutoConfig
 
 from trainer.data.arrays import open_arrays
 from trainer.data.bad_records import BadRecordError
-from trainer.data.cache_integrity import CacheChanged
 
+from trainer.data.tokenizer import local_tokenizer
 from trainer.model import config_verdict
 from trainer.model.config_verdict import verify_config
 from trainer.model.families import FamilyRefusedError
@@ -72,8 +72,7 @@ def test_a_damaged_or_forged_verdict_is_judged_again(forged, judged, tmp_path, c
 
 def test_a_verdict_is_keyed_by_the_code_that_judged_it(tmp_path, monkeypatch):
     """A change to the model package's source (how verdicts are judged) is a new key, not a stale verdict."""
-    from trainer.model import verdict_cache
-
+    verdict_cache = config_verdict.verdict_cache  # the module config_verdict reads its cache through
     config = AutoConfig.for_model("llama", num_hidden_layers=2)
     key = verdict_cache.verdict_key(config, 1)
     assert {"verdict_version", "code", "libraries", "config"} <= set(key)
@@ -114,12 +113,12 @@ def test_a_data_cache_changed_during_a_run_stops_it_before_a_step_trains_on_it(c
         trainer.train_step()  # reads the cache as opened: fine
         change(copy / "tokens.npy")
         before = [p.detach().clone() for p in trainer.model.parameters()]
-        with pytest.raises(CacheChanged, match=rf"{copy / 'tokens.npy'} was .* while this run read it .*nothing was trained"):
+        # CacheChanged, a BadRecordError: "packfsdp: data error: ...", exit code 2
+        with pytest.raises(BadRecordError, match=rf"{copy / 'tokens.npy'} was .* while this run read it .*nothing was trained"):
             trainer.train_step()
         assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
     finally:
         trainer.dataset = saved
-    assert isinstance(CacheChanged("x"), BadRecordError)  # "packfsdp: data error: ...", exit code 2
 
 
 # ------------------------------------------------------------------------------------- the local tokenizer
@@ -141,8 +140,6 @@ def unsealed(folder):
 
 @pytest.mark.parametrize("change", [edit_vocab, add_template, unsealed])
 def test_a_changed_local_tokenizer_is_trained_again(change, tmp_path, caplog):
-    from trainer.data.tokenizer import local_tokenizer
-
     texts = lambda: iter(["hello there, general kenobi", "you are a bold one"] * 50)  # noqa: E731
     first = local_tokenizer(texts, 300, tmp_path, "key")
     [folder] = list((tmp_path / "tokenizers").iterdir())

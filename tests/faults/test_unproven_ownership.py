@@ -6,6 +6,7 @@ replaces only an export packfsdp wrote. In-process: no process is launched."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -19,7 +20,6 @@ from trainer.checkpoint import CheckpointError, complete_checkpoints
 from trainer.checkpoint.ownership import MARKER, CheckpointDirError
 from trainer.config import ConfigError
 from trainer.tools.export import export
-from trainer.tools.export_folder import RECORD, check_out, write_record
 
 THESIS = "\\documentclass{article} four years of work"
 
@@ -148,20 +148,28 @@ def test_export_overwrite_refuses_what_packfsdp_did_not_export(make, tmp_path):
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
 
 
-def test_export_overwrite_refuses_an_export_changed_since(tmp_path):
-    out = tmp_path / "model"
+def previous_export(out):
+    """An export as packfsdp records it (``trainer/tools/export_folder.py``): every file's size and SHA-256."""
     out.mkdir()
     (out / "model.safetensors").write_bytes(b"weights")
-    write_record(out, {"step": 2})
-    check_out(out, overwrite=True)  # untouched: replaceable
+    files = {"model.safetensors": {"bytes": 7, "sha256": hashlib.sha256(b"weights").hexdigest()}}
+    (out / "packfsdp_export.json").write_text(json.dumps({"writer": "packfsdp", "step": 2, "files": files}))
+    return out
+
+
+def test_export_overwrite_refuses_an_export_changed_since(tmp_path):
+    out = previous_export(tmp_path / "model")
+    with pytest.raises(CheckpointError, match="no complete checkpoint"):  # untouched: replaceable, on to the work
+        export(tmp_path / "no-checkpoint", out, overwrite=True)
     (out / "model.safetensors").write_bytes(b"w3ights")
     with pytest.raises(CheckpointError, match="holds model.safetensors changed since the export wrote it"):
-        check_out(out, overwrite=True)
+        export(tmp_path / "no-checkpoint", out, overwrite=True)
     (out / "model.safetensors").write_bytes(b"weights")
     (out / "README.md").write_text("my model card")
     with pytest.raises(CheckpointError, match=r"holds files the export did not write \(README.md\)"):
-        check_out(out, overwrite=True)
+        export(tmp_path / "no-checkpoint", out, overwrite=True)
     (out / "README.md").unlink()
-    (out / RECORD).write_text(json.dumps({"step": 2}))  # an export record that lists no files
-    with pytest.raises(CheckpointError, match=f"is not an export packfsdp wrote .no {RECORD} listing its files"):
-        check_out(out, overwrite=True)
+    (out / "packfsdp_export.json").write_text(json.dumps({"step": 2}))  # as exports were recorded before
+    with pytest.raises(CheckpointError, match="is not an export packfsdp wrote .no packfsdp_export.json listing"):
+        export(tmp_path / "no-checkpoint", out, overwrite=True)
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "packfsdp_export.json"]
