@@ -87,6 +87,7 @@ def test_packing_structures_grow_with_bins_not_budget_units(pack):
     ("optim.optimizer.eps=1e6", r"optim.optimizer.eps=1e\+06 has no sane meaning"),
     ("dpo.simpo_gamma=1e9", r"dpo.simpo_gamma=1e\+09 has no sane meaning"),
     ("peft.alpha=1e6", r"peft.alpha / peft.rank=125000 has no sane meaning"),
+    ("++model.config_overrides.router_aux_loss_coef=1e12", r"router_aux_loss_coef=1e\+12 has no sane meaning \(the weight of"),
     ("model.self_check_tolerance=5", r"model.self_check_tolerance=5 has no sane meaning .*model.self_check=false"),
 ])
 def test_a_finite_setting_with_no_sane_meaning_is_one_line(override, line):

@@ -16,6 +16,14 @@ def _optimizer(key: str) -> Callable[[Any], Any]:
     return lambda job: job.optim.optimizer.get(key)
 
 
+def _model_override(key: str) -> Callable[[Any], Any]:
+    return lambda job: job.model.config_overrides.get(key)
+
+
+_AUX_WHY = ("the weight of the MoE load-balancing loss against the token loss: published values are 0.001-0.02, "
+            "and 10 or more trains the router instead of the model")
+
+
 SANE_RANGES: list[tuple[str, Callable[[Any], Any], float, float, str]] = [
     # (setting, its value in a JobConfig, lowest, first absurd value (the range is [lowest, this)), why)
     ("optim.lr", lambda job: job.optim.lr, 0.0, 10.0,
@@ -33,6 +41,8 @@ SANE_RANGES: list[tuple[str, Callable[[Any], Any], float, float, str]] = [
      "simpo's target reward margin, in the units of beta x mean token log-prob (published values are 0.3-1.6 x beta)"),
     ("peft.alpha / peft.rank", lambda job: job.peft.alpha / job.peft.rank if job.peft.rank else None, 0.0, 100.0,
      "the scale of every LoRA update: recipes use 0.5-4, and 100 or more blows the adapters' output up"),
+    ("model.config_overrides.router_aux_loss_coef", _model_override("router_aux_loss_coef"), 0.0, 10.0, _AUX_WHY),
+    ("model.config_overrides.aux_loss_coef", _model_override("aux_loss_coef"), 0.0, 10.0, _AUX_WHY),
     ("model.self_check_tolerance", lambda job: job.model.self_check_tolerance, 0.0, 1.0,
      "a relative logit difference: at 1 or more the self-check passes anything (model.self_check=false turns it off)"),
 ]
