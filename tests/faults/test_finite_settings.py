@@ -82,7 +82,7 @@ def test_packing_structures_grow_with_bins_not_budget_units(pack):
 @pytest.mark.parametrize("override, line", [
     ("dpo.beta=1e12", r"dpo.beta=1e\+12 has no sane meaning \(rewards are beta x log-prob ratios.*give a value in \[0, 100\)"),
     ("optim.lr=50", r"optim.lr=50 has no sane meaning"),
-    ("optim.weight_decay=2e4", r"optim.lr x optim.weight_decay=20 has no sane meaning \(each step multiplies"),
+    ("optim.weight_decay=2e4", r"optim.lr x optim.weight_decay=20 has no sane meaning \(AdamW's decoupled decay"),
     ("optim.optimizer.betas=[0.9,1.5]", r"optim.optimizer.betas=1.5 has no sane meaning"),
     ("optim.optimizer.eps=1e6", r"optim.optimizer.eps=1e\+06 has no sane meaning"),
     ("dpo.simpo_gamma=1e9", r"dpo.simpo_gamma=1e\+09 has no sane meaning"),

@@ -29,7 +29,8 @@ SANE_RANGES: list[tuple[str, Callable[[Any], Any], float, float, str]] = [
     ("optim.lr", lambda job: job.optim.lr, 0.0, 10.0,
      "the peak step of the optimizer: fine-tuning uses 1e-6 to 1e-2, and 10 or more wrecks the weights in one step"),
     ("optim.lr x optim.weight_decay", lambda job: job.optim.lr * job.optim.weight_decay, 0.0, 1.0,
-     "each step multiplies the decayed weights by 1 - lr x weight_decay: at 1 or more it zeroes or flips them"),
+     "AdamW's decoupled decay multiplies the weights by 1 - lr x weight_decay each step: at 1 or more it zeroes "
+     "or flips them"),
     ("optim.optimizer.betas", _optimizer("betas"), 0.0, 1.0,
      "moment decay rates: at 1 or more the moments never forget (or grow without bound)"),
     ("optim.optimizer.momentum", _optimizer("momentum"), 0.0, 1.0, "at 1 or more momentum grows without bound"),
