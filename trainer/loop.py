@@ -123,7 +123,7 @@ class Trainer:
             same["the number of examples"] = len(self.dataset)
         distributed.check_same_on_all_ranks(same, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        saved_config = redact_tree(asdict(cfg))  # what checkpoints and wandb keep of the config
+        saved_config = self.checkpointer.job_config  # what checkpoints and wandb keep of the config (redacted)
         self.resume()
         self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
