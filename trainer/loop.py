@@ -125,11 +125,7 @@ class Trainer:
             same["the number of examples"] = len(self.dataset)
         distributed.check_same_on_all_ranks(same, self.device)
         self.scheduler = build_scheduler(self.optimizer, cfg.optim, self.total_steps)
-        saved_config = redact_tree(asdict(cfg))  # what checkpoints and wandb keep of the config
-        self.checkpointer = Checkpointer(
-            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=saved_config
-        )
-        self.checkpointer.check_writable()  # a read-only checkpoint dir fails now, not at the first save
+        saved_config = self.checkpointer.job_config  # what checkpoints and wandb keep of the config (redacted)
         self.resume()
         self.metrics = MetricsLogger(cfg.logger, self.run_dir, self.rank == 0, run_config=saved_config)
         self.summary = RunSummary(skip=cfg.summary_skip_steps)
@@ -165,6 +161,10 @@ class Trainer:
         self.faults = FaultInjector.from_env(self.rank)
         self.owner: RunDir = claim_run_dir(cfg)
         self.run_dir = self.owner.path
+        self.checkpointer = Checkpointer(
+            cfg.checkpoint, self.run_dir, cfg.seed, run_id=self.owner.run_id, job_config=redact_tree(asdict(cfg))
+        )
+        self.checkpointer.check_writable()  # an unwritable or foreign checkpoint dir fails now, before any heavy work
         log.info("run dir %s | %d rank(s) on %s", self.run_dir, self.world_size, self.device)
         if self.rank == 0 and (imported := user_code(asdict(cfg))):
             log.warning("user code this run imports: %s", "; ".join(imported))
@@ -245,6 +245,7 @@ class Trainer:
             self.faults.on_batch(batches[-1])
             if last_of_epoch:
                 break
+        self.dataset.check_unchanged()  # after the reads: a cache edited under the run stops it before it trains on it
         return batches
 
     def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
@@ -377,6 +378,7 @@ class Trainer:
         result = EvalMetrics(step=self.step, **run(
             self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id
         ))
+        self.eval_dataset.check_unchanged()  # before the result counts
         self.summary.add_eval(result)
         self.metrics.log_eval(result)
         return result

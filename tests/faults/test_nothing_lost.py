@@ -171,13 +171,3 @@ def test_export_refuses_a_folder_that_holds_files(tmp_path):
     with pytest.raises(CheckpointError, match=f"out={out} is not empty; .*overwrite=true"):
         export(tmp_path / "no-checkpoint-needed", out)
     assert (out / "model.safetensors").read_bytes() == b"someone's model"
-
-
-def test_checkpoints_saved_before_run_ids_stay_claimable(tmp_path):
-    legacy = checkpointer_of(None, tmp_path)
-    save_steps(legacy, (2,))
-    (legacy.dir / "step_00000002" / ".packfsdp").unlink()  # as an older packfsdp wrote it
-    state = json.loads((legacy.dir / "step_00000002" / "trainer_state.json").read_text())
-    assert state["run_id"] is None
-    checkpointer_of("run-a", tmp_path).check_writable()  # the run dir's own: accepted, nothing deleted
-    assert [p.name for p in complete_checkpoints(legacy.dir)] == ["step_00000002"]

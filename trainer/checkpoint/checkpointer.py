@@ -43,7 +43,14 @@ from trainer.checkpoint.discovery import (
     read_json,
 )
 from trainer.checkpoint.manifest import file_stamps, fsync_dir, sizes_match, verify_checkpoint, write_manifest
-from trainer.checkpoint.ownership import claim_checkpoint_dir, marked_by, write_marker
+from trainer.checkpoint.ownership import (
+    CheckpointDirError,
+    claim_checkpoint_dir,
+    foreign_files,
+    marked_by,
+    shown,
+    write_marker,
+)
 from trainer.checkpoint.rng import rng_tensors, set_rng_tensors
 from trainer.checkpoint.safe_load import load_tensors
 from trainer.config import CheckpointConfig, ConfigError
@@ -103,8 +110,9 @@ class Checkpointer:
         cfg: the checkpoint config.
         run_dir: the run directory (checkpoints go to ``<run_dir>/checkpoints`` unless ``cfg.dir`` is set).
         seed: the run's seed (re-seeds RNGs when a checkpoint was taken on a different world size).
-        run_id: the run the checkpoints belong to (``trainer.run_dir``): saved in each, and ``resume=auto``
-            and pruning consider only this run's checkpoints. ``None``: every checkpoint is this run's.
+        run_id: the run the checkpoints belong to (``trainer.run_dir``): saved in each (its marker and trainer
+            state), and ``resume=auto`` and pruning consider only the checkpoints whose marker names it
+            (``trainer.checkpoint.ownership``). ``None``: a library user's checkpointer, whose markers say so.
         job_config: the run's (redacted) config, saved in each checkpoint for ``check_config``.
     """
 
@@ -144,11 +152,8 @@ class Checkpointer:
         distributed.on_rank0_then_all(probe)
 
     def own(self, path: Path) -> bool:
-        """Whether a checkpoint belongs to this run (one saved before run ids existed counts as this run's)."""
-        if self.run_id is None:
-            return True
-        saved = read_json(path / TRAINER_STATE).get("run_id")
-        return saved in (None, self.run_id)
+        """Whether a checkpoint belongs to this run: its marker says so (``trainer.checkpoint.ownership``)."""
+        return marked_by(path, self.run_id)
 
     def own_checkpoints(self) -> list[Path]:
         """This run's complete checkpoints, oldest first; another run's are never resumed or pruned."""
@@ -219,12 +224,11 @@ class Checkpointer:
         start = time.perf_counter()
         final = self.dir / checkpoint_name(step)
         tmp = final.with_name(final.name + ".tmp")
+        distributed.on_rank0_then_all(lambda: self._refuse_to_replace(final))  # every rank: one line, no hang
         if distributed.is_rank0():
             for stale in self.dir.glob("step_*.tmp"):  # left by a save of this run that crashed
                 if marked_by(stale, self.run_id):
                     shutil.rmtree(stale, ignore_errors=True)
-            if final.exists() and not marked_by(final, self.run_id):
-                raise CheckpointError(f"{final} exists and was not written by this run; not replacing it")
             tmp.mkdir(parents=True)
             write_marker(tmp, self.run_id)
             (tmp / "rng").mkdir()
@@ -273,6 +277,19 @@ class Checkpointer:
         log.info("checkpoint %s saved in %.2f s", final, time.perf_counter() - start)
         return final
 
+    def _refuse_to_replace(self, final: Path) -> None:
+        """A folder of this step's name that this run cannot prove it wrote (its marker), or that holds files
+        its manifest does not list, is never replaced nor moved aside."""
+        if not (final.exists() or final.is_symlink()):
+            return
+        if not marked_by(final, self.run_id):
+            what = "was not written by this run"
+        elif extra := foreign_files(final):
+            what = f"holds files packfsdp did not write ({shown(extra)})"
+        else:
+            return
+        raise CheckpointDirError(f"{final} {what}; not replacing it: move it away, or give a new checkpoint.dir")
+
     def _finalize(self, tmp: Path, final: Path, step: int) -> None:
         """Rank 0: manifest, then the atomic rename that makes the checkpoint count, then pruning."""
         write_manifest(tmp, step)
@@ -293,6 +310,9 @@ class Checkpointer:
         if self.cfg.keep_last > 0:  # this run's only; keep_last counts the one just written, never pruned
             others = [p for p in self.own_checkpoints() if p != final and not self._is_damaged(p)]
             for old in others[: max(len(others) - (self.cfg.keep_last - 1), 0)]:
+                if extra := foreign_files(old):  # removing it would delete them: kept, with its files
+                    log.warning("not pruning %s: it holds files packfsdp did not write (%s)", old, shown(extra))
+                    continue
                 # Renamed first: a kill during the removal leaves a folder that is never loaded, not a
                 # step folder that lost its manifest half-way through.
                 doomed = old.with_name(old.name + ".pruned")

@@ -1,12 +1,15 @@
 """What packfsdp may delete or overwrite in a checkpoint dir: only what it can prove it wrote.
 
-- Every checkpoint folder (``step_XXXXXXXX`` and its ``.tmp`` / ``.pruned`` / ``.replaced`` forms) holds
-  ``.packfsdp`` (packfsdp's marker and the run id), written first, when the folder is created. Leftovers of
-  a kill are removed only when their marker names this run; a folder without one (another tool's
-  ``step_1000/``, ``step_best/``) is never touched.
+- Proof is ``.packfsdp`` (packfsdp's marker and the run id), a regular file written first, when a
+  checkpoint folder (``step_XXXXXXXX`` and its ``.tmp`` / ``.pruned`` / ``.replaced`` forms) is created.
+  Nothing else counts: a complete-looking step folder (a manifest, a trainer state) without the marker of
+  this run (another tool's ``step_1000/``, a copy, a checkpoint of an older packfsdp, a forged one) is never
+  resumed by ``resume=auto``, pruned, moved or replaced.
+- Inside a folder it wrote, packfsdp removes only what its manifest lists: a folder holding anything else
+  (``notes.txt`` added later) is kept as it is (``foreign_files``).
 - A checkpoint dir belongs to one run (``claim_checkpoint_dir``): ``.packfsdp_owner.json`` names it. A
-  second run pointed at it (two runs sharing ``checkpoint.dir``) is refused in one line, and so is a folder
-  holding files packfsdp did not write.
+  second run pointed at it (two runs sharing ``checkpoint.dir``) is refused in one line, and so is a
+  folder holding anything packfsdp did not write for this run, at start, before a step is trained.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ import json
 import os
 from pathlib import Path
 
-from trainer.checkpoint.discovery import TRAINER_STATE, read_json
+from trainer.checkpoint.discovery import MANIFEST, CheckpointError, read_json
 from trainer.config import ConfigError
 
 MARKER = ".packfsdp"
@@ -25,7 +28,7 @@ OWNER_FILE = ".packfsdp_owner.json"
 _OWN_LEFTOVERS = (".write_probe.",)
 
 
-class CheckpointDirError(ConfigError):
+class CheckpointDirError(CheckpointError, ConfigError):
     """The checkpoint dir belongs to another run or holds files packfsdp did not write (exit code 2)."""
 
 
@@ -35,22 +38,30 @@ def write_marker(folder: Path, run_id: str | None) -> None:
 
 
 def marked_by(folder: Path, run_id: str | None) -> bool:
-    """Whether ``folder`` is a checkpoint folder packfsdp wrote for run ``run_id``."""
-    if folder.is_symlink() or not folder.is_dir():
+    """Whether ``folder`` is a checkpoint folder packfsdp wrote for run ``run_id``: its marker (a regular
+    file, not a link to another folder's) names packfsdp and this run."""
+    marker = folder / MARKER
+    if folder.is_symlink() or not folder.is_dir() or marker.is_symlink():
         return False
-    marker = read_json(folder / MARKER)
-    if marker.get("writer") == "packfsdp":
-        return marker.get("run_id") == run_id
-    # Checkpoints written before markers existed: complete ones carry the run id in their trainer state.
-    saved = read_json(folder / TRAINER_STATE)
-    return run_id is not None and saved.get("run_id") == run_id
+    found = read_json(marker)
+    return found.get("writer") == "packfsdp" and found.get("run_id") == run_id
 
 
-def _before_run_ids(folder: Path) -> bool:
-    """A complete checkpoint saved before run ids existed (no marker, no run id): the run dir's own, as
-    ``Checkpointer.own`` counts it; claiming deletes nothing."""
-    saved = read_json(folder / TRAINER_STATE)
-    return folder.is_dir() and not (folder / MARKER).exists() and bool(saved) and saved.get("run_id") is None
+def foreign_files(folder: Path) -> list[str]:
+    """What a checkpoint folder of this run holds besides the files its manifest lists (and the manifest): a
+    file someone added later, which removing the folder would delete with it. A folder without a readable
+    manifest (left by a kill during a save) has only its marker to say what it is: all of it is packfsdp's."""
+    listed = read_json(folder / MANIFEST).get("files")
+    if not isinstance(listed, dict):
+        return []
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*")
+        if (p.is_symlink() or not p.is_dir()) and p.name != MANIFEST and str(p.relative_to(folder)) not in listed
+    )
+
+
+def shown(names: list[str]) -> str:
+    return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
 
 def claim_checkpoint_dir(directory: Path, run_id: str, run_dir: Path) -> None:
@@ -68,13 +79,13 @@ def claim_checkpoint_dir(directory: Path, run_id: str, run_dir: Path) -> None:
         )
     foreign = sorted(
         p.name for p in directory.iterdir()
-        if not p.name.startswith(_OWN_LEFTOVERS) and not marked_by(p, run_id) and not _before_run_ids(p)
+        if not p.name.startswith(_OWN_LEFTOVERS) and not marked_by(p, run_id)
     )
     if foreign:
-        shown = ", ".join(foreign[:4]) + (f" and {len(foreign) - 4} more" if len(foreign) > 4 else "")
         raise CheckpointDirError(
-            f"checkpoint dir {directory} holds files packfsdp did not write for this run ({shown}); give an empty "
-            "or new checkpoint.dir (packfsdp never deletes what it did not write)"
+            f"checkpoint dir {directory} holds files packfsdp did not write for this run ({shown(foreign)}); give "
+            "an empty or new checkpoint.dir (packfsdp never deletes what it did not write; a checkpoint there can "
+            "still be read with resume=PATH)"
         )
     tmp = directory / f"{OWNER_FILE}.{os.getpid()}"
     tmp.write_text(json.dumps({"run_id": run_id, "run_dir": str(run_dir)}))

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from trainer.config.common import (
     GENERATED_SOURCES, ConfigError, check_choice, check_finite_settings, check_positive, stated_context,
 )
+from trainer.config.sanity import check_sane_settings
 from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
 from trainer.config.training import (
     OBJECTIVES,
@@ -78,6 +79,7 @@ class JobConfig:
             self.checkpoint, self.guard, self.peft, self.dpo,
         ):
             part.validate()
+        check_sane_settings(self)  # finite but meaningless (dpo.beta=1e12, optim.lr=100): one line
         check_choice("objective", self.objective, OBJECTIVES)
         self.validate_objective()
         check_positive("epochs", self.epochs)

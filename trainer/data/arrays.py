@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data.cache_integrity import stamps
 from trainer.data.examples import DatasetStats, TokenizedDataset, label_counts
 
 COLUMNS = {"tokens": np.int32, "loss_mask": np.bool_, "lengths": np.int64, "label_counts": np.int64,
@@ -103,6 +104,7 @@ def open_arrays(folder: Path) -> TokenizedDataset:
     """The dataset in ``folder``: tokens and mask memory-mapped, the per-example columns in memory."""
     stats = DatasetStats(**json.loads((folder / "stats.json").read_text()))
     mmap = "r" if stats.tokens else None  # an empty file cannot be mapped
+    opened = stamps(folder)  # before mapping: a change from here on is caught (``TokenizedDataset.check_unchanged``)
     return TokenizedDataset(
         tokens=np.load(folder / "tokens.npy", mmap_mode=mmap),
         loss_mask=np.load(folder / "loss_mask.npy", mmap_mode=mmap),
@@ -112,6 +114,7 @@ def open_arrays(folder: Path) -> TokenizedDataset:
         stored_label_counts=np.load(folder / "label_counts.npy"),
         folder=folder,
         stored_pair_splits=pair_splits_or_none(np.load(folder / "pair_splits.npy")),
+        opened=opened,
     )
 
 

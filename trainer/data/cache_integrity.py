@@ -7,6 +7,14 @@
   ``lengths``, ends at the token count, every length within ``max_length``, ``label_counts`` sums to what the
   mask gives, the stats' counts are the arrays'). A cache that fails is rebuilt (``build_dataset``), with a
   warning naming the folder and the first mismatch; nothing tampered, truncated or half-copied is trained on.
+- While a run reads it (``stamps`` when opened, ``check_unchanged`` after each step's batches and each
+  eval are read): the memory-mapped files (``MAPPED``; the other arrays are copied into memory at open)
+  keep the device, inode, size, modification and change times they had when opened. ``st_ctime`` moves
+  on any write and ``os.utime`` cannot set it back, so a file rewritten in place or replaced stops the run
+  with one line (``CacheChanged``) before a step trains on what it read; two ``stat`` calls per folder
+  and step (cost in ``docs/data.md``).
+- The local tokenizer (``trainer.data.tokenizer``) is sealed the same way (``seal_folder``: every file its
+  ``save_pretrained`` wrote) and used only when ``intact``; anything else is trained again.
 - ``build_lock``: an exclusive ``flock`` on ``<cache_dir>/locks/<kind>-<folder>.lock``, so two jobs building one cache at once are
   serialised: the second waits, then finds the cache the first sealed and reuses it.
 
@@ -26,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+from trainer.data.bad_records import BadRecordError
+
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
@@ -33,8 +43,16 @@ SEALED = ("tokens.npy", "loss_mask.npy", "offsets.npy", "lengths.npy", "label_co
 """What a build writes, in ``checksums.json``."""
 
 
+MAPPED = ("tokens.npy", "loss_mask.npy")
+"""The files a run keeps reading after it opened the cache (memory-mapped, ``trainer.data.arrays``)."""
+
+
 class CacheDamaged(ValueError):
     """A cache folder does not match what its build wrote."""
+
+
+class CacheChanged(BadRecordError):
+    """A cache file a run maps changed while the run read it (exit code 2; a new start verifies and rebuilds it)."""
 
 
 def crc32_file(path: Path, chunk: int = 1 << 24) -> int:
@@ -63,6 +81,33 @@ def check_files(folder: Path, recorded: dict) -> None:
             raise CacheDamaged(f"{name} has {path.stat().st_size} bytes, its build wrote {expected['bytes']}")
         if crc32_file(path) != expected["crc32"]:
             raise CacheDamaged(f"{name} does not match the checksum its build recorded")
+
+
+def seal_folder(folder: Path) -> None:
+    """``checksums.json`` for every file of a cache folder whose file names a library picks (the local
+    tokenizer's ``save_pretrained``)."""
+    (folder / CHECKSUMS).write_text(json.dumps({p.name: _record(p) for p in sorted(folder.iterdir()) if p.is_file()}))
+
+
+def intact(folder: Path, what: str) -> bool:
+    """Whether ``folder`` holds exactly the files its ``seal_folder`` recorded, each as written. One that does
+    not (damaged, edited, a file added that a loader would read, sealed by no packfsdp) is logged, and then
+    built again."""
+    if not folder.is_dir():
+        return False
+    try:
+        recorded = json.loads((folder / CHECKSUMS).read_text())
+        if not isinstance(recorded, dict) or not recorded:
+            raise CacheDamaged(f"{CHECKSUMS} lists no file")
+        extra = sorted({p.name for p in folder.iterdir()} - set(recorded) - {CHECKSUMS})
+        if extra:
+            raise CacheDamaged(f"it holds files its build did not write ({', '.join(extra[:4])})")
+        check_files(folder, recorded)
+    except (OSError, ValueError, KeyError, TypeError) as e:  # CacheDamaged is a ValueError
+        log.warning("the %s cache %s does not verify (%s): building it again", what, folder,
+                    e if isinstance(e, CacheDamaged) else f"{CHECKSUMS} is missing or unreadable: {type(e).__name__}")
+        return False
+    return True
 
 
 def check_cache(folder: Path, max_length: int) -> None:
@@ -181,3 +226,29 @@ def build_errors(folder: Path) -> Iterator[None]:
         if full:
             text = f"no space left on device ({free} bytes free; {text})"
         raise CacheBuildError(f"building the data cache in {folder} failed: {text}; free space or set data.cache_dir") from None
+
+
+def stamps(folder: Path) -> dict[str, list[int]]:
+    """The mapped files of ``folder`` as they are now: device, inode, size, modification and change times."""
+    return {name: _stamp(folder / name) for name in MAPPED}
+
+
+def _stamp(path: Path) -> list[int]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return []
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def check_unchanged(folder: Path, opened: dict[str, list[int]]) -> None:
+    """Raise ``CacheChanged`` when a mapped file is no longer the one ``stamps`` saw when the cache was opened."""
+    for name, then in opened.items():
+        now = _stamp(folder / name)
+        if now != then:
+            how = "was removed" if not now else "was replaced" if now[:2] != then[:2] else "was written to"
+            raise CacheChanged(
+                f"{folder / name} {how} while this run read it (the data cache must not change under a run); "
+                "nothing was trained on what changed: run again with resume=auto (the cache is verified, and "
+                "rebuilt, when a run opens it)"
+            )

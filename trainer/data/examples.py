@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.data.cache_integrity import load_hashes, save_hashes
+from trainer.data.cache_integrity import check_unchanged, load_hashes, save_hashes
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,8 @@ class TokenizedDataset:
     stored_ref_logps: np.ndarray | None = None
     """``dpo.reference=precompute``: per base example, the reference's summed reply log-probs
     ``[chosen, rejected]`` (float64, ``trainer.preference.reference``)."""
+    opened: dict | None = None
+    """The mapped cache files as they were when opened (``cache_integrity.stamps``); ``None``: in memory."""
 
     @property
     def is_pairs(self) -> bool:
@@ -140,6 +142,12 @@ class TokenizedDataset:
         lo, hi = self.example_span(i)
         return self.tokens[lo:hi], self.loss_mask[lo:hi]
 
+    def check_unchanged(self) -> None:
+        """Raise ``CacheChanged`` when a cache file this dataset maps changed since it was opened: the loop asks
+        after reading each step's batches, so nothing that changed is trained on."""
+        if self.folder is not None and self.opened:
+            check_unchanged(self.folder, self.opened)
+
     def select(self, indices: np.ndarray) -> TokenizedDataset:
         """The examples ``indices`` (in that order) as a view of the same arrays; stats carried over."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -147,7 +155,7 @@ class TokenizedDataset:
         self.label_counts(), self.lengths  # noqa: B018 (computed once on the base, shared by every view)
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
                                 self.stored_lengths, self.stored_label_counts, self.folder, self.hashes,
-                                self.stored_pair_splits, self.stored_ref_logps)
+                                self.stored_pair_splits, self.stored_ref_logps, self.opened)
 
 
 def holds_pairs(dataset) -> bool:

@@ -78,6 +78,11 @@ class MixtureDataset:
     def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         return self.parts[self.part[i]].example(int(self.row[i]))
 
+    def check_unchanged(self) -> None:
+        """``TokenizedDataset.check_unchanged`` of every source."""
+        for ds in self.parts:
+            ds.check_unchanged()
+
     def select(self, indices: np.ndarray) -> MixtureDataset:
         indices = np.asarray(indices, dtype=np.int64)
         return MixtureDataset(self.parts, self.part[indices], self.row[indices], self.stats, self.names)

@@ -21,7 +21,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedToken
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
 from trainer.data.bad_records import BadRecords
-from trainer.data.cache_integrity import build_lock
+from trainer.data.cache_integrity import build_lock, intact, seal_folder
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, apply_template_setting
 from trainer.data.mixture import mix_components
 from trainer.data.parts import is_table, source_parts
@@ -77,14 +77,15 @@ def local_tokenizer(
 
     def train_into_cache() -> None:
         with build_lock(path):  # two jobs at once: one trains, the other waits and reuses it
-            if (path / "tokenizer.json").is_file():
+            if intact(path, "tokenizer"):  # its files as its training wrote them, nothing added
                 return
             log.info("training a byte-level BPE tokenizer (vocab %d)", vocab_size)
             tokenizer = train_bpe_tokenizer(texts(), vocab_size, extra_special_tokens)
             tmp = path.with_name(f"{path.name}.tmp{os.getpid()}")
             shutil.rmtree(tmp, ignore_errors=True)
             tokenizer.save_pretrained(tmp)
-            shutil.rmtree(path, ignore_errors=True)  # an incomplete one (no tokenizer.json)
+            seal_folder(tmp)
+            shutil.rmtree(path, ignore_errors=True)  # an incomplete or damaged one
             tmp.rename(path)  # atomic: a half-written tokenizer is never picked up
 
     on_rank0_then_all(train_into_cache)  # a bad data path fails on every rank, not only on rank 0

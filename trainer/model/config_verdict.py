@@ -9,18 +9,16 @@ tokens mix, widths shrunk, one layer of each distinct per-layer pattern (``layer
 them. It runs a packed row of ``LENGTHS`` against the same examples alone through transformers' eager
 attention, in float64, and compares logits and every parameter's gradient. A mismatch raises
 ``FamilyRefusedError`` in one line naming the family and the setting (found by switching each candidate
-setting off in turn). Verdicts are cached by a hash of the config and the installed versions.
+setting off in turn). Verdicts are cached, keyed by everything they depend on and checksummed
+(``trainer.model.verdict_cache``: an entry that does not verify is judged again).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import os
 import warnings
-from pathlib import Path
 
 import torch
 
@@ -28,6 +26,7 @@ from trainer import distributed
 from trainer.model.families import FamilyRefusedError
 from trainer.model.prepare import prepare_model
 from trainer.model.family_probe import NO_DROPOUT, SHRINK, Diffs, differences, run_alone, run_packed
+from trainer.model import verdict_cache
 
 log = logging.getLogger(__name__)
 
@@ -203,17 +202,6 @@ def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
     return out
 
 
-def _cache_file(config) -> Path | None:
-    import transformers
-
-    root = os.environ.get("PACKFSDP_CACHE")
-    if not root:
-        return None
-    values = {k: v for k, v in config.to_dict().items() if k not in ("transformers_version", "_name_or_path", "architectures")}
-    key = json.dumps([VERSION, transformers.__version__, torch.__version__, values], sort_keys=True, default=str)
-    return Path(root).expanduser() / "verdicts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
-
-
 def verify_config(config) -> str:
     """Refuse ``config`` (``FamilyRefusedError``, one line) when its replica mixes packed examples; returns
     ``exact``, ``unbuildable`` (no replica: the table and the self-check decide) or ``cached:...``.
@@ -230,16 +218,13 @@ def verify_config(config) -> str:
 def _verdict(config) -> tuple[str, str]:
     """(outcome, refusal line) from the cache, or judged and cached."""
     family = getattr(config, "model_type", "the model")
-    cache = _cache_file(config)
-    if cache is not None and cache.is_file():
-        found = json.loads(cache.read_text())
-        return ("refused" if found["outcome"] == "refused" else f"cached:{found['outcome']}"), found["line"]
+    key = verdict_cache.verdict_key(config, VERSION)
+    cache = verdict_cache.cache_file(key)
+    if (found := verdict_cache.read(cache, key)) is not None:  # only an entry that verifies (verdict_cache)
+        outcome, line = found
+        return ("refused" if outcome == "refused" else f"cached:{outcome}"), line
     outcome, line = _judge(config, family)
-    if cache is not None:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"outcome": outcome, "line": line}))
-        tmp.replace(cache)
+    verdict_cache.write(cache, key, outcome, line)
     return outcome, line
 
 

@@ -227,5 +227,8 @@ class ServedExamples:
         """Training examples this rank has read so far."""
         return self.sampler.examples_read
 
+    def check_unchanged(self) -> None:
+        """A stream is read from its source, never from a memory-mapped cache: nothing can change under it."""
+
 
 __all__ = ["OnlineBestFit", "ServedExamples", "StreamingSampler"]

@@ -36,6 +36,7 @@ from trainer.model import DTYPES
 from trainer.model.lora import is_lora_checkpoint, peft_model_with, rebuild_base
 from trainer.model.multimodal import carried_files, is_multimodal_checkpoint
 from trainer.model.multimodal import rebuild as rebuild_multimodal
+from trainer.tools.export_folder import check_out, replace, write_record
 
 log = logging.getLogger("trainer.tools.export")
 
@@ -54,14 +55,11 @@ def export(
 ) -> Path:
     """Write ``out`` (safetensors weights, config, tokenizer) from ``checkpoint``; returns ``out``.
 
-    ``out`` must be new or empty unless ``overwrite``: then it is replaced as a whole (written beside it and
-    renamed into place, so no stale shard or index of the old model stays)."""
+    ``out`` must be new or empty, or with ``overwrite`` an earlier export packfsdp wrote (``export_folder``):
+    then it is replaced as a whole (written beside it and renamed into place, so no stale shard or index of
+    the old model stays)."""
     out = Path(out).expanduser()
-    if out.exists() and not overwrite and (not out.is_dir() or any(out.iterdir())):
-        raise CheckpointError(
-            f"out={out} is not empty; packfsdp never overwrites files it did not write: give a new folder, "
-            "or add overwrite=true to replace it"
-        )
+    check_out(out, overwrite)
     path = find_checkpoint(checkpoint)
     manifest = verify_checkpoint(path)
     hf_dir = path / HF_DIR
@@ -90,28 +88,17 @@ def export(
         if not (out / carried.name).exists():
             shutil.copyfile(carried, out / carried.name)
     state = json.loads((path / TRAINER_STATE).read_text())
-    (out / "packfsdp_export.json").write_text(json.dumps({
+    write_record(out, {
         "checkpoint": str(path.resolve()),
         "step": state["step"],
         "tokens_seen": state["tokens_seen"],
         "format": format,
         "dtype": str(torch_dtype).removeprefix("torch."),
         "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
-    }, indent=1))
-    _replace(final, out)
+    })
+    replace(final, out, overwrite)
     log.info("exported %s (step %d) to %s: %s, %s safetensors", path, state["step"], final, format, torch_dtype)
     return final
-
-
-def _replace(final: Path, written: Path) -> None:
-    """Move the finished export into place (the old folder, empty or overwrite=true, goes as a whole)."""
-    if final.is_symlink() or (final.exists() and not final.is_dir()):
-        final.unlink()
-    elif final.exists():
-        old = final.with_name(f".{final.name}.old-{os.getpid()}")
-        os.replace(final, old)
-        shutil.rmtree(old)
-    os.replace(written, final)
 
 
 def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation: str) -> torch.nn.Module:
