@@ -1,11 +1,12 @@
 """What a model's attention asks of a packed backend beyond plain causal attention, and the guard that
 refuses a kernel argument a backend does not implement.
 
-transformers passes two such arguments to the attention function: ``softcap`` (Gemma2's attention logit
-softcapping, ``softcap * tanh(scores / softcap)`` before the softmax) and ``s_aux`` (learned per-head
-attention sinks: an extra logit in every softmax's denominator, e.g. gpt-oss). A backend that ignored
-either would train a different model without a word, so ``resolve_backend`` refuses it at start from the
-model's config (``AttentionNeeds.of``), and each backend refuses the argument again if it arrives anyway.
+transformers passes such arguments to the attention function: ``softcap`` (Gemma2's attention logit
+softcapping, ``softcap * tanh(scores / softcap)`` before the softmax), ``s_aux`` (learned per-head
+attention sinks: an extra logit in every softmax's denominator, e.g. gpt-oss; ``trainer.model.sinks``),
+and selections no packed backend implements (``UNHONOURED``). A backend that ignored one would train a
+different model without a word, so ``resolve_backend`` refuses it at start from the model's config
+(``AttentionNeeds.of``), and each backend refuses the argument again if it arrives anyway.
 """
 
 from __future__ import annotations
@@ -65,16 +66,30 @@ class AttentionNeeds:
         )
 
 
-def refuse_unhonoured(backend: str, kwargs: dict, *, softcap: bool = False) -> None:
+UNHONOURED = {
+    "indices": "the key selection of its DSA indexer (indices)",
+    "block_indices": "the key-block selection of its sparse-attention indexer (block_indices)",
+    "sinks": "its attention sinks (sinks)",
+    "position_bias": "its position bias (position_bias)",
+}
+"""Attention-function arguments of transformers 5.x families that no packed backend implements, with what
+they carry. Their families are refused at build (``trainer.model.families``); a backend refuses them again."""
+
+
+def refuse_unhonoured(backend: str, kwargs: dict, *, softcap: bool = False, sinks: bool = False) -> None:
     """Raise ``AttentionBackendError`` if transformers passed ``softcap`` (unless the backend implements it,
-    ``softcap=True``) or ``s_aux`` (no packed backend does): the second line of defence behind
-    ``resolve_backend``, so the startup self-check stops a run that got past it."""
+    ``softcap=True``), ``s_aux`` unless the backend applies sinks (``sinks=True``), or an argument of
+    ``UNHONOURED``: the second line of defence behind ``resolve_backend``, so the startup self-check stops a
+    run that got past it."""
     if kwargs.get("softcap") is not None and not softcap:
         raise AttentionBackendError(
             f"model.attention={backend} cannot honour the model's attention softcapping (softcap={kwargs['softcap']})"
         )
-    if kwargs.get("s_aux") is not None:
+    if kwargs.get("s_aux") is not None and not sinks:
         raise AttentionBackendError(f"model.attention={backend} cannot honour the model's attention sinks (s_aux)")
+    for name, what in UNHONOURED.items():
+        if kwargs.get(name) is not None:
+            raise AttentionBackendError(f"model.attention={backend} cannot honour {what}: no packed backend implements it")
 
 
-__all__ = ["SINK_FAMILIES", "AttentionNeeds", "attention_dropout", "refuse_unhonoured"]
+__all__ = ["SINK_FAMILIES", "UNHONOURED", "AttentionNeeds", "attention_dropout", "refuse_unhonoured"]
