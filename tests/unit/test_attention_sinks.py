@@ -233,3 +233,23 @@ def test_the_other_sink_families_are_exact_for_their_config(family):
         pytest.skip(f"{family} is not in this transformers")
     outcome, line = _judge(AutoConfig.for_model(family), family)
     assert outcome == "exact", line
+
+
+@pytest.mark.slow
+def test_gpt_oss_trains_from_the_cli_with_the_self_check(tmp_path, cache_dir):
+    """The issue's command: a tiny gpt_oss from the qwen2_tiny preset trains two steps on CPU (rc 0), the
+    startup self-check on."""
+    import subprocess
+    import sys
+
+    from tests.conftest import REPO
+
+    overrides = "model.config_overrides={num_local_experts:4,num_experts_per_tok:2,head_dim:16,sliding_window:16}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "model=qwen2_tiny", "model.family=gpt_oss", overrides,
+         "data.num_records=400", "max_steps=2", f"run_dir={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PACKFSDP_CACHE": cache_dir, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "startup self-check passed" in proc.stdout and "2 steps on 1 rank" in proc.stdout, proc.stdout[-3000:]

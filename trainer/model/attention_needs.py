@@ -46,6 +46,9 @@ class AttentionNeeds:
     """Attention logit softcapping (``attn_logit_softcapping``), ``None`` when off."""
     sinks: bool = False
     """Learned attention sinks (``s_aux``)."""
+    chunk: int | None = None
+    """The chunk of chunked-attention layers (``attention_chunk_size`` where ``layer_types`` has
+    ``chunked_attention``), ``None`` without: cut into finer boundaries (``trainer.model.layer_relay``)."""
 
     @property
     def needs_eager_reference(self) -> bool:
@@ -58,12 +61,25 @@ class AttentionNeeds:
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         family = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "the model"
         softcap = getattr(text, "attn_logit_softcapping", None)
+        chunk = getattr(text, "attention_chunk_size", None)
+        chunked = "chunked_attention" in (getattr(text, "layer_types", None) or [])
         return cls(
             family=family,
             dropout=attention_dropout(text),
             softcap=float(softcap) if softcap else None,
             sinks=family in SINK_FAMILIES or getattr(config, "model_type", None) in SINK_FAMILIES,
+            chunk=int(chunk) if chunk and chunked else None,
         )
+
+    def context_parallel_refusal(self, cp: int) -> str | None:
+        """Why ``parallel.cp=cp`` cannot run this attention (its kernels apply neither sinks nor chunks), or None."""
+        if cp <= 1:
+            return None
+        if self.sinks:
+            return f"parallel.cp={cp} cannot honour {self.family}'s attention sinks (s_aux): use parallel.cp=1"
+        if self.chunk:
+            return f"parallel.cp={cp} cannot honour {self.family}'s chunked attention (attention_chunk_size={self.chunk}): use parallel.cp=1"
+        return None
 
 
 UNHONOURED = {
