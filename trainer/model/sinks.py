@@ -100,9 +100,16 @@ class KernelLSE(torch.autograd.Function):
         return None, grad_q, grad_k.to(k.dtype), None, None
 
 
+@torch.compiler.disable  # dynamo cannot trace an autograd.Function whose backward calls a closure: a graph break
 def kernel_lse(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, attend: Callable, scale: float) -> torch.Tensor:
-    """``KernelLSE``: the kernel's ``[H, T]`` log-sum-exp as ``[T, H]``, differentiable in ``q`` and ``k``."""
-    return KernelLSE.apply(lse.transpose(0, 1), q, k, attend, scale)
+    """``KernelLSE``: the kernel's log-sum-exp (``[H, T]``, flash-attn's and ``varlen_attn``'s varlen layout) as
+    ``[T, H]``, differentiable in ``q`` and ``k``."""
+    tokens, heads = q.shape[0], q.shape[1]
+    if tuple(lse.shape) == (heads, tokens):
+        lse = lse.transpose(0, 1)
+    elif tuple(lse.shape) != (tokens, heads):
+        raise AttentionBackendError(f"the kernel's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = {(heads, tokens)}")
+    return KernelLSE.apply(lse, q, k, attend, scale)
 
 
 __all__ = ["KernelLSE", "kernel_lse", "rescale_by_sinks", "sdpa_with_sinks", "sinks_of"]
