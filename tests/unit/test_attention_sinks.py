@@ -103,6 +103,33 @@ def test_every_backend_applies_sinks_exactly_with_gradients(name, dtype, tol, kv
     assert got[3].abs().min() > 1e-3  # every head's sink is trained
 
 
+def test_flash_attn_sinks_under_dropout(kernels, monkeypatch):
+    """Attention dropout with sinks: the kernel's dropout output (the same draws as without sinks) times
+    the sink's share from the lse of a call without dropout, which never asks for the probabilities."""
+    from flash_attn import flash_attn_varlen_func
+
+    asked = []
+
+    def spy(*args, **kwargs):
+        asked.append((kwargs.get("dropout_p", 0.0), kwargs.get("return_attn_probs", False)))
+        return flash_attn_varlen_func(*args, **kwargs)
+
+    monkeypatch.setattr("flash_attn.flash_attn_varlen_func", spy)
+    q, k, v, sinks = (x.detach() for x in inputs(torch.float32))
+    cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
+
+    def attention(**extra):
+        torch.manual_seed(3)
+        return BACKENDS["flash_attn"].fn(CAUSAL, q, k, v, None, scaling=SCALE, dropout=0.3, cu_seq_lens_q=cu,
+                                         cu_seq_lens_k=cu, max_length_q=19, max_length_k=19, **extra)[0]
+
+    plain, with_sinks = attention(), attention(s_aux=sinks)
+    assert (0.3, True) not in asked and (0.0, True) in asked
+    # the sink's share of each query's softmax: the reference's output with values all 1 (GQA: 2 kv heads)
+    share = sink_reference(q, k, torch.ones_like(v), sinks, LENGTHS, None, SCALE)
+    torch.testing.assert_close(with_sinks.double(), plain.double() * share, atol=2e-5, rtol=2e-5)
+
+
 def test_the_sink_check_sees_a_sink_dropped(kernels):
     """The reference is sensitive: the same attention without the sink is far from it."""
     q, k, v, sinks = inputs(torch.float64)

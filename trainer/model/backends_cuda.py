@@ -99,19 +99,26 @@ def flash_attn_attention(module, query, key, value, attention_mask, scaling=None
     softcap = kwargs.get("softcap")
     options = dict(causal=True, window_size=_window_size(args.window), softmax_scale=scaling)
     q, k, v = _flat(query), _flat(key), _flat(value)
+
+    def attend(q, k, v, **extra):  # no dropout
+        return flash_attn_varlen_func(q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, **options, **extra)
+
+    # With dropout, return_attn_probs would also return the dropout mask, [examples, heads, L, L]: the lse then
+    # comes from a call without dropout (it does not depend on the dropout).
+    with_lse = sinks is not None and dropout == 0
     out = flash_attn_varlen_func(
         q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, dropout_p=dropout,
         softcap=0.0 if softcap is None else float(softcap),  # flash-attn's "off" is 0
-        return_attn_probs=sinks is not None, **options,
+        return_attn_probs=with_lse, **options,
     )
     if sinks is not None:
-        out, lse, _ = out  # lse: [heads, tokens], float32, no gradient of its own
-
-        def attend(q, k, v):
-            return flash_attn_varlen_func(q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, **options)
-
+        if with_lse:
+            out, lse, _ = out
+        else:
+            with torch.no_grad():
+                lse = attend(q, k, v, return_attn_probs=True)[1]
         scale = q.shape[-1] ** -0.5 if scaling is None else scaling
-        out = rescale_by_sinks(out, kernel_lse(lse, q, k, attend, scale), sinks)
+        out = rescale_by_sinks(out, kernel_lse(lse, q, k, attend, scale), sinks)  # lse: [heads, tokens], no gradient
     return out.unsqueeze(0), None
 
 
