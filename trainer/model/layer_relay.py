@@ -122,8 +122,11 @@ def _chunk_hook(chunk: int, per_forward: dict):
             raise AttentionBackendError(
                 f"chunked attention (attention_chunk_size={chunk}) is not packed under parallel.cp: use parallel.cp=1"
             )
-        if kwargs.get("cu_seq_lens_q") is None:  # a padded batch: transformers' mask has the chunks
+        cu = kwargs.get("cu_seq_lens_q")
+        if cu is None:  # a padded batch: transformers' mask has the chunks
             return args, kwargs
+        if "chunks" not in per_forward:  # called outside the decoder stack's forward: made here
+            per_forward["chunks"] = packed_attention_kwargs(chunk_boundaries(cu, chunk), PackedLayout.of(cu).total)
         return args, {**kwargs, **per_forward["chunks"]}
 
     return hand_over
