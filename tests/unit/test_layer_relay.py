@@ -76,6 +76,7 @@ def test_chunks_are_refused_under_context_parallel():
         "parallel.cp=2 cannot honour llama4_text's chunked attention (attention_chunk_size=4): use parallel.cp=1"
     )
     assert AttentionNeeds.of(AutoConfig.for_model("llama4_text", **(LLAMA4 | {"layer_types": ["full_attention"] * 4}))).chunk is None
+    assert AttentionNeeds.of(AutoConfig.for_model("llama4_text", **(LLAMA4 | {"attention_chunk_size": 64}))).chunk is None
     sinks = AttentionNeeds.of(AutoConfig.for_model("gpt_oss"))
     assert "parallel.cp=2 cannot honour gpt_oss's attention sinks (s_aux)" in sinks.context_parallel_refusal(2)
     model = llama4()

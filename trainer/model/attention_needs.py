@@ -48,7 +48,8 @@ class AttentionNeeds:
     """Learned attention sinks (``s_aux``)."""
     chunk: int | None = None
     """The chunk of chunked-attention layers (``attention_chunk_size`` where ``layer_types`` has
-    ``chunked_attention``), ``None`` without: cut into finer boundaries (``trainer.model.layer_relay``)."""
+    ``chunked_attention``, shorter than the context), ``None`` without: cut into finer boundaries
+    (``trainer.model.layer_relay``)."""
 
     @property
     def needs_eager_reference(self) -> bool:
@@ -62,7 +63,8 @@ class AttentionNeeds:
         family = getattr(text, "model_type", None) or getattr(config, "model_type", None) or "the model"
         softcap = getattr(text, "attn_logit_softcapping", None)
         chunk = getattr(text, "attention_chunk_size", None)
-        chunked = "chunked_attention" in (getattr(text, "layer_types", None) or [])
+        context = getattr(text, "max_position_embeddings", None)
+        chunked = "chunked_attention" in (getattr(text, "layer_types", None) or []) and (not context or chunk < context)
         return cls(
             family=family,
             dropout=attention_dropout(text),
