@@ -217,7 +217,8 @@ def packed_and_alone(model, lengths, seed=1):
     model.zero_grad(set_to_none=True)
     alone = []
     for e in examples:
-        out = model(input_ids=e[None], position_ids=torch.arange(len(e))[None], attention_mask=torch.ones_like(e)[None])[0]
+        position_ids, attention_mask = torch.arange(len(e))[None], torch.ones_like(e)[None]
+        out = model(input_ids=e[None], position_ids=position_ids, attention_mask=attention_mask)[0]
         loss_of(out, e).backward()
         alone.append(out.detach())
     grads_alone = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}

@@ -80,7 +80,10 @@ class AttentionNeeds:
         if self.sinks:
             return f"parallel.cp={cp} cannot honour {self.family}'s attention sinks (s_aux): use parallel.cp=1"
         if self.chunk:
-            return f"parallel.cp={cp} cannot honour {self.family}'s chunked attention (attention_chunk_size={self.chunk}): use parallel.cp=1"
+            return (
+                f"parallel.cp={cp} cannot honour {self.family}'s chunked attention "
+                f"(attention_chunk_size={self.chunk}): use parallel.cp=1"
+            )
         return None
 
 
@@ -107,7 +110,9 @@ def refuse_unhonoured(backend: str, kwargs: dict, *, softcap: bool = False, sink
         raise AttentionBackendError(f"model.attention={backend} cannot honour the model's attention sinks (s_aux)")
     for name, what in UNHONOURED.items():
         if kwargs.get(name) is not None:
-            raise AttentionBackendError(f"model.attention={backend} cannot honour {what}: no packed backend implements it")
+            raise AttentionBackendError(
+                f"model.attention={backend} cannot honour {what}: no packed backend implements it"
+            )
 
 
 __all__ = ["SINK_FAMILIES", "UNHONOURED", "AttentionNeeds", "attention_dropout", "refuse_unhonoured"]

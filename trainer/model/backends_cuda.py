@@ -150,7 +150,9 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
             "dropout to 0 or choose model.attention=flash_attn/flex"
         )
     if sinks is not None and (reason := torch_varlen_sinks_unavailable()):
-        raise AttentionBackendError(f"model.attention=torch_varlen cannot honour the model's attention sinks (s_aux): {reason}")
+        raise AttentionBackendError(
+            f"model.attention=torch_varlen cannot honour the model's attention sinks (s_aux): {reason}"
+        )
     args = packed_args(module, query, key, kwargs)
     cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
     (q, k, v), options = varlen_attn_inputs(_flat(query), _flat(key), _flat(value), scaling, args.window)
@@ -170,7 +172,8 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
 def torch_varlen_sinks_unavailable() -> str | None:
     """Why this torch's ``varlen_attn`` cannot apply attention sinks (it returns no log-sum-exp), or None."""
     if "return_aux" not in (varlen_attn_parameters() or ()):
-        return f"torch {torch.__version__.split('+')[0]}'s varlen_attn returns no log-sum-exp; use model.attention=flash_attn/flex"
+        version = torch.__version__.split("+")[0]
+        return f"torch {version}'s varlen_attn returns no log-sum-exp; use model.attention=flash_attn/flex"
     return None
 
 

@@ -83,10 +83,10 @@ EXACT: frozenset[str] = frozenset(
         "diffllama", "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo",
         "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
         "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa",
-        "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
-        "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "llama4_text",
-        "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
-        "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
+        "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
+        "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "llama4_text",
+        "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+        "mistral", "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
         "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
         "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "whisper",
         "youtu"
@@ -105,9 +105,11 @@ EXACT_IF: dict[str, str] = {
         "on configs of attention layers only (its default); short-convolution layers ('conv' in layer_types, "
         "as the released LFM2 checkpoints have) are refused by the config verdict"
     ),
-    "phimoe": "with its sliding window handed to its layers (its attention does not pass it on: trainer.model.layer_relay)",
-    "qwen2_moe": "with its sliding layers' window handed to them (its attention does not pass it on: trainer.model.layer_relay)",
-    "minimax_m3_vl_text": "while no layer is 'minimax_m3_sparse' (its default): an indexer's block-sparse layer is refused at build",
+    "phimoe": "with its sliding window handed to its layers (its attention does not pass it on: layer_relay)",
+    "qwen2_moe": "with its sliding layers' window handed to them (its attention does not pass it on: layer_relay)",
+    "minimax_m3_vl_text": (
+        "while no layer is 'minimax_m3_sparse' (its default): an indexer's block-sparse layer is refused at build"
+    ),
     "deepseek_v4": (
         "with attention sinks (every backend; not under parallel.cp) while every layer is 'sliding_attention': its "
         "compressed layers (its default and released configs) are refused at build"

@@ -81,7 +81,8 @@ def relay_layer_settings(model, decoder, is_attention: Callable[[type], bool]) -
         if chunk and kind == "chunked_attention":
             module.register_forward_pre_hook(_chunk_hook(int(chunk), per_forward), with_kwargs=True)
             hooked += 1
-        if family in TEMPERATURE_BY_ROW and getattr(module, "attn_temperature_tuning", False) and not getattr(module, "use_rope", True):
+        no_rope = not getattr(module, "use_rope", True)
+        if family in TEMPERATURE_BY_ROW and getattr(module, "attn_temperature_tuning", False) and no_rope:
             module.register_forward_pre_hook(_temperature_hook(per_forward), with_kwargs=True)
             module.register_forward_hook(_restore_floor_scale, always_call=True)
             hooked, tempered = hooked + 1, True

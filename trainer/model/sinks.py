@@ -52,7 +52,8 @@ def sdpa_with_sinks(q, k, v, mask: torch.Tensor | None, sinks: torch.Tensor, sca
     batch, length, keys = q.shape[0], q.shape[2], k.shape[2]
     sink_key = torch.cat([q.new_zeros(heads, dim), (sinks.to(q.dtype) / scale)[:, None]], dim=-1)
     q = torch.cat([q, q.new_ones(batch, heads, length, 1)], dim=-1)
-    k = torch.cat([torch.cat([k, k.new_zeros(batch, heads, keys, 1)], dim=-1), sink_key[None, :, None].expand(batch, -1, 1, -1)], dim=2)
+    k = torch.cat([k, k.new_zeros(batch, heads, keys, 1)], dim=-1)
+    k = torch.cat([k, sink_key[None, :, None].expand(batch, -1, 1, -1)], dim=2)
     v = torch.cat([v, v.new_zeros(batch, heads, 1, v.shape[-1])], dim=2)
     if mask is None:
         mask = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril()
@@ -108,7 +109,9 @@ def kernel_lse(lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor, attend: Call
     if tuple(lse.shape) == (heads, tokens):
         lse = lse.transpose(0, 1)
     elif tuple(lse.shape) != (tokens, heads):
-        raise AttentionBackendError(f"the kernel's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = {(heads, tokens)}")
+        raise AttentionBackendError(
+            f"the kernel's log-sum-exp has shape {tuple(lse.shape)}, not [heads, tokens] = {(heads, tokens)}"
+        )
     return KernelLSE.apply(lse, q, k, attend, scale)
 
 
