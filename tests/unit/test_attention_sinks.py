@@ -199,17 +199,17 @@ def gpt_oss(backend: str = "sdpa_varlen", dtype=torch.float64, **overrides):
     return prepare_model(model, BACKENDS[backend])
 
 
-def packed_and_alone(model, lengths, seed=1):
+def packed_and_alone(model, lengths, seed=1, device="cpu"):
     """Logits and every parameter's gradient of the summed token loss, the examples packed through the
     model's backend vs each alone through its padded path (eager: transformers' own sink attention)."""
     g = torch.Generator().manual_seed(seed)
-    examples = [torch.randint(1, 97, (n,), generator=g) for n in lengths]
+    examples = [torch.randint(1, 97, (n,), generator=g).to(device) for n in lengths]
 
     def loss_of(logits, ids):
         return torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum")
 
-    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    pos = torch.cat([torch.arange(n) for n in lengths])[None]
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(device=device, dtype=torch.int32)
+    pos = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
     model.zero_grad(set_to_none=True)
     packed = model(input_ids=torch.cat(examples)[None], position_ids=pos, cu_seqlens=cu, max_seqlen=max(lengths))[0]
     sum(loss_of(p, e) for p, e in zip(packed.split(lengths), examples)).backward()
@@ -217,7 +217,7 @@ def packed_and_alone(model, lengths, seed=1):
     model.zero_grad(set_to_none=True)
     alone = []
     for e in examples:
-        position_ids, attention_mask = torch.arange(len(e))[None], torch.ones_like(e)[None]
+        position_ids, attention_mask = torch.arange(len(e), device=device)[None], torch.ones_like(e)[None]
         out = model(input_ids=e[None], position_ids=position_ids, attention_mask=attention_mask)[0]
         loss_of(out, e).backward()
         alone.append(out.detach())
@@ -261,6 +261,26 @@ def test_the_other_sink_families_are_exact_for_their_config(family):
         pytest.skip(f"{family} is not in this transformers")
     outcome, line = _judge(AutoConfig.for_model(family), family)
     assert outcome == "exact", line
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["flash_attn", "torch_varlen", "flex"])
+def test_packed_gpt_oss_on_the_real_kernels(backend):
+    """On a GPU (``launch/gpu_check.sh`` runs the ``gpu`` tests): the real kernels' lse, its gradient through
+    ``KernelLSE`` (flash-attn, varlen_attn) or flex's own backward of it, at a real head dim (64), GQA, a
+    sliding layer, against the eager reference; bf16 kernels (3e-2) or fp32 flex (1e-4)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    half = backend != "flex"
+    dtype = torch.bfloat16 if half else torch.float32
+    if reason := BACKENDS[backend].unavailable(torch.device("cuda"), dtype) or BACKENDS[backend].sinks_unavailable():
+        pytest.skip(reason)
+    model = gpt_oss(backend, dtype=torch.float32, head_dim=64, hidden_size=128, max_position_embeddings=256).to("cuda")
+    model.backend = resolve_backend(backend, torch.device("cuda"), dtype, AttentionNeeds.of(model.config))
+    tol = 3e-2 if half else 1e-4
+    with torch.autocast("cuda", dtype=dtype, enabled=half):
+        packed, alone, g_packed, g_alone = packed_and_alone(model, [9, 1, 140, 5, 11, 3], device="cuda")
+    assert worst(packed, alone) < tol and worst(g_packed, g_alone) < tol
 
 
 @pytest.mark.slow
