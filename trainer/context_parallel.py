@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.collate import IGNORE_INDEX, Batch
+from trainer.model.attention_needs import refuse_unhonoured
 
 CP_SPLITS = ("contiguous", "balanced")
 
@@ -261,10 +262,11 @@ def cp_sdpa(q, k, v, shard: CPShard, scaling, dropout, window, softcap=None):
 def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature under context parallelism (``kwargs['cp_shard']``,
     ``kwargs['cp_group']``, ``kwargs['cp_kernel']``: sdpa_varlen, flash_attn, torch_varlen or flex)."""
+    kernel = kwargs.get("cp_kernel", "sdpa_varlen")
+    refuse_unhonoured(f"{kernel} under parallel.cp", kwargs, softcap=True)  # sinks, selections: never ignored
     shard: CPShard = kwargs["cp_shard"]
     gather = kwargs.get("cp_gather") or gather_tokens
     group = kwargs.get("cp_group")
-    kernel = kwargs.get("cp_kernel", "sdpa_varlen")
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None
     softcap = kwargs.get("softcap")

@@ -168,7 +168,7 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     config, no weights: dropout, logit softcapping, sinks): a backend that cannot honour one is never given
     the model (``auto`` moves on, a named backend fails with one line naming the family and the argument).
     Resolved once, before any heavy work, so a backend that cannot run fails first."""
-    from trainer.model import DTYPES, AttentionNeeds, resolve_backend
+    from trainer.model import DTYPES, AttentionBackendError, AttentionNeeds, resolve_backend
     from trainer.model_config import model_config
 
     from trainer.errors import library_load
@@ -176,6 +176,8 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
     with library_load(what):  # a config transformers rejects (dbrx from a bare config): one line
         needs = AttentionNeeds.of(model_config(cfg.model))
+    if reason := needs.context_parallel_refusal(cfg.parallel.cp):
+        raise AttentionBackendError(reason)
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
 
 

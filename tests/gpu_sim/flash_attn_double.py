@@ -22,7 +22,9 @@ The double has the real package's two layers:
   documented result in fp32 with plain torch, example by example: ``softcap * tanh(q k^T scale /
   softcap)`` when softcap > 0, query ``i`` sees keys ``[i + sk - sq - left, i + sk - sq + right]``
   (``-1``: unbounded), query head ``h`` uses key/value head ``h // (heads / kv_heads)``, a query with no
-  key gets 0, dropout on the probabilities; the output is cast to q's dtype.
+  key gets 0, dropout on the probabilities; the output is cast to q's dtype. The softmax's log-sum-exp
+  (``softmax_lse``, ``[heads, total_q]`` float32, ``+inf`` for a query with no key) comes back with
+  ``return_attn_probs=True``, as ``(out, softmax_lse, S_dmask)``, without a gradient of its own.
 - Between the two, as in flash-attn (``_flash_attn_varlen_forward`` / ``_backward`` are
   ``torch.library.custom_op``s with fake implementations), the kernel is an opaque op to ``torch.compile``:
   ``flash_attn_double::varlen_fwd`` / ``varlen_bwd``. Dynamo traces the Python wrapper and stops at the op,
@@ -107,7 +109,8 @@ def _bounds(cu: torch.Tensor, total: int, max_seqlen: int, name: str) -> list[in
 
 
 def _attend_one(q, k, v, scale, left, right, softcap, dropout_p) -> torch.Tensor:
-    """One example, fp32: ``q`` ``[sq, H, D]``, ``k``/``v`` ``[sk, Hk, D]`` -> ``[sq, H, D]``."""
+    """One example, fp32: ``q`` ``[sq, H, D]``, ``k``/``v`` ``[sk, Hk, D]`` -> ``[sq, H, D]`` and the
+    softmax's log-sum-exp ``[H, sq]`` (``+inf`` for a query with no key, as the kernel writes it)."""
     sq, sk, groups = q.shape[0], k.shape[0], q.shape[1] // k.shape[1]
     k, v = (x.repeat_interleave(groups, dim=1).transpose(0, 1) for x in (k, v))  # q head h -> kv head h // groups
     scores = q.transpose(0, 1) @ k.transpose(1, 2) * scale
@@ -120,18 +123,21 @@ def _attend_one(q, k, v, scale, left, right, softcap, dropout_p) -> torch.Tensor
         keep &= j >= i - left
     if right >= 0:
         keep &= j <= i + right
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1).nan_to_num(0.0)  # no key: output 0
+    masked = scores.masked_fill(~keep, float("-inf"))
+    lse = torch.logsumexp(masked, dim=-1).masked_fill(~keep.any(-1), float("inf"))
+    probs = torch.softmax(masked, dim=-1).nan_to_num(0.0)  # no key: output 0
     if dropout_p > 0:
         probs = torch.nn.functional.dropout(probs, dropout_p)
-    return (probs @ v).transpose(0, 1)
+    return (probs @ v).transpose(0, 1), lse
 
 
 def varlen_fwd(
     q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
     softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
-    softcap: float = 0.0,
-) -> torch.Tensor:
-    """The kernel: ``mha_varlen_fwd``'s checks and window clipping, then the fp32 reference result."""
+    softcap: float = 0.0, return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The kernel: ``mha_varlen_fwd``'s checks and window clipping, then the fp32 reference result (with
+    ``return_lse``, also the float32 log-sum-exp ``[heads, total_q]``, ``softmax_lse``'s varlen layout)."""
     _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap)
     if max_seqlen_q == 1:
         causal = False  # the kernel's own shortcut: one query row is causal either way
@@ -144,14 +150,15 @@ def varlen_fwd(
     bq = _bounds(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     bk = _bounds(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     with torch.autocast(q.device.type, enabled=False):  # a kernel is not an autocast op
-        outs = [
+        outs, lses = zip(*[
             _attend_one(
                 q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float(), softmax_scale,
                 window_size_left, window_size_right, softcap, dropout_p,
             )
             for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:])
-        ]
-    return torch.cat(outs).to(q.dtype)
+        ])
+    out = torch.cat(outs).to(q.dtype)
+    return (out, torch.cat(lses, dim=1)) if return_lse else out
 
 
 RNG_STATE_BYTES = torch.get_rng_state().numel()
@@ -173,16 +180,17 @@ def _varlen_fwd_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
     max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
     window_size_left: int, window_size_right: int, softcap: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng_state = torch.get_rng_state()  # before the dropout draws: backward replays them
-    out = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                     causal, window_size_left, window_size_right, softcap)
-    return out, rng_state
+    out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                          causal, window_size_left, window_size_right, softcap, return_lse=True)
+    return out, lse, rng_state
 
 
 @_varlen_fwd_op.register_fake
 def _(q, k, v, *args):
-    return torch.empty_like(q), q.new_empty(RNG_STATE_BYTES, dtype=torch.uint8)
+    lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)
+    return torch.empty_like(q), lse, q.new_empty(RNG_STATE_BYTES, dtype=torch.uint8)
 
 
 @torch.library.custom_op("flash_attn_double::varlen_bwd", mutates_args=())
@@ -212,11 +220,11 @@ def _(grad_out, q, k, v, *args):
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, cu_q, cu_k, *options = inputs
-    ctx.save_for_backward(q, k, v, output[1], cu_q, cu_k)
+    ctx.save_for_backward(q, k, v, output[2], cu_q, cu_k)
     ctx.options = options
 
 
-def _backward(ctx, grad_out, grad_rng_state):
+def _backward(ctx, grad_out, grad_lse, grad_rng_state):  # the kernel's lse has no gradient (flash-attn drops it)
     grads = _varlen_bwd_op(grad_out, *ctx.saved_tensors, *ctx.options)
     return (*grads, *[None] * (2 + len(ctx.options)))
 
@@ -236,9 +244,11 @@ def flash_attn_varlen_func(
     causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
     return_attn_probs=False, block_table=None,
 ):
-    """flash-attn's public varlen entry point, as its Python wrapper behaves (see the module docstring)."""
-    if alibi_slopes is not None or block_table is not None or return_attn_probs:
-        raise NotImplementedError("the flash-attn double simulates no alibi, paged KV or returned probabilities")
+    """flash-attn's public varlen entry point, as its Python wrapper behaves (see the module docstring); with
+    ``return_attn_probs``, ``(out, softmax_lse, S_dmask)``: the lse ``[heads, total_q]`` float32 without a
+    gradient of its own (flash-attn's backward ignores it), no dropout mask (``None``)."""
+    if alibi_slopes is not None or block_table is not None:
+        raise NotImplementedError("the flash-attn double simulates no alibi or paged KV")
     max_seqlen_q, max_seqlen_k = _python_int(max_seqlen_q, "max_seqlen_q"), _python_int(max_seqlen_k, "max_seqlen_k")
     left, right = window_size
     if softmax_scale is None:
@@ -247,11 +257,12 @@ def flash_attn_varlen_func(
     pad = (8 - head_size_og % 8) % 8
     q, k, v = (torch.nn.functional.pad(x, [0, pad]) if pad else x for x in (q, k, v))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
-    out, _ = _varlen_fwd_op(
+    out, lse, _ = _varlen_fwd_op(
         q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), float(softmax_scale),
         bool(causal), left, right, float(softcap),
     )
-    return out[..., :head_size_og]
+    out = out[..., :head_size_og]
+    return (out, lse, None) if return_attn_probs else out
 
 
 def as_module() -> types.ModuleType:

@@ -8,8 +8,9 @@ above them runs unchanged. The kernels are PyTorch's vendored copy of flash-attn
 the CPU kernels reuse the flash-attn double's checks and fp32 reference (``flash_attn_double.varlen_fwd``),
 so the same contract is enforced (fp16/bf16, one dtype, int32 ``cu_seqlens``, head_dim % 8, ...).
 
-Not simulated: the logsumexp output is NaN (``return_aux=AuxRequest(lse=True)`` shows it at once), and
-backward recomputes the forward through autograd instead of using it. What only a real GPU shows is as
+The logsumexp output (``return_aux=AuxRequest(lse=True)``) is the reference's, ``[heads, total_q]`` float32,
+without a gradient of its own (torch's backward ignores it). Not simulated: backward recomputes the forward
+through autograd instead of using the saved output and logsumexp. What only a real GPU shows is as
 for the flash-attn double: speed, memory, the kernel's own rounding, NCCL.
 """
 
@@ -24,12 +25,14 @@ from tests.gpu_sim.flash_attn_double import autograd_inside_kernel, varlen_fwd
 
 
 
-def _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, left, right):
+def _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, left, right,
+            return_lse=False):
     if cum_seq_q is None or cum_seq_k is None:
         raise NotImplementedError("the varlen double simulates the varlen path only (cum_seq_q/k given)")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     left, right = (-1 if w is None else w for w in (left, right))
-    return varlen_fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, scale, is_causal, left, right)
+    return varlen_fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, scale, is_causal, left, right,
+                      return_lse=return_lse)
 
 
 def _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
@@ -37,9 +40,8 @@ def _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, i
              block_table=None, num_splits=None):
     if seqused_k is not None or alibi_slopes is not None or block_table is not None:
         raise NotImplementedError("the varlen double simulates no seqused_k, alibi or paged KV")
-    out = _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
-                  window_size_left, window_size_right)
-    lse = torch.full((query.shape[1], query.shape[0]), float("nan"))  # not simulated (see the docstring)
+    out, lse = _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
+                       window_size_left, window_size_right, return_lse=True)
     return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
 
 

@@ -1,7 +1,8 @@
-"""Attention logit softcapping (Gemma2's ``softcap``) and attention sinks (gpt-oss's ``s_aux``): honoured
+"""Attention logit softcapping (Gemma2's ``softcap``) and the selections no backend implements: honoured
 where the kernel can (``flash_attn`` passes ``softcap`` to flash-attn, ``flex`` applies it as a
 ``score_mod``), refused otherwise: at resolution, from the model's config, with one line naming the family
-and the argument, and again inside every backend if the argument arrives anyway. Never ignored.
+and the argument, and again inside every backend if the argument arrives anyway. Never ignored. (Attention
+sinks, gpt-oss's ``s_aux``, every backend applies: tests/unit/test_attention_sinks.py.)
 
 ``flash_attn`` runs through the flash-attn double of tests/gpu_sim (which implements ``softcap``); ``flex``
 runs forward on CPU (eager), where it has no backward.
@@ -91,12 +92,6 @@ def test_auto_skips_backends_that_cannot_softcap(monkeypatch):
         resolve_backend("auto", torch.device("cpu"), needs=GEMMA2_NEEDS)  # CPU: neither capable one runs
 
 
-@pytest.mark.parametrize("name", ["auto", *BACKENDS])
-def test_attention_sinks_are_refused_by_every_backend(name, capable_gpu):
-    with pytest.raises(AttentionBackendError, match=r"gpt_oss's attention sinks \(s_aux\)"):
-        resolve_backend(name, CUDA, BF16, needs=SINK_NEEDS)
-
-
 def test_the_trainer_resolves_against_the_model_config(capable_gpu):
     from trainer.pipeline import resolve_attention
 
@@ -115,11 +110,14 @@ def test_a_backend_without_softcap_refuses_the_kwarg(name):
         call_with(BACKENDS[name].fn, q, k, v, [3, 4], softcap=30.0)
 
 
+@pytest.mark.parametrize("argument", ["indices", "block_indices", "sinks", "position_bias"])
 @pytest.mark.parametrize("name", list(BACKENDS))
-def test_every_backend_refuses_sinks(name):
+def test_every_backend_refuses_a_selection_it_does_not_implement(name, argument):
+    """DSA's ``indices``, MiniMax-M3's ``block_indices``, Inkling2's ``sinks``, a ``position_bias``: never
+    ignored (their families are refused at build; this is the second line)."""
     q, k, v = qkv([3, 4])
-    with pytest.raises(AttentionBackendError, match=r"attention sinks \(s_aux\)"):
-        call_with(BACKENDS[name].fn, q, k, v, [3, 4], s_aux=torch.zeros(4))
+    with pytest.raises(AttentionBackendError, match=rf"model.attention={name} cannot honour .*\({argument}\): no packed"):
+        call_with(BACKENDS[name].fn, q, k, v, [3, 4], **{argument: torch.zeros(1)})
 
 
 def call_with(fn, q, k, v, lengths, **extra):

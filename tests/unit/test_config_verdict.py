@@ -50,13 +50,77 @@ def test_chunked_loss_keeps_the_boundary_relay():
     assert torch.isfinite(loss)
 
 
-def test_window_kept_only_in_the_mask_is_refused(tmp_path, monkeypatch):
-    """qwen2_moe with sliding layers: the window never reaches the attention function (float32: MoE kernels)."""
+def test_a_window_kept_only_in_the_mask_is_relayed_and_exact(tmp_path, monkeypatch):
+    """qwen2_moe with sliding layers: its attention never passes the window on; ``build_model`` hands it to
+    the sliding layers (``trainer.model.layer_relay``), so the verdict finds it exact (float32: MoE kernels),
+    and refuses it naming the setting where the relay is off."""
+    from trainer.model import layer_relay
+
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4096, num_hidden_layers=2,
                                   layer_types=["sliding_attention", "full_attention"])
+    assert verify_config(config) == "exact"
+    monkeypatch.setattr(layer_relay, "WINDOW_DROPPED", frozenset())
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "relay_off"))
     with pytest.raises(FamilyRefusedError, match="'qwen2_moe'.*sliding_attention.*sliding_window=4096"):
         verify_config(config)
+
+
+def _binding_sizes(config) -> dict[str, int]:
+    """The window / chunk / selection sizes of ``config`` that bind (shorter than its context)."""
+    from trainer.model.config_verdict import SMALL
+
+    values = config.to_dict()
+    context = values.get("max_position_embeddings") or values.get("n_positions") or 10**9
+    sizes = {k: values[k] for k in SMALL if isinstance(values.get(k), int) and not isinstance(values.get(k), bool)}
+    if "index_block_size" in sizes and isinstance(values.get("index_topk_blocks"), int):
+        sizes["selected keys"] = values["index_block_size"] * values["index_topk_blocks"]
+    return {k: v for k, v in sizes.items() if 0 < v < context}
+
+
+def test_every_binding_window_chunk_and_selection_binds_in_the_replica():
+    """For every causal-LM family of the installed transformers, at its default config and with a window,
+    chunks or a sparse layer as users set them: each size that binds for the user (shorter than the context)
+    binds in the replica too (shorter than its longest example), so the verdict never passes a config whose
+    setting it did not exercise."""
+    import warnings
+
+    from trainer.model.config_verdict import LENGTHS
+    from tests.unit.test_family_matrix import installed_families
+
+    users = [(f, {}) for f in installed_families()] + [
+        ("llama4_text", dict(attention_chunk_size=16, floor_scale=32)),
+        ("minimax_m3_vl_text", dict(num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
+                                    mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2)),
+        ("deepseek_v32", dict(index_topk=64)),
+    ]
+    checked = set()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family, overrides in users:
+            try:
+                config = AutoConfig.for_model(family, **overrides)
+                replica = replica_config(config)
+            except Exception:  # noqa: BLE001 - a config transformers cannot build bare (dbrx): no replica either
+                continue
+            got = _binding_sizes(replica)
+            for name, size in _binding_sizes(config).items():
+                assert name in got and got[name] < max(LENGTHS), (family, name, size, got.get(name))
+                checked.add(name)
+    assert {"sliding_window", "attention_chunk_size", "floor_scale", "index_topk", "selected keys"} <= checked
+
+
+def test_a_block_sparse_layer_is_refused_by_the_verdict_too(tmp_path, monkeypatch):
+    """MiniMax-M3's indexer-selected layer, which the family table refuses at build: the verdict on its own
+    refuses it too (its replica's selection, 4 x 2 keys, binds), naming the layer type."""
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model(
+        "minimax_m3_vl_text", num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
+        mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2,
+    )
+    with pytest.raises(FamilyRefusedError, match="'minimax_m3_vl_text'.*block_indices") as info:
+        verify_config(config)
+    assert "\n" not in str(info.value)
 
 
 def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkeypatch, tokenizer):

@@ -59,7 +59,7 @@ def test_the_table_covers_the_installed_families():
     assert not families.EXACT & (families.REFUSED.keys() | families.SKIPPED.keys())
 
 
-@pytest.mark.parametrize("family", ["falcon", "bert", "bart", "gpt_oss", "git"])
+@pytest.mark.parametrize("family", ["falcon", "bert", "bart", "deepseek_v32", "git"])
 def test_a_refused_family_stops_the_build_with_one_line(family, tokenizer):
     with pytest.raises(FamilyRefusedError) as info:
         build_model(ModelConfig(family=family), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
@@ -67,27 +67,49 @@ def test_a_refused_family_stops_the_build_with_one_line(family, tokenizer):
     assert "\n" not in line and repr(family) in line and verdict(family).reason in line
 
 
-def test_phimoe_is_refused_only_with_a_window_it_would_lose():
-    """Phi-3.5-MoE's attention does not pass its sliding window on: refused when the window binds (shorter
-    than the context), exact when it never does (the released checkpoint's window equals its context)."""
-    binding = transformers.AutoConfig.for_model("phimoe", sliding_window=6, max_position_embeddings=64)
-    with pytest.raises(FamilyRefusedError, match="'phimoe' .* does not pass its sliding window .*sliding_window=6"):
-        check_family(binding)
-    released = transformers.AutoConfig.for_model("phimoe", sliding_window=131072, max_position_embeddings=131072)
-    assert check_family(released).kind == "exact"
+def test_a_window_or_chunk_kept_in_the_mask_is_handed_to_the_layers(monkeypatch):
+    """Phi-3.5-MoE (every layer) and Qwen2-MoE (its sliding layers) keep their window in the mask, Llama 4
+    its chunks: ``build_model`` hands them to the layers (``trainer.model.layer_relay``), so a window of 6
+    and chunks of 8 across the probe's examples are exact; without the relay they are not."""
+    from trainer.model import layer_relay
+
+    relayed = {
+        "phimoe": {}, "qwen2_moe": dict(use_sliding_window=True, max_window_layers=1, layer_types=None),
+        "llama4_text": dict(attention_chunk_size=8),
+    }
+    for family, overrides in relayed.items():
+        assert check_family(transformers.AutoConfig.for_model(family, **overrides)).kind == "exact"
+        result = probe(family, **overrides)
+        assert result.outcome == "exact", result.line()
+    monkeypatch.setattr(layer_relay, "WINDOW_DROPPED", frozenset())
+    monkeypatch.setattr(layer_relay, "CHUNK_DROPPED", frozenset())
+    for family, overrides in relayed.items():
+        result = probe(family, **overrides)
+        assert result.outcome == "wrong" and result.logit_diff > 1e-3, result.line()
 
 
-def test_llama4_text_is_refused_while_a_chunk_binds():
-    """Llama 4's chunked layers keep their chunks in the mask only: its default config (chunks of 8192 in
-    a 131072 context) is refused; a chunk as long as the context, or no chunked layer, is exact, and the
-    table entry says so."""
-    with pytest.raises(FamilyRefusedError, match="'llama4_text' .*attention_chunk_size=8192 is shorter"):
-        check_family(transformers.AutoConfig.for_model("llama4_text"))
-    assert check_family(transformers.AutoConfig.for_model("llama4_text", max_position_embeddings=8192)).kind == "exact"
-    full = transformers.AutoConfig.for_model("llama4_text", num_hidden_layers=2, layer_types=["full_attention"] * 2)
-    assert check_family(full).kind == "exact"
-    for family in ("llama4_text", "lfm2"):
-        assert "refused" in verdict(family).reason, verdict(family)
+def test_a_layer_that_selects_its_keys_is_refused_at_build():
+    """An indexer's selection (DSA, MiniMax-M3's block-sparse layers) or a compressor's pooling (DeepSeek-V4)
+    is in no packed backend: refused from the config alone, one line naming the layer type and the sizes;
+    the same families without such a layer are exact."""
+    sparse = transformers.AutoConfig.for_model(
+        "minimax_m3_vl_text", num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
+        mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2,
+    )
+    with pytest.raises(FamilyRefusedError) as info:
+        check_family(sparse, self_check=False)
+    assert "\n" not in str(info.value)
+    assert "'minimax_m3_vl_text' cannot be trained packed exactly: its 'minimax_m3_sparse' layers attend to the key " \
+        "blocks an indexer selects per query (index_block_size=16, index_topk_blocks=2" in str(info.value)
+    assert check_family(transformers.AutoConfig.for_model("minimax_m3_vl_text")).kind == "exact"
+    with pytest.raises(FamilyRefusedError, match="'deepseek_v4' .*'heavily_compressed_attention' layers attend to keys a compressor pools"):
+        check_family(transformers.AutoConfig.for_model("deepseek_v4"))
+    sliding = transformers.AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
+    assert check_family(sliding).kind == "exact"
+    with pytest.raises(FamilyRefusedError, match="'deepseek_v32' .*DSA indexer"):
+        check_family(transformers.AutoConfig.for_model("deepseek_v32"))
+    for family in ("llama4_text", "lfm2", "deepseek_v4", "minimax_m3_vl_text"):
+        assert verdict(family).reason, verdict(family)
 
 
 def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch, caplog):
@@ -150,7 +172,8 @@ def test_a_family_exact_from_a_newer_transformers_is_refused_on_an_older_one(mon
 
 KINDS = [
     "qwen3_moe", "deepseek_v3", "nemotron", "gemma4_text",  # exact (MoE, latent attention, relay, float64 rerun)
-    "phimoe", "mpt", "mamba", "qwen3_next", "doge",  # refused (window, no interface, recurrent, linear attn, mask)
+    "phimoe", "gpt_oss",  # exact through the window relay, with attention sinks
+    "mpt", "mamba", "qwen3_next", "doge",  # refused (no interface, recurrent, linear attn, mask)
     "bart",  # skipped
 ]
 """A family of every verdict and reason (the slow lane); the whole matrix is the benchmark's ``--probe``."""

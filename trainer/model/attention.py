@@ -19,8 +19,9 @@ A packed call without boundaries is an error, never a silent fallback to attenti
 
 ``auto`` takes the first one in that order that can run on the device, in the compute dtype, with what the
 model's attention needs (``AttentionNeeds``: dropout, logit softcapping, sinks). Every backend supports
-sliding windows and GQA. Softcapping (Gemma2): ``flash_attn`` and ``flex`` only. Attention sinks (gpt-oss):
-none, so such a model is refused.
+sliding windows and GQA. Softcapping (Gemma2): ``flash_attn`` and ``flex`` only. Attention sinks (gpt-oss's
+``s_aux``): every backend (``trainer.model.sinks``; ``torch_varlen`` where its ``varlen_attn`` returns the
+log-sum-exp: ``return_aux``).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from trainer.model.backends_cuda import (
     flex_attention_backend,
     flex_unavailable,
     torch_varlen_attention,
+    torch_varlen_sinks_unavailable,
     torch_varlen_unavailable,
 )
 from trainer.model.attention_needs import AttentionNeeds, attention_dropout
@@ -55,6 +57,10 @@ def _anywhere(device: torch.device, dtype: torch.dtype | None = None) -> str | N
     return None
 
 
+def _nothing_missing() -> str | None:
+    return None
+
+
 @dataclass(frozen=True)
 class AttentionBackend:
     name: str
@@ -64,7 +70,9 @@ class AttentionBackend:
     """``unavailable(device, dtype)``: why the backend cannot run there, or None when it can."""
     supports_dropout: bool = True
     supports_softcap: bool = False
-    """Honours transformers' ``softcap`` (attention logit softcapping); no backend honours ``s_aux``."""
+    """Honours transformers' ``softcap`` (attention logit softcapping)."""
+    sinks_unavailable: Callable[[], str | None] = _nothing_missing
+    """Why the backend cannot apply attention sinks (``s_aux``) with the installed packages, or None."""
     requested: str = ""
     """What the user asked for (``auto`` or the name); set by ``resolve_backend``."""
     device: torch.device | None = None
@@ -85,7 +93,7 @@ BACKENDS: dict[str, AttentionBackend] = {
         ),
         AttentionBackend(
             "torch_varlen", torch_varlen_attention, "torch varlen_attn (flash kernel)", torch_varlen_unavailable,
-            supports_dropout=False,
+            supports_dropout=False, sinks_unavailable=torch_varlen_sinks_unavailable,
         ),
         AttentionBackend(
             "flex", flex_attention_backend, "FlexAttention with a document-causal block mask", flex_unavailable,
@@ -123,8 +131,8 @@ def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype
             f"it cannot honour {needs.family}'s attention softcapping (attn_logit_softcapping={needs.softcap}); "
             f"use model.attention={capable}"
         )
-    if needs.sinks:
-        return f"it cannot honour {needs.family}'s attention sinks (s_aux); no packed backend implements them"
+    if needs.sinks and (reason := backend.sinks_unavailable()):
+        return f"it cannot honour {needs.family}'s attention sinks (s_aux): {reason}"
     return None
 
 

@@ -7,6 +7,10 @@ cannot run here (or ``None``): ``resolve_backend`` calls it before any model is 
 Sliding windows map onto the kernels' ``window_size=(left, right)``: transformers' window ``W`` (the last
 ``W`` tokens, itself included) is ``(W - 1, 0)``; plain causal is ``(-1, 0)``. The kernels work per
 example (``cu_seqlens``), so the window never leaves its example.
+
+Attention sinks (``s_aux``) rescale each query's output by ``sigmoid(lse - sink)`` (``trainer.model.sinks``):
+flex returns a differentiable log-sum-exp; flash-attn and ``varlen_attn`` return one without a gradient,
+which ``kernel_lse`` gives through the kernel (one more kernel forward and backward in the backward pass).
 """
 
 from __future__ import annotations
@@ -17,10 +21,11 @@ import logging
 import math
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, create_block_mask, flex_attention
 
 from trainer.model.attention_needs import refuse_unhonoured
 from trainer.model.packed_layout import AttentionBackendError, PackedLayout, allowed, packed_args
+from trainer.model.sinks import kernel_lse, rescale_by_sinks, sinks_of
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +88,37 @@ def flash_attn_unavailable(device: torch.device, dtype: torch.dtype | None = Non
 
 
 def flash_attn_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """flash-attn's ``flash_attn_varlen_func`` (GQA native, dropout and logit softcapping supported)."""
-    refuse_unhonoured("flash_attn", kwargs, softcap=True)
+    """flash-attn's ``flash_attn_varlen_func`` (GQA native; dropout, logit softcapping and sinks supported)."""
+    refuse_unhonoured("flash_attn", kwargs, softcap=True, sinks=True)
+    sinks = sinks_of("flash_attn", kwargs)
     query, key, value = _one_compute_dtype(query, key, value)
     from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
 
     args = packed_args(module, query, key, kwargs)
     cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
     softcap = kwargs.get("softcap")
+    options = dict(causal=True, window_size=_window_size(args.window), softmax_scale=scaling)
+    q, k, v = _flat(query), _flat(key), _flat(value)
+
+    def attend(q, k, v, **extra):  # no dropout
+        return flash_attn_varlen_func(q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, **options, **extra)
+
+    # With dropout, return_attn_probs would also return the dropout mask, [examples, heads, L, L]: the lse then
+    # comes from a call without dropout (it does not depend on the dropout).
+    with_lse = sinks is not None and dropout == 0
     out = flash_attn_varlen_func(
-        _flat(query), _flat(key), _flat(value), cu, cu, args.max_seqlen, args.max_seqlen,
-        dropout_p=dropout, softmax_scale=scaling, causal=True, window_size=_window_size(args.window),
+        q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, dropout_p=dropout,
         softcap=0.0 if softcap is None else float(softcap),  # flash-attn's "off" is 0
+        return_attn_probs=with_lse, **options,
     )
+    if sinks is not None:
+        if with_lse:
+            out, lse, _ = out
+        else:
+            with torch.no_grad():
+                lse = attend(q, k, v, return_attn_probs=True)[1]
+        scale = q.shape[-1] ** -0.5 if scaling is None else scaling
+        out = rescale_by_sinks(out, kernel_lse(lse, q, k, attend, scale), sinks)  # lse: [heads, tokens], no gradient
     return out.unsqueeze(0), None
 
 
@@ -114,8 +137,10 @@ def torch_varlen_unavailable(device: torch.device, dtype: torch.dtype | None = N
 
 
 def torch_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """``torch.nn.attention.varlen.varlen_attn`` (no extra dependency; no dropout, softcapping or sinks)."""
-    refuse_unhonoured("torch_varlen", kwargs)
+    """``torch.nn.attention.varlen.varlen_attn`` (no extra dependency; sinks where it returns the
+    log-sum-exp; no dropout or softcapping)."""
+    refuse_unhonoured("torch_varlen", kwargs, sinks=True)
+    sinks = sinks_of("torch_varlen", kwargs)
     query, key, value = _one_compute_dtype(query, key, value)
     from torch.nn.attention.varlen import varlen_attn
 
@@ -124,11 +149,32 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
             f"torch_varlen has no attention dropout but the model asks for {dropout}; set the model's attention "
             "dropout to 0 or choose model.attention=flash_attn/flex"
         )
+    if sinks is not None and (reason := torch_varlen_sinks_unavailable()):
+        raise AttentionBackendError(
+            f"model.attention=torch_varlen cannot honour the model's attention sinks (s_aux): {reason}"
+        )
     args = packed_args(module, query, key, kwargs)
     cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
     (q, k, v), options = varlen_attn_inputs(_flat(query), _flat(key), _flat(value), scaling, args.window)
-    out = varlen_attn(q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, **options)
-    return out.unsqueeze(0), None
+
+    def attend(q, k, v, **extra):
+        return varlen_attn(q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, **options, **extra)
+
+    if sinks is None:
+        return attend(q, k, v).unsqueeze(0), None
+    from torch.nn.attention.varlen import AuxRequest as VarlenAuxRequest
+
+    out, lse = attend(q, k, v, return_aux=VarlenAuxRequest(lse=True))  # lse: [heads, tokens], no gradient
+    scale = options.get("scale") or q.shape[-1] ** -0.5  # torch 2.10 folds any other scale into q
+    return rescale_by_sinks(out, kernel_lse(lse, q, k, attend, scale), sinks).unsqueeze(0), None
+
+
+def torch_varlen_sinks_unavailable() -> str | None:
+    """Why this torch's ``varlen_attn`` cannot apply attention sinks (it returns no log-sum-exp), or None."""
+    if "return_aux" not in (varlen_attn_parameters() or ()):
+        version = torch.__version__.split("+")[0]
+        return f"torch {version}'s varlen_attn returns no log-sum-exp; use model.attention=flash_attn/flex"
+    return None
 
 
 # A plain dict, not functools.cache: torch.compile traces through a cache wrapper (with a warning) but reads
@@ -241,8 +287,9 @@ def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.
 
 def flex_attention_backend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """FlexAttention with a document-causal block mask (blocks between examples are skipped entirely);
-    logit softcapping as a ``score_mod``."""
-    refuse_unhonoured("flex", kwargs, softcap=True)
+    logit softcapping as a ``score_mod``; sinks through its differentiable log-sum-exp."""
+    refuse_unhonoured("flex", kwargs, softcap=True, sinks=True)
+    sinks = sinks_of("flex", kwargs)
     query, key, value = _one_compute_dtype(query, key, value)
     if dropout > 0:
         raise AttentionBackendError(
@@ -254,5 +301,9 @@ def flex_attention_backend(module, query, key, value, attention_mask, scaling=No
     out = _flex_fn(query.device)(
         query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
         score_mod=None if softcap is None else softcap_score_mod(float(softcap)),
+        **({} if sinks is None else {"return_aux": AuxRequest(lse=True)}),
     )
+    if sinks is not None:
+        out, aux = out
+        out = rescale_by_sinks(out, aux.lse, sinks)  # lse: [1, heads, tokens]
     return out.transpose(1, 2).contiguous(), None

@@ -20,6 +20,9 @@ tokens is more work than the padded baseline does. So the row is cut at example 
 (``tile_width``: at least the longest example, chosen to minimise ``tiles * width^2``) and all tiles go
 through *one* SDPA call as a batch, each with its own block-diagonal causal mask: the same mask, minus
 the all-false blocks between tiles.
+
+Attention sinks (``s_aux``): both add the sink as one more key every query of a rectangle sees
+(``trainer.model.sinks.sdpa_with_sinks``), so each example keeps its own softmax denominator.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import torch.nn.functional as F
 
 from trainer.model.attention_needs import refuse_unhonoured
 from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
+from trainer.model.sinks import sdpa_with_sinks, sinks_of
 
 CALL_COST = 2e7
 """What one extra SDPA call costs, in (query, key) pairs times ``heads * head_dim``: the fixed overhead of
@@ -122,25 +126,24 @@ def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
 
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """Exact causal SDPA per example, examples of similar length batched into one call (no softcapping or
-    sinks: SDPA has neither)."""
-    refuse_unhonoured("sdpa_varlen", kwargs)
+    """Exact causal SDPA per example, examples of similar length batched into one call; sinks as one more
+    key (no softcapping: SDPA has none)."""
+    refuse_unhonoured("sdpa_varlen", kwargs, sinks=True)
+    sinks = sinks_of("sdpa_varlen", kwargs)
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
     gqa = query.shape[1] != key.shape[1]
-    if len(layout.lengths) == 1:  # one example: the row itself
-        mask = causal_window_mask(layout.total, args.window, query.device)
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling,
-            enable_gqa=gqa,
-        )
-        return out.transpose(1, 2).contiguous(), None
 
     def attend(q, k, v, r):
         mask = causal_window_mask(q.shape[2], args.window, q.device)
+        if sinks is not None:
+            return sdpa_with_sinks(q, k, v, mask, sinks, scaling, dropout)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None, scale=scaling, enable_gqa=gqa
         )
+
+    if len(layout.lengths) == 1:  # one example: the row itself
+        return attend(query, key, value, 0).transpose(1, 2).contiguous(), None
 
     # One rectangle per length bucket, one example per row.
     call_pairs = _call_cost_pairs(query)
@@ -175,9 +178,10 @@ def tile_width(lengths: list[int], longest: int, call_pairs: float = 0.0) -> int
 
 
 def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc); no
-    softcapping or sinks."""
-    refuse_unhonoured("sdpa_block_mask", kwargs)
+    """One SDPA call over the row's tiles, each with a block-diagonal causal mask (see the module doc); sinks
+    as one more key, no softcapping."""
+    refuse_unhonoured("sdpa_block_mask", kwargs, sinks=True)
+    sinks = sinks_of("sdpa_block_mask", kwargs)
     args = packed_args(module, query, key, kwargs)
     layout = PackedLayout.of(args.cu_seqlens)
     width = tile_width(layout.lengths, layout.max_len, _call_cost_pairs(query))
@@ -190,6 +194,8 @@ def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling
     mask = layout._plans[mask_key].unsqueeze(1)  # [tiles, 1, S, S]
 
     def attend(q, k, v, r):
+        if sinks is not None:
+            return sdpa_with_sinks(q, k, v, mask, sinks, scaling, dropout)
         return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, enable_gqa=q.shape[1] != k.shape[1]
         )

@@ -32,8 +32,15 @@ log = logging.getLogger(__name__)
 
 LENGTHS = (21, 1, 14, 5, 11, 3, 9)
 """Every shrunk threshold (``SMALL``) is crossed by examples side by side; a 1-token example."""
-SMALL = {"sliding_window": 6, "attention_chunk_size": 8, "window_size": 6, "chunk_size": 8}
-"""Window / chunk sizes of the replica (the user's are far longer than any probe example)."""
+SMALL = {
+    "sliding_window": 6, "attention_chunk_size": 8, "window_size": 6, "chunk_size": 8, "floor_scale": 8,
+    "index_topk": 8, "index_block_size": 4, "index_topk_blocks": 2, "sliding_window_size": 6,
+    "attention_window_size": 6, "local_attention_window_len": 6,
+}
+"""Window / chunk sizes of the replica, under each name a family gives them (the user's are far longer than any
+probe example); Llama 4's attention temperature steps every ``floor_scale`` positions; an indexer selects
+``index_topk`` keys, or ``index_topk_blocks`` blocks of ``index_block_size`` (8 keys, below the longest
+example, so it binds)."""
 ROPE_ORIGINAL = 16
 """The replica's rope threshold (``original_max_position_embeddings``): below the longest example."""
 CONTEXT = 64
@@ -199,6 +206,8 @@ def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if values.get(name):
             out.append((f"{name}={values[name]}", {name: None}))
+    if values.get("attn_temperature_tuning") and values.get("floor_scale"):
+        out.append((f"attn_temperature_tuning (floor_scale={shown['floor_scale']})", {"attn_temperature_tuning": False}))
     return out
 
 

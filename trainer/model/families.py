@@ -23,7 +23,6 @@ from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
 
 from trainer.config import ConfigError
-from trainer.model.attention_needs import SINK_FAMILIES
 from trainer.model_config import language_model_config, trained_config
 
 log = logging.getLogger(__name__)
@@ -46,7 +45,11 @@ LINEAR_ATTENTION = (
 )
 CONVOLUTION = "a short causal convolution runs across the example boundaries of a packed row"
 OWN_MASK = "its attention adds a learned dynamic mask through the attention mask, which packed attention has not"
-SINKS = "attention sinks (s_aux): no packed backend implements them"
+INDEXER = (
+    "its attention attends to the keys a DSA indexer selects per query, through the attention mask: packed "
+    "attention has no mask and no backend implements the selection (made over a packed row, it would pick "
+    "other examples' keys)"
+)
 NOT_CAUSAL = "a bidirectional encoder: causal only as an encoder-decoder's decoder, not a decoder-only causal LM"
 ENCODER_DECODER = "the decoder of an encoder-decoder model, not a decoder-only causal LM"
 MULTIMODAL_ROUTE = (
@@ -57,15 +60,27 @@ MULTIMODAL_FLAT = "a multimodal model with one config for all its parts: no sepa
 MULTIMODAL_NO_LM = "a multimodal model whose language model ({text}) is no causal-LM family of transformers"
 NO_CAUSAL_LM = "transformers has no causal-LM class for it: not a decoder-only causal LM"
 
-WINDOW_DROPPED = frozenset({"phimoe"})
-"""Exact families whose attention does not pass the sliding window on to the attention function (their
-padded path applies it through the mask): refused when the window is shorter than the context (Phi-3.5-MoE
-ships a window as long as its context, which never binds)."""
-WINDOW_DROPPED_REASON = "its attention does not pass its sliding window on to the attention function"
+WINDOW_DROPPED = frozenset({"phimoe", "qwen2_moe"})
+"""Families whose attention does not pass its sliding window on to the attention function (their padded path
+applies it through the mask): ``build_model`` hands it to their sliding layers (``trainer.model.layer_relay``)."""
 CHUNK_DROPPED = frozenset({"llama4_text"})
-"""Exact families whose chunked-attention layers keep their chunks in the mask only (never passed on to the
-attention function): refused when a chunked layer's chunk is shorter than the context."""
-CHUNK_DROPPED_REASON = "its chunked-attention layers do not pass attention_chunk_size on to the attention function"
+"""Families whose chunked-attention layers keep their chunks in the mask only: ``build_model`` hands those
+layers boundaries cut at every chunk (``trainer.model.layer_relay``)."""
+TEMPERATURE_BY_ROW = frozenset({"llama4_text"})
+"""Families whose attention temperature (Llama 4's NoPE layers) reads a token's row index, not its
+position: ``build_model`` makes it read the position (``trainer.model.layer_relay``)."""
+SELECTING_LAYERS = {
+    "indexed_attention": "attend to the keys a DSA indexer selects per query (index_topk={index_topk})",
+    "minimax_m3_sparse": (
+        "attend to the key blocks an indexer selects per query (index_block_size={index_block_size}, "
+        "index_topk_blocks={index_topk_blocks} with index_local_blocks={index_local_blocks})"
+    ),
+    "compressed_sparse_attention": "attend to keys a compressor pools over blocks of tokens, selected by an indexer",
+    "heavily_compressed_attention": "attend to keys a compressor pools over blocks of tokens",
+}
+"""Layer types whose attention sees keys an indexer selects or a compressor pools (from ``layer_types``),
+with what they do: no packed backend implements that (made over a packed row, it would pick or pool other
+examples' keys), so a config with one is refused at build."""
 
 RELAY_BOUNDARIES = frozenset({"stablelm", "nemotron"})
 """Families whose decoder layers drop the attention keyword arguments: ``build_model`` hands the example
@@ -74,14 +89,14 @@ boundaries to their attention modules directly (``trainer.model.prepare.relay_bo
 EXACT: frozenset[str] = frozenset(
     {
         "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "biogpt", "bitnet",
-        "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2", "deepseek_v3", "diffllama",
-        "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo", "gemma",
-        "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
-        "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gptj", "granite", "granitemoe",
-        "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense", "hunyuan_v1_moe", "hy_v3", "hyperclovax",
-        "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "llama4_text",
-        "mellum", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3", "mistral",
-        "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
+        "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2", "deepseek_v3", "deepseek_v4",
+        "diffllama", "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo",
+        "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
+        "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa",
+        "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
+        "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "llama4_text",
+        "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
+        "mistral", "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
         "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
         "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "whisper",
         "youtu"
@@ -93,17 +108,26 @@ some configs (``EXACT_IF``)."""
 EXACT_IF: dict[str, str] = {
     "gemma2": "with flash_attn or flex, which honour its attention softcapping (the other backends are refused at start)",
     "llama4_text": (
-        "while no chunked-attention layer's chunk binds (attention_chunk_size at least the context): its "
-        "default config and the released checkpoints (chunks of 8192) are refused, the chunks stay in the mask"
+        "with its chunked-attention layers cut at every chunk and its NoPE layers' attention temperature read from "
+        "positions (trainer.model.layer_relay); a chunk shorter than an example is refused under parallel.cp"
     ),
     "lfm2": (
         "on configs of attention layers only (its default); short-convolution layers ('conv' in layer_types, "
         "as the released LFM2 checkpoints have) are refused by the config verdict"
     ),
-    "phimoe": "while its sliding window is at least its context (its attention does not pass a shorter window on: refused)",
-    "qwen2_moe": (
-        "while its layers are full attention (its default); sliding-window layers are refused by the config "
-        "verdict (the window stays in the mask and never reaches the attention function)"
+    "phimoe": "with its sliding window handed to its layers (its attention does not pass it on: layer_relay)",
+    "qwen2_moe": "with its sliding layers' window handed to them (its attention does not pass it on: layer_relay)",
+    "minimax_m3_vl_text": (
+        "while no layer is 'minimax_m3_sparse' (its default): an indexer's block-sparse layer is refused at build"
+    ),
+    "deepseek_v4": (
+        "with attention sinks (every backend; not under parallel.cp) while every layer is 'sliding_attention': its "
+        "compressed layers (its default and released configs) are refused at build"
+    ),
+    **dict.fromkeys(
+        ("gpt_oss", "flint", "granite_swa", "granitemoe_swa", "mimo_v2_flash"),
+        "with attention sinks on every backend (trainer.model.sinks; torch_varlen where its varlen_attn returns the "
+        "log-sum-exp), not under parallel.cp",
     ),
 }
 """Exact families whose verdict depends on the config: the condition (the config verdict,
@@ -133,15 +157,15 @@ REFUSED: dict[str, str] = {
     **_reasons(LINEAR_ATTENTION, "lara_mini", "olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
     **_reasons(CONVOLUTION, "inkling_text", "lfm3"),
     **_reasons(OWN_MASK, "doge"),
-    **_reasons(SINKS, *SINK_FAMILIES),
+    **_reasons(INDEXER, "axk2", "deepseek_v32", "glm_moe_dsa", "hy_v4", "hy_v4_vl"),
 }
 """Would crash or train wrong when packed: ``build_model`` refuses them with the reason."""
 
 SKIPPED: dict[str, str] = {
     **_reasons(
         NOT_CAUSAL, "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
-        "megatron-bert", "reformer", "rembert", "roberta", "roberta-prelayernorm", "roc_bert", "roformer", "xlm",
-        "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod",
+        "megatron-bert", "openai_privacy_filter", "reformer", "rembert", "roberta", "roberta-prelayernorm",
+        "roc_bert", "roformer", "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod",
     ),
     **_reasons(
         ENCODER_DECODER, "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart",
@@ -153,8 +177,8 @@ multimodal-LM mapping) takes its text family's verdict or is skipped, with why (
 
 NOT_PROBED = frozenset(
     {
-        "axk2", "bailing_hybrid", "blt", "cohere_compass_text", "dbrx", "deepseek_v32", "dots3_note_text",
-        "gemma3n_text", "gemma4_assistant", "gemma4_unified_assistant", "glm_moe_dsa", "gpt_neo",
+        "bailing_hybrid", "blt", "cohere_compass_text", "dbrx", "dots3_note_text",
+        "gemma3n_text", "gemma4_assistant", "gemma4_unified_assistant", "gpt_neo",
         "granitemoehybrid", "kimi_linear", "lfm2_moe", "longcat_flash", "mamba2", "qwen4_exp_text", "zamba2", "zaya",
     }
 )
@@ -242,33 +266,34 @@ def refusal_line(family: str, reason: str) -> str:
     return f"model family {family!r} cannot be trained packed exactly: {reason}"
 
 
-def binding_window_dropped(config) -> str | None:
-    """Why a family of ``WINDOW_DROPPED`` / ``CHUNK_DROPPED`` cannot be packed with this config (a sliding
-    window or an attention chunk shorter than its context, which its attention would lose), or ``None``."""
-    family = getattr(config, "model_type", None)
-    window = getattr(config, "sliding_window", None)
-    context = getattr(config, "max_position_embeddings", None)
-    if family in WINDOW_DROPPED and window and (context is None or window < context):
-        return f"{WINDOW_DROPPED_REASON} (sliding_window={window} is shorter than the context {context})"
-    chunk = getattr(config, "attention_chunk_size", None)
-    chunked = "chunked_attention" in (getattr(config, "layer_types", None) or ["chunked_attention"])
-    if family in CHUNK_DROPPED and chunk and chunked and (context is None or chunk < context):
-        return f"{CHUNK_DROPPED_REASON} (attention_chunk_size={chunk} is shorter than the context {context})"
+def selected_keys(config) -> str | None:
+    """Why ``config`` cannot be packed for a layer type of ``SELECTING_LAYERS`` in its ``layer_types`` (the
+    keys an indexer selects or a compressor pools), or ``None``."""
+    for kind in dict.fromkeys(getattr(config, "layer_types", None) or []):
+        if kind in SELECTING_LAYERS:
+            what = SELECTING_LAYERS[kind].format_map({k: getattr(config, k, "?") for k in _SELECTION_SIZES})
+            return (
+                f"its {kind!r} layers {what}: no packed backend implements that (made over a packed row, it "
+                "would reach other examples' keys)"
+            )
     return None
+
+
+_SELECTION_SIZES = ("index_topk", "index_block_size", "index_topk_blocks", "index_local_blocks")
 
 
 def check_family(config, self_check: bool = True) -> Verdict:
     """Raise ``FamilyRefusedError`` (one line: the family and the reason) for a refused or skipped family,
-    an exact family whose config asks for what it cannot pack (``binding_window_dropped``), and an untested
-    one when the startup self-check is off (it is then the only guard)."""
-    config = trained_config(config)  # a multimodal model is judged by its language model
+    a config whose layers select their keys (``selected_keys``), and an untested family when the startup
+    self-check is off (it is then the only guard). A multimodal model is judged by its language model."""
+    config = trained_config(config)
     family = getattr(config, "model_type", None) or "the model"
     found = verdict(family)
     if found.kind in ("refused", "skipped"):
         raise FamilyRefusedError(refusal_line(family, found.reason))
     if found.kind == "untested" and not has_causal_lm(config):  # transformers could not load it: one line
         raise FamilyRefusedError(refusal_line(family, NO_CAUSAL_LM))
-    if reason := binding_window_dropped(config):
+    if reason := selected_keys(config):
         raise FamilyRefusedError(refusal_line(family, reason))
     if found.kind == "untested":
         if not self_check:

@@ -231,13 +231,13 @@ def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides
 
     from trainer.config import LossConfig
     from trainer.model.attention import AttentionNeeds, resolve_backend
-    from trainer.model.families import FamilyRefusedError, binding_window_dropped
+    from trainer.model.families import FamilyRefusedError, selected_keys
     from trainer.model.prepare import prepare_model
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = tiny_config(model_type, **overrides)
-        if reason := binding_window_dropped(config):  # the config-dependent refusals of check_family
+        if reason := selected_keys(config):  # the config-dependent refusals of check_family
             raise FamilyRefusedError(reason)
         resolved = resolve_backend(backend, torch.device("cpu"), torch.float32, AttentionNeeds.of(config))
         torch.manual_seed(0)

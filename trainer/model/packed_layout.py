@@ -125,20 +125,22 @@ class PackedLayout:
     max_len: int
     _plans: dict = field(default_factory=dict)
 
-    # (cu tensor, layout, its version): one slot is enough, every layer of a forward passes the same tensor.
-    _last: ClassVar[tuple | None] = None
+    # (cu tensor, layout, its version), newest last: every layer of a forward passes the same tensor, or one
+    # of a few (the example boundaries, a chunked layer's finer ones: ``trainer.model.layer_relay``).
+    _recent: ClassVar[list[tuple]] = []
+    RECENT: ClassVar[int] = 2
 
     @classmethod
     def of(cls, cu: torch.Tensor) -> "PackedLayout":
-        last = cls._last
-        if last is not None and last[0] is cu and last[2] == cu._version:
-            return last[1]
+        for seen, layout, version in cls._recent:
+            if seen is cu and version == cu._version:
+                return layout
         bounds = cu.tolist()  # one host sync per forward, not per layer
         lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
         if bounds[0] != 0 or any(n < 0 for n in lengths):
             raise AttentionBackendError(f"cu_seqlens must start at 0 and not decrease, got {bounds[:8]}...")
         layout = cls(lengths, bounds[-1], max(lengths, default=0))
-        cls._last = (cu, layout, cu._version)
+        cls._recent = [*cls._recent[1 - cls.RECENT :], (cu, layout, cu._version)]
         return layout
 
     def plan(self, key: str, rectangles: list[list[list[int]]], device: torch.device) -> SlotPlan:

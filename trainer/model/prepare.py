@@ -8,18 +8,21 @@ import torch
 
 from trainer.model.attention import AttentionBackend
 from trainer.model.families import RELAY_BOUNDARIES
+from trainer.model.layer_relay import relay_layer_settings
 from trainer.model.rope import apply_per_example_rope
 from trainer.model.wrapper import VarlenCausalLM, decoder_of
 
 
 def prepare_model(model: torch.nn.Module, backend: AttentionBackend) -> VarlenCausalLM:
     """A built transformers causal LM made exact for packed rows and wrapped for varlen batches: rope
-    computed per example where its frequencies depend on the length (``trainer.model.rope``), and the
+    computed per example where its frequencies depend on the length (``trainer.model.rope``), the
     example boundaries handed to the attention modules of a family whose layers drop them
-    (``families.RELAY_BOUNDARIES``)."""
+    (``families.RELAY_BOUNDARIES``), and the windows / chunks a family keeps in its mask handed to its
+    layers (``trainer.model.layer_relay``)."""
     apply_per_example_rope(model)
     if getattr(model.config, "model_type", None) in RELAY_BOUNDARIES:
         relay_boundaries(model)
+    relay_layer_settings(model, decoder_of(model), _calls_attention_interface)
     return VarlenCausalLM(model, backend)
 
 
