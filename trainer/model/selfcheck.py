@@ -245,7 +245,7 @@ def self_check(
     ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0.
     ``route``: the way the run computes the batch when it is not ``model(**batch.model_inputs())`` -- an object
     with ``logits(batch)`` (the row's logits, this rank's part differentiable) and ``sum_over_ranks(t)`` (the
-    gradient projections summed over the ranks that share the row): ``trainer.context_parallel.CPRoute``.
+    gradient projections summed over the ranks that share the row): ``trainer.parallel.route.CPRoute``.
     ``loss``: the loss of the check (``TokenLossCheck``, the default; ``objective=dpo``: ``PairLossCheck``)."""
     check_positions(batch, starts)
     loss = loss or TokenLossCheck()
