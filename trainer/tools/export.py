@@ -31,6 +31,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from trainer.checkpoint import HF_DIR, TRAINER_STATE, CheckpointError, find_checkpoint, read_full_tensors, verify_checkpoint
 from trainer.model import DTYPES
 from trainer.model.lora import is_lora_checkpoint, peft_model_with, rebuild_base
+from trainer.stop_signals import PREEMPTED_EXIT_CODE, Interrupted, exit_interrupted, signals_interrupt
 
 log = logging.getLogger("trainer.tools.export")
 
@@ -74,17 +75,21 @@ def export(
 
     final, out = out, out.with_name(f".{out.name}.export-{os.getpid()}")
     out.mkdir(parents=True)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
-    state = json.loads((path / TRAINER_STATE).read_text())
-    (out / "packfsdp_export.json").write_text(json.dumps({
-        "checkpoint": str(path.resolve()),
-        "step": state["step"],
-        "tokens_seen": state["tokens_seen"],
-        "format": format,
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
-    }, indent=1))
+    try:  # an error or a stop signal (Interrupted) leaves nothing half-written beside out
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
+        state = json.loads((path / TRAINER_STATE).read_text())
+        (out / "packfsdp_export.json").write_text(json.dumps({
+            "checkpoint": str(path.resolve()),
+            "step": state["step"],
+            "tokens_seen": state["tokens_seen"],
+            "format": format,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
+        }, indent=1))
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     _replace(final, out)
     log.info("exported %s (step %d) to %s: %s, %s safetensors", path, state["step"], final, format, torch_dtype)
     return final
@@ -158,8 +163,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(levelname)s] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
-               args.get("format", "merged"), overwrite=args.get("overwrite") == "true")
+        with signals_interrupt(lambda name: f"packfsdp export: stopped by {name}; {args['out']} left as it was: "
+                                            f"run the export again (exit code {PREEMPTED_EXIT_CODE})"):
+            export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
+                   args.get("format", "merged"), overwrite=args.get("overwrite") == "true")
+    except Interrupted as e:
+        exit_interrupted(e.line)
     except CheckpointError as e:
         print(f"packfsdp export: {e}", file=sys.stderr)
         sys.exit(2)
