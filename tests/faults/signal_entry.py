@@ -4,6 +4,9 @@
 sends signal NAME (``SIGTERM``, ``SIGUSR1``) to TARGET: ``parent`` (torchrun, which forwards it to every
 worker, as a scheduler's SIGTERM reaches a job) or ``self`` (this worker only).
 ``PFTEST_SIGNAL=NAME:setup:METHOD:0``: this worker signals itself inside ``Trainer.METHOD`` (setup).
+``PFTEST_SIGNAL=NAME:cp_gather:RANK:STEP``: rank RANK signals itself at step STEP's first context-parallel
+all-gather (inside attention, after FSDP's all-gather of the block: the other rank then waits in the CP group's).
+``PFTEST_PIDFILE=PATH``: each worker writes its pid to ``PATH.RANK`` first (a test can then wake a stopped one).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import os
 import signal
 
 from tests.quick_exit import run_then_exit
-from trainer import loop, train
+from trainer import context_parallel, loop, train
 
 
 def signal_after(name: str, target: str, rank: int, step: int):
@@ -27,6 +30,25 @@ def signal_after(name: str, target: str, rank: int, step: int):
     return train_step
 
 
+def signal_in_cp_gather(name: str, rank: int, step: int) -> None:
+    """Patch the CP all-gather (and ``forward_backward``, which says which step runs) to signal this rank."""
+    original_fb, original_gather = loop.Trainer.forward_backward, context_parallel._AllGatherTokens.forward
+    now = {"step": 0, "sent": False}
+
+    def forward_backward(self, *args, **kwargs):
+        now["step"], now["rank"] = self.step + 1, self.rank
+        return original_fb(self, *args, **kwargs)
+
+    def gather(ctx, x, group):
+        if now["step"] == step and now["rank"] == rank and not now["sent"]:
+            now["sent"] = True
+            os.kill(os.getpid(), getattr(signal, name))
+        return original_gather(ctx, x, group)
+
+    loop.Trainer.forward_backward = forward_backward
+    context_parallel._AllGatherTokens.forward = staticmethod(gather)
+
+
 def signal_in_setup(name: str, phase: str):
     """Signal this worker from inside the setup method ``phase`` (``build_data``: the cache build)."""
     original = getattr(loop.Trainer, phase)
@@ -39,9 +61,14 @@ def signal_in_setup(name: str, phase: str):
 
 
 if __name__ == "__main__":
+    if os.environ.get("PFTEST_PIDFILE"):
+        with open(f"{os.environ['PFTEST_PIDFILE']}.{os.environ.get('RANK', '0')}", "w") as f:
+            f.write(str(os.getpid()))
     sig, where, on_rank, at_step = os.environ["PFTEST_SIGNAL"].split(":")
     if where == "setup":  # PFTEST_SIGNAL=SIGTERM:setup:<method>:0
         setattr(loop.Trainer, on_rank, signal_in_setup(sig, on_rank))
+    elif where == "cp_gather":
+        signal_in_cp_gather(sig, int(on_rank), int(at_step))
     else:
         loop.Trainer.train_step = signal_after(sig, where, int(on_rank), int(at_step))
     run_then_exit(train.main)
