@@ -6,11 +6,16 @@ worker, as a scheduler's SIGTERM reaches a job) or ``self`` (this worker only).
 ``PFTEST_SIGNAL=NAME:setup:METHOD:0``: this worker signals itself inside ``Trainer.METHOD`` (setup).
 ``PFTEST_SIGNAL=NAME:cp_gather:RANK:STEP``: rank RANK signals itself at step STEP's first context-parallel
 all-gather (inside attention, after FSDP's all-gather of the block: the other rank then waits in the CP group's).
-``PFTEST_PIDFILE=PATH``: each worker writes its pid to ``PATH.RANK`` first (a test can then wake a stopped one).
+``PFTEST_SIGNAL=NAME:native:RANK:0``: rank RANK sends NAME to torchrun as the local tokenizer's training starts,
+then stays in native code for two minutes, as the tokenizers trainer's merge phase does (stop signals blocked
+in its main thread, so no Python handler runs there until it returns).
+``PFTEST_PIDFILE=PATH``: each worker writes its pid to ``PATH.RANK`` first (a test can then wake a stopped one);
+without ``PFTEST_SIGNAL`` the run is plain ``trainer.train``.
 """
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 
@@ -49,6 +54,20 @@ def signal_in_cp_gather(name: str, rank: int, step: int) -> None:
     context_parallel._AllGatherTokens.forward = staticmethod(gather)
 
 
+def signal_in_native_tokenizer_training(name: str, rank: int) -> None:
+    from trainer.data import tokenizer
+
+    def train_bpe_tokenizer(*args, **kwargs):
+        if int(os.environ.get("RANK", 0)) == rank:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGUSR1})
+            os.kill(os.getppid(), getattr(signal, name))
+            ctypes.CDLL(None).sleep(120)  # native, the GIL released (the Rust trainer releases it too)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM, signal.SIGUSR1})
+        return original(*args, **kwargs)
+
+    original, tokenizer.train_bpe_tokenizer = tokenizer.train_bpe_tokenizer, train_bpe_tokenizer
+
+
 def signal_in_setup(name: str, phase: str):
     """Signal this worker from inside the setup method ``phase`` (``build_data``: the cache build)."""
     original = getattr(loop.Trainer, phase)
@@ -64,8 +83,12 @@ if __name__ == "__main__":
     if os.environ.get("PFTEST_PIDFILE"):
         with open(f"{os.environ['PFTEST_PIDFILE']}.{os.environ.get('RANK', '0')}", "w") as f:
             f.write(str(os.getpid()))
-    sig, where, on_rank, at_step = os.environ["PFTEST_SIGNAL"].split(":")
-    if where == "setup":  # PFTEST_SIGNAL=SIGTERM:setup:<method>:0
+    sig, where, on_rank, at_step = os.environ.get("PFTEST_SIGNAL", "-:-:0:0").split(":")
+    if where == "-":
+        pass
+    elif where == "native":
+        signal_in_native_tokenizer_training(sig, int(on_rank))
+    elif where == "setup":  # PFTEST_SIGNAL=SIGTERM:setup:<method>:0
         setattr(loop.Trainer, on_rank, signal_in_setup(sig, on_rank))
     elif where == "cp_gather":
         signal_in_cp_gather(sig, int(on_rank), int(at_step))
