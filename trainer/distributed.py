@@ -249,7 +249,8 @@ def store_barrier(name: str, timeout_s: float) -> bool:
 
 # Heartbeats: which rank stopped answering. A rank stuck in a collective only sees "timed out"; every rank's
 # thread leaves the time and the step it is in under its key, so the ranks that give up can name the one whose
-# heartbeat went quiet (stopped, frozen, dead) or that never started their step (hung before it).
+# heartbeat went quiet (stopped, frozen, dead) or that never started their step (hung before it). The stamps
+# are wall-clock times: hosts' clocks must agree within a second or so (NTP), far below the staleness bound.
 _HEARTBEAT_KEY = "packfsdp/alive/{rank}"
 _progress = {"step": 0}
 _stepped = threading.Event()
@@ -275,13 +276,13 @@ def start_heartbeat(interval_s: float) -> None:
 
     def beat() -> None:
         while True:
+            _stepped.clear()  # before the step is read: a step noted from here on wakes the next write
             try:
                 store.set(key, f"{time.time():.3f} {_progress['step']}")
             except Exception:  # noqa: BLE001 - the store (rank 0 or the agent) is gone: nothing left to tell
                 return
             time.sleep(interval_s / 5)  # at most five writes per interval, however short the steps
             _stepped.wait(interval_s * 4 / 5)
-            _stepped.clear()
 
     threading.Thread(target=beat, name="packfsdp-heartbeat", daemon=True).start()
 

@@ -100,9 +100,9 @@ def exit_interrupted(line: str) -> None:
 @contextlib.contextmanager
 def signals_interrupt(line: Callable[[str], str]) -> Iterator[None]:
     """Around work outside the training loop: a stop signal raises ``Interrupted`` (carrying
-    ``line(signal_name)``) in the main thread; if the main thread has not ended the process ``INTERRUPT_GRACE_S`` later (it is in native code),
-    the watcher writes ``line(signal_name)`` and exits with ``PREEMPTED_EXIT_CODE``. Main thread only; the
-    previous handlers come back on exit."""
+    ``line(signal_name)``) in the main thread; if the main thread has not ended the process
+    ``INTERRUPT_GRACE_S`` later (it is in native code), the watcher writes that line and exits with
+    ``PREEMPTED_EXIT_CODE``. Main thread only; the previous handlers come back on exit."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return

@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import time
 
 from tests.quick_exit import run_then_exit
 from trainer import context_parallel, loop, train
@@ -47,6 +48,7 @@ def signal_in_cp_gather(name: str, rank: int, step: int) -> None:
     def gather(ctx, x, group):
         if now["step"] == step and now["rank"] == rank and not now["sent"]:
             now["sent"] = True
+            time.sleep(0.5)  # the heartbeat writes the step (at most five writes per heartbeat interval)
             os.kill(os.getpid(), getattr(signal, name))
         return original_gather(ctx, x, group)
 
