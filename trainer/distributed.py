@@ -103,6 +103,7 @@ def destroy_distributed(clean: bool = True) -> None:
     waiting for them would turn one rank's error into a hang.
     """
     if is_initialized():
+        stop_heartbeat()
         if clean:
             dist.barrier()
         # The model (FSDP state), device mesh and optimizer hold the group through reference cycles. Collect
@@ -218,7 +219,9 @@ def peer_failures() -> dict[int, str]:
 
 def failure_store(wait_s: float = 2.0):
     """The shared store, for a failing rank: each operation waits at most ``wait_s`` (the store may live in a
-    stopped rank's process, and the collective timeout has already been waited once)."""
+    stopped rank's process, and the collective timeout has already been waited once). This rank's heartbeat
+    stops: its failure is what it tells the others now."""
+    stop_heartbeat()
     store = dist.distributed_c10d._get_default_store()
     store.set_timeout(datetime.timedelta(seconds=wait_s))
     return store
@@ -254,6 +257,9 @@ def store_barrier(name: str, timeout_s: float) -> bool:
 _HEARTBEAT_KEY = "packfsdp/alive/{rank}"
 _progress = {"step": 0}
 _stepped = threading.Event()
+_quiet = threading.Event()
+"""Set at teardown and on failure: the store may go with rank 0 (or the agent), and a write to a store that is
+gone costs a C++ warning with a stack trace on stderr."""
 
 
 def heartbeat_interval(timeout_s: float) -> float:
@@ -273,9 +279,10 @@ def start_heartbeat(interval_s: float) -> None:
     if not is_initialized() or world_size() == 1:
         return
     store, key = dist.distributed_c10d._get_default_store(), _HEARTBEAT_KEY.format(rank=rank())
+    _quiet.clear()
 
     def beat() -> None:
-        while True:
+        while not _quiet.is_set():
             _stepped.clear()  # before the step is read: a step noted from here on wakes the next write
             try:
                 store.set(key, f"{time.time():.3f} {_progress['step']}")
@@ -285,6 +292,12 @@ def start_heartbeat(interval_s: float) -> None:
             _stepped.wait(interval_s * 4 / 5)
 
     threading.Thread(target=beat, name="packfsdp-heartbeat", daemon=True).start()
+
+
+def stop_heartbeat() -> None:
+    """No more heartbeat writes from this rank (teardown, failure)."""
+    _quiet.set()
+    _stepped.set()
 
 
 def silent_peers(stale_s: float) -> list[str]:
