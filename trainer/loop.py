@@ -273,6 +273,7 @@ class Trainer:
         """One optimizer step over this rank's micro-batches, applied or skipped on every rank together."""
         start = time.perf_counter()
         self.faults.before_step(self.step + 1)
+        distributed.note_step(self.step + 1)  # the heartbeat tells the other ranks which step this one is in
         batches = self.next_step_batches()
         counts = StepCounts.of(batches).all_reduced(self.device)
         cp_skew = step_skew(batches, self.cp, self.device) if self.cp > 1 else None
