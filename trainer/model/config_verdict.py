@@ -4,12 +4,17 @@ The family table (``trainer.model.families``) was probed on each family's *defau
 may add what that default lacks (short-convolution or linear-attention layers in ``layer_types``, a sliding
 window the family keeps in its mask, chunked attention, another rope type, MoE routing). Before training,
 ``verify_config`` builds ``replica_config(config)``: the same ``model_type`` and every setting that shapes how
-tokens mix, widths shrunk, one layer of each distinct per-layer pattern (``layer_types``, ``no_rope_layers``,
-...), windows / chunks / rope thresholds shrunk below the probe's longest example so that examples cross
-them. It runs a packed row of ``LENGTHS`` against the same examples alone through transformers' eager
-attention, in float64, and compares logits and every parameter's gradient. A mismatch raises
-``FamilyRefusedError`` in one line naming the family and the setting (found by switching each candidate
-setting off in turn). Verdicts are cached by a hash of the config and the installed versions.
+tokens mix, widths shrunk keeping what the config's shape needs (``family_probe.shrunk_shapes``: KV heads =
+heads for multi-head latent attention, head-count ratios, equal head dims and vocabularies), one layer of each
+distinct per-layer pattern (``layer_types``, ``no_rope_layers``, ..., ``family_probe.shrunk_layers``), windows /
+chunks / rope thresholds shrunk below the probe's longest example so that examples cross them. It runs a
+packed row of ``LENGTHS`` against the same examples alone through transformers' eager attention, in float64
+(float32 where the model cannot run in float64), and compares logits and every parameter's gradient. A
+mismatch raises ``FamilyRefusedError`` in one line naming the family and the setting (found by switching each
+candidate setting off in turn); so does a NaN, saying where (the examples alone: the family's own; packed).
+A replica that cannot be built or run is no verdict on the user's model: the larger replica (the config's own
+widths, ``larger_replica``) is tried, then the startup self-check decides. Verdicts are cached by a hash of
+the config and the installed versions.
 """
 
 from __future__ import annotations
@@ -252,7 +257,7 @@ def larger_replica(config):
     with torch.device("meta"):
         size = sum(p.numel() for p in AutoModelForCausalLM.from_config(larger).parameters())
     if size > REPLICA_MAX_PARAMETERS:
-        raise Unbuildable(f"{size / 1e6:.0f}M parameters, over {REPLICA_MAX_PARAMETERS / 1e6:.0f}M")
+        raise Unbuildable(f"{size:,} parameters, over {REPLICA_MAX_PARAMETERS:,}")
     return larger
 
 

@@ -16,6 +16,7 @@ crash, and stay exact.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import warnings
@@ -188,9 +189,18 @@ def shrunk_shapes(values: dict) -> dict:
             out[name] = min(out[name], min(experts))
     for name, value in values.items():  # sub-configs (DBRX's attention and FFN, BLT's encoder / decoder)
         if isinstance(value, dict) and name not in ("rope_parameters", "rope_scaling") and value.keys() & SHRINK.keys():
-            out[name] = value | shrunk_shapes(value)
+            own = {k: v for k, v in value.items() if k not in _base_fields() or k in SHRINK}  # 5.17's DBRX takes no others
+            out[name] = own | shrunk_shapes(value)
             out[name] |= shrunk_layers(value, 2, out[name])
     return out
+
+
+@functools.cache
+def _base_fields() -> frozenset[str]:
+    """The fields every transformers config has (``PreTrainedConfig``'s own), not a family's."""
+    from transformers import PreTrainedConfig
+
+    return frozenset(PreTrainedConfig().to_dict())
 
 
 def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
