@@ -132,7 +132,7 @@ def test_lfm2_moe_with_conv_layers_is_refused_from_a_local_checkpoint_config(tmp
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
         layer_types=["conv", "full_attention"], vocab_size=256,
     ).save_pretrained(tmp_path / "lfm2_moe")
-    with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*layer_types contains 'conv'"):
+    with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*conv"):  # the table's refusal, or the verdict's
         build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
                     resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
 
@@ -340,3 +340,16 @@ def test_formerly_refused_configs_train_with_the_self_check(tmp_path):
     for family in FORMERLY_REFUSED:
         assert f"config verdict: {family} exact for this config" in log, family
     assert log.count("startup self-check passed") == len(FORMERLY_REFUSED)
+
+
+def test_no_replica_and_no_self_check_is_refused(tmp_path, monkeypatch):
+    """Without a verdict from a replica, only the startup self-check vouches for the config: turning it off
+    refuses the config in one line instead of training it unchecked."""
+    from trainer.model import config_verdict
+
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    monkeypatch.setattr(config_verdict, "_judge", lambda config, family: ("unbuildable", ""))
+    config = AutoConfig.for_model("llama", num_hidden_layers=2)
+    assert verify_config(config) == "unbuildable"
+    with pytest.raises(FamilyRefusedError, match="'llama': no replica .* keep model.self_check=true"):
+        verify_config(config, self_check=False)

@@ -107,7 +107,7 @@ def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkey
     longest and stops the run. With the fix, it passes."""
     if not fixed:
         monkeypatch.setattr("trainer.model.prepare.apply_per_example_rope", lambda model: [])
-        monkeypatch.setattr("trainer.model.loading.verify_config", lambda config: "off")  # it refuses this too: the self-check alone here
+        monkeypatch.setattr("trainer.model.loading.verify_config", lambda config, self_check=True: "off")  # it refuses this too: the self-check alone here
     lengths = small_dataset.lengths
     original = int(np.median(lengths))
     model = build_model(longrope_phi3(original), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=0)

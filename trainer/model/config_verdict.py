@@ -50,8 +50,8 @@ ROPE_ORIGINAL = 16
 CONTEXT = 64
 TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (2e-5, 2e-5)}
 """(logits, gradients) per replica dtype; a leak between examples gives ~1e-4 and more (float32 steps inside
-transformers' float64 models, rope among them, leave ~1e-7). float32 only where a kernel refuses float64
-(grouped-GEMM MoE experts)."""
+transformers' float64 models, rope among them, leave ~1e-7). float32 only where the model cannot run in
+float64 (grouped-GEMM MoE experts; GPT-2's ``reorder_and_upcast_attn`` asserts float32 attention weights)."""
 MAX_LAYERS = 6
 VERSION = 4
 """Bump to invalidate cached verdicts when the replica changes."""
@@ -214,9 +214,10 @@ def _cache_file(config) -> Path | None:
     return Path(root).expanduser() / "verdicts" / f"{hashlib.sha256(key.encode()).hexdigest()[:24]}.json"
 
 
-def verify_config(config) -> str:
+def verify_config(config, self_check: bool = True) -> str:
     """Refuse ``config`` (``FamilyRefusedError``, one line) when its replica mixes packed examples; returns
-    ``exact``, ``unbuildable`` (no replica: the table and the self-check decide) or ``cached:...``.
+    ``exact``, ``unbuildable`` (no replica: the table and the self-check decide; refused when ``self_check``
+    is off, which would leave nothing to vouch for it) or ``cached:...``.
     Under torchrun only rank 0 reads the cache or judges (seconds on a miss); every rank gets its verdict
     (one broadcast), so N ranks do not each build the replica and no rank can decide otherwise."""
     found: list[tuple[str, str]] = []
@@ -224,6 +225,11 @@ def verify_config(config) -> str:
     outcome, line = distributed.broadcast_object(found[0] if found else None)
     if outcome == "refused":
         raise FamilyRefusedError(line)
+    if outcome.endswith("unbuildable") and not self_check:
+        raise FamilyRefusedError(
+            f"model family {getattr(config, 'model_type', 'the model')!r}: no replica of this config runs, so the "
+            "config verdict has none; keep model.self_check=true so the startup self-check can vouch for it"
+        )
     return outcome
 
 

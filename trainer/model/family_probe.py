@@ -152,7 +152,10 @@ def own_values(config) -> dict:
     values = config.to_dict()
     for name, value in values.items():
         if "layer" in name and isinstance(value, (int, list)) and not isinstance(value, bool):
-            held = getattr(config, name, value)
+            try:
+                held = getattr(config, name, value)
+            except RuntimeError:  # a per-layer field of a heterogeneous config: its serialized form stands
+                continue
             if type(held) is type(value) and held != value:
                 values[name] = held
     return values

@@ -37,7 +37,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     if cfg.name_or_path:
         config = model_config(cfg)
         check_family(config, cfg.self_check)
-        verify_config(config)
+        verify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         with library_load(f"model.name_or_path={cfg.name_or_path}"):
             model = AutoModelForCausalLM.from_pretrained(
@@ -51,7 +51,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     else:
         config = model_config(cfg, base=tokenizer_fields(tokenizer))
         check_family(config, cfg.self_check)
-        verify_config(config)
+        verify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
