@@ -1,7 +1,8 @@
 """Probe a transformers causal-LM family: does a packed row train exactly what its examples train one by one?
 
-``probe(model_type)`` builds a tiny random model of the family (2 layers, small width, a sliding window of
-6 where the family has one), prepared as ``build_model`` prepares it (``prepare_model``: per-example rope,
+``probe(model_type)`` builds a tiny random model of the family (2 layers of its distinct kinds, small width, a
+sliding window of 6 where the family has one; ``shrunk_shapes`` / ``shrunk_layers`` keep what each config's
+shape needs, and the config verdict's replica shrinks a user's config by the same rules), prepared as ``build_model`` prepares it (``prepare_model``: per-example rope,
 the boundary relay) with the loss a run trains with by default (``LossConfig().impl``: the chunked loss,
 through the decoder stack). A packed row of examples of lengths 9, 1, 14, 5, 11, 3 runs the trainer's step
 through ``sdpa_varlen`` (``summed_token_loss`` / the label count, backward) and is compared with the same
