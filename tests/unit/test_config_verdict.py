@@ -302,7 +302,10 @@ def packed_vs_alone(config, dtype: torch.dtype) -> tuple[float, float]:
     packed = model(torch.cat(examples)[None], torch.cat([torch.arange(len(e)) for e in examples])[None], cu,
                    max(len(e) for e in examples))[0]
     sum(loss(packed[s:t], ids) for s, t, ids in zip(cu[:-1], cu[1:], examples)).backward()
-    rel = lambda a, b: float((a - b).abs().max()) / max(1.0, float(b.abs().max()))  # noqa: E731
+
+    def rel(a, b) -> float:
+        return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
     logit_diff = max(rel(packed[s:t].detach(), a) for s, t, a in zip(cu[:-1], cu[1:], alone_logits))
     grad_diff = max(rel(p.grad, alone_grads[n]) for n, p in model.named_parameters() if p.grad is not None)
     return logit_diff, grad_diff
