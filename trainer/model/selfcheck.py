@@ -341,7 +341,8 @@ def self_check(
                 found = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
                              grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
             if getattr(model, "router_aux", None) is not None and route is None:  # cp > 1 refuses it
-                found |= router_aux_check(model, batch, spans, trains, dtype, found.get("grad_noise", 0.0))
+                found |= router_aux_check(model, batch, spans, trains, dtype, found.get("grad_noise", 0.0),
+                                          rms if trains else 0.0)
     finally:
         _zero_grads(model)
         model.train(was_training)
@@ -356,11 +357,16 @@ def self_check(
 
 
 def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int, slice]], trains: bool,
-                     dtype: torch.dtype, noise: float) -> dict:
+                     dtype: torch.dtype, noise: float, token_rms: float = 0.0) -> dict:
     """The router aux loss of ``batch`` through the run's path against the same tokens' statistic from each
     example run alone (their ``RouterStats`` merged); with trainable parameters its gradient too, the reference's
     taken one example at a time with the batch's counts (``RouterStats.with_counts_of``: the counts carry no
-    gradient; a count that differs shows in the value). ``SelfCheckResult``'s ``aux_*`` fields."""
+    gradient; a count that differs shows in the value). ``SelfCheckResult``'s ``aux_*`` fields.
+
+    The gradient gap is measured on the scale of what a step trains, ``token gradient + coef x aux gradient``:
+    relative to the larger of the aux gradient's own size and the token gradient's (``token_rms``) over
+    ``coef``. Near balanced routing the aux gradient alone is at float rounding (1e-8 in float32), where a
+    relative gap of its own would read rounding as a leak."""
     _, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
     value = stats.balance_loss()
     if trains:
@@ -381,7 +387,7 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
     if trains:
         alone = grad_projections(model)
         _zero_grads(model)
-        rms = max(float(alone.pow(2).mean().sqrt()), 1e-30)
+        rms = max(float(alone.pow(2).mean().sqrt()), token_rms / model.router_aux.coef, 1e-30)
         found |= dict(aux_grad_gap=float((packed - alone).abs().max()) / rms,
                       aux_grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
     return found
