@@ -212,6 +212,7 @@ class Trainer:
         every rank together."""
         start = time.perf_counter()
         self.faults.before_step(self.step + 1)
+        distributed.note_step(self.step + 1)  # the heartbeat tells the other ranks which step this one is in
         with self.route.step(self.next_step_batches(), self.device) as batches:
             for batch in batches:
                 self.faults.on_batch(batch)

@@ -5,6 +5,7 @@ error every bad value raises, and the two checks most fields use (``ConfigError`
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError  # the leaf every stage imports; re-exported by trainer.config
@@ -117,6 +118,18 @@ def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
 def check_positive(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+def check_folder(key: str, value: str) -> None:
+    """``value`` is a folder, or can become one: neither it nor a parent is a file (``NotADirectoryError``
+    deep inside the tokenizer or data cache, otherwise)."""
+    path = Path(value).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"is inside {p}, a file"
+                raise ConfigError(f"{key}={value} {what}, not a folder: point it at a folder (or at none yet)")
+            return
 
 
 MAX_SETTING = 1e15

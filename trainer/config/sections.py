@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from trainer.config.common import (
     WORK_MEASURES,
     ConfigError,
     check_choice,
+    check_folder,
     check_positive,
 )
 
@@ -91,6 +93,10 @@ class DataConfig:
     part of the data cache's key. Training's randomness is the top-level ``seed`` (see there)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
     """Where the locally trained tokenizer and tokenized datasets are cached."""
+    max_record_bytes: int = 8 << 20
+    """A record larger than this (its text in UTF-8 bytes, token ids at 4 bytes each) is skipped before it
+    is tokenized or sampled for the local tokenizer, counted and logged: input memory stays bounded (one 200 MB
+    line grew a rank past 11 GB). 8 MiB is ~2M tokens of text, past any ``max_length``."""
     num_proc: int | None = None
     """Processes that render and tokenize a table source (a ``datasets`` map); ``None``: the cores this job
     may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
@@ -105,6 +111,10 @@ class DataConfig:
         check_choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
         check_positive("data.max_length", self.max_length)
         check_positive("data.num_records", self.num_records)
+        check_positive("data.max_record_bytes", self.max_record_bytes)
+        if os.environ.get("PACKFSDP_CACHE"):  # data.cache_dir's default; the config verdicts are cached there too
+            check_folder("PACKFSDP_CACHE", os.environ["PACKFSDP_CACHE"])
+        check_folder("data.cache_dir", self.cache_dir)
         if self.limit is not None:
             check_positive("data.limit", self.limit)
         if self.num_proc is not None:
