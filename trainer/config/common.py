@@ -76,8 +76,8 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 
 
 GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic", "reasoning_synthetic", "preference_synthetic")
-"""The sources ``trainer.data.sources`` generates offline (small: the local BPE may train on them even when
-they are streamed)."""
+"""The sources ``trainer.data.sources`` generates offline (``generated_source`` registers exactly these; small:
+the local BPE may train on them even when they are streamed)."""
 
 
 
