@@ -27,7 +27,7 @@ import torch
 from trainer import distributed
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
-from trainer.errors import LoadError
+from trainer.errors import AttentionBackendError, LoadError, SelfCheckError
 from trainer.safety import UnsafeFileError, printable, redact
 
 log = logging.getLogger("trainer")
@@ -108,8 +108,6 @@ _COLLECTIVE_SIGNS = ("timed out", "timeout", "connection closed", "connection re
 def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFailed:
     """Turn any exception raised on this rank into the one line the entry point prints, and record it in the
     shared store when it is this rank's own fault (so the others can name it)."""
-    from trainer.model import AttentionBackendError  # late: trainer.model is heavy and not needed above
-
     rank = distributed.rank()
     text = printable(redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
     if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):  # LoadError too
@@ -122,8 +120,6 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
         failure = _own(rank, f"{kind}: {text}", exit_code=2)
         failure.together = True
         return failure
-    from trainer.model.selfcheck import SelfCheckError
-
     if isinstance(exc, SelfCheckError):  # the attention backend disagrees with the reference: exit code 3
         failure = _own(rank, text, exit_code=3)
         failure.together = True

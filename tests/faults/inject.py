@@ -22,7 +22,8 @@ from dataclasses import dataclass
 
 import torch
 
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
 from trainer.loop import Trainer
 from trainer.objectives import MicroLoss
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from tests.faults.inject import Faults, FaultyTrainer
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
 from trainer.objectives import MicroLoss
 
 

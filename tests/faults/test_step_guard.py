@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.faults.inject import Faults, inject, parse_faults
-from trainer.collate import IGNORE_INDEX
+from trainer.data.examples import IGNORE_INDEX
 from trainer.guard import TrainingHalted
 from trainer.throughput import StepCounts
 

@@ -29,10 +29,12 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
+import datasets
+
 from trainer.config import GENERATED_SOURCES, ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
 from trainer.data.synthetic import generate_chats, generate_dialogs, generate_preference_pairs, generate_reasoning_traces
-from trainer.errors import library_load
+from trainer.library_log import library_load
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +190,6 @@ def read_dialog_parquet(files: list[Path], bad: BadRecords | None = None) -> lis
 
 
 def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
-    import datasets
-
     try:
         ds = datasets.load_dataset(hub_id, split=split)
     except Exception as e:  # a script-based hub dataset (datasets >= 4 no longer runs scripts)
@@ -250,8 +250,6 @@ def hf(cfg: DataConfig) -> list[Record]:
 def open_hf_dataset(cfg: DataConfig):
     """``data.path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder (``load_from_disk``; the split of a
     saved ``DatasetDict``), ``.arrow`` files (a file or a folder of them), else ``load_dataset``."""
-    import datasets
-
     check_hf_path(cfg)
     path = Path(cfg.path).expanduser()
     if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):
