@@ -152,7 +152,7 @@ def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torc
     loss.backward()
     policy.eval()
     with torch.no_grad():
-        evaluated = policy(**batch)
+        evaluated = policy.sequence_logps(**batch)
     policy.train()
     return loss.detach(), [p.grad.clone() for p in policy.parameters()], evaluated
 
