@@ -28,7 +28,6 @@ from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
 from trainer.data import load_tokenizer
-from trainer.data.examples import pair_splits_of
 from trainer.guard import StepGuard
 from trainer.metrics import (
     SUMMARY_FILE,
@@ -46,8 +45,7 @@ from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
 from trainer.objectives import RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.packing import build_sampler
-from trainer.pipeline import balance_cost, build_training_data, resolve_attention
+from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, build_route, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
 from trainer.run_dir import RunDir, claim_run_dir
@@ -88,7 +86,7 @@ class Trainer:
         log.info("loss: %s", self.loss_impl)
         self.objective = build_objective(cfg, model)
         self.route = build_route(cfg.parallel, self.rank, self.world_size)
-        self.route.prepare(model, self.sampler, self.dataset.lengths)
+        self.route.prepare(model, self.sampler)
         if cfg.model.self_check:  # before FSDP: the unsharded model (through the route), before step 1
             self.startup_self_check(model)
         mesh = build_mesh(self.device, self.world_size, cfg.parallel)
@@ -138,9 +136,11 @@ class Trainer:
         """The examples, held-out set and sampler (``trainer.pipeline``: the tools see the same ones)."""
         cfg = self.cfg
         data = build_training_data(cfg, self.rank, self.world_size, tokenizer=self.tokenizer, context=context)
-        self.dataset, self.eval_dataset, self.sampler, self.collate, self.probe = (
-            data.dataset, data.eval_dataset, data.sampler, data.collate, data.probe
+        self.dataset, self.eval_dataset, self.sampler, self.collate = (
+            data.dataset, data.eval_dataset, data.sampler, data.collate
         )
+        self.check_examples = data.check_examples()
+        """The examples and plan the startup self-check draws its batch from (streaming: the stream's head)."""
         log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
                  f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
         if not cfg.packing.packed:
@@ -149,11 +149,7 @@ class Trainer:
     def startup_self_check(self, model: torch.nn.Module) -> None:
         """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``),
         through the run's route (under cp > 1, sharded over the real CP group) and the objective's loss."""
-        dataset, sampler = self.dataset, self.sampler
-        if self.probe is not None:  # streaming: the stream's first examples stand in for the dataset
-            dataset = self.probe
-            sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed,
-                                    cost=balance_cost(self.cfg, self.tokenizer), pair_splits=pair_splits_of(dataset))
+        dataset, sampler = self.check_examples
         first = self.objective.check_indices(worst_case_microbatch(sampler), dataset.lengths, self.cfg.row_budget)
         run_startup_self_check(
             model, self.collate(dataset, first, self.tokenizer.pad_token_id), self.cfg.model.self_check_tolerance,

@@ -58,6 +58,13 @@ class TrainingData:
     """The longest example kept (``JobConfig.max_example_length``)."""
     probe: TokenizedDataset | None = None
     """Streaming only: the stream's first training examples (the start-up self-check draws its batch there)."""
+    probe_sampler: MicroBatchSampler | None = None
+    """Streaming only: the probe's own plan (one rank), where the self-check's worst case is found."""
+
+    def check_examples(self) -> tuple[TokenizedDataset, MicroBatchSampler]:
+        """The examples and the plan the startup self-check draws its batch from: the run's own, or a stream's
+        head (a stream's examples are dealt as read)."""
+        return (self.dataset, self.sampler) if self.probe is None else (self.probe, self.probe_sampler)
 
 
 def build_training_data(
@@ -121,7 +128,9 @@ def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, ran
                                fingerprint=source_fingerprint(cfg.data))
     log.info("streaming %s: packed online from a window of %d examples per rank; the run is max_steps=%d steps",
              cfg.data.source, cfg.data.stream.buffer, cfg.max_steps)
-    return TrainingData(tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe)
+    probe_sampler = build_sampler(probe.lengths, cfg.packing, 0, 1, cfg.seed, cost=balance_cost(cfg, tokenizer))
+    return TrainingData(tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe,
+                        probe_sampler)
 
 
 def balance_cost(cfg: JobConfig, tokenizer: Any) -> TokenCost | None:

@@ -19,7 +19,6 @@ import contextlib
 import logging
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -129,9 +128,9 @@ class Route:
     def describe(self) -> str:
         return "data parallel: a micro-batch's row runs whole on its rank"
 
-    def prepare(self, model: torch.nn.Module, sampler, lengths: np.ndarray) -> None:
-        """Set ``model`` (unsharded) up for this route and refuse what it cannot run; ``sampler`` and the examples'
-        ``lengths``: the plan the start-up log describes."""
+    def prepare(self, model: torch.nn.Module, sampler) -> None:
+        """Set ``model`` (unsharded) up for this route and refuse what it cannot run; ``sampler``: the plan the
+        start-up log describes."""
 
     def local(self, batch: Batch) -> Batch:
         """This rank's part of a collated micro-batch (its whole row)."""
@@ -178,11 +177,11 @@ class ContextParallelRoute(Route):
     def describe(self) -> str:
         return f"context parallel: cp={self.cp} ({self.split} split), {self.dp_size} data-parallel group(s)"
 
-    def prepare(self, model: torch.nn.Module, sampler, lengths: np.ndarray) -> None:
+    def prepare(self, model: torch.nn.Module, sampler) -> None:
         refuse_unshardable(model.model, self.cp)
         self.group = new_cp_group(self.world_size, self.cp, self.rank)
         self.kernel = model.backend.name
-        rows = [row_lengths(b, lengths) for round_ in sampler.plan(0).rounds[:64] for b in round_]
+        rows = [row_lengths(b, sampler.lengths) for round_ in sampler.plan(0).rounds[:64] for b in round_]
         log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
                  "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%", self.cp, self.split,
                  self.dp_size, sampler.params.budget, 100 * split_skew(rows, self.cp, "contiguous"),
