@@ -154,7 +154,7 @@ class StepMetrics(JsonRecord):
     """Seconds since this process started the run (a resumed attempt counts from its own start)."""
     preference: dict[str, float] | None = None
     """``objective=dpo``: the step's TRL-named metrics over all ranks (``rewards/chosen``, ``rewards/rejected``,
-    ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ``trainer.preference``);
+    ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ``trainer.objectives.dpo``);
     ``loss`` is then the mean pair loss."""
 
     def __post_init__(self) -> None:
@@ -165,26 +165,19 @@ class StepMetrics(JsonRecord):
 
     @classmethod
     def measure(
-        cls, counts: StepCounts, *, step: int, epoch: int, loss_sum: float, lr: float, grad_norm: float,
+        cls, counts: StepCounts, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float,
         skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
-        cp_skew: float | None = None,
-        preference: dict[str, float] | None = None,
-        router_aux: tuple[float, float] | None = None,
+        **fields: Any,
     ) -> StepMetrics:
-        """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks
-        (``preference``: its summed pair loss, divided by the global pair count; ``router_aux``: the step's
-        aux loss and its coefficient, added to the loss)."""
+        """The record of a step from its all-reduced ``counts`` and its ``loss`` over all ranks; ``fields``: what the
+        objective (``token_loss``, ``aux_loss``, ``preference``) and the parallel route (``cp_skew``) add."""
         useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
-        denominator = counts.pairs if preference is not None else counts.label_tokens
-        loss = loss_sum / max(denominator, 1.0)
-        token_loss, aux_loss = (None, None) if router_aux is None else (loss, router_aux[0])
         return cls(
-            step=step, epoch=epoch, loss=loss if router_aux is None else loss + router_aux[1] * router_aux[0], lr=lr,
-            grad_norm=grad_norm, preference=preference, token_loss=token_loss, aux_loss=aux_loss,
-            useful_tokens=useful, tokens=int(counts.tokens), positions=int(counts.positions),
+            step=step, epoch=epoch, loss=loss, lr=lr, grad_norm=grad_norm, useful_tokens=useful,
+            tokens=int(counts.tokens), positions=int(counts.positions),
             padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
             step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
-            cp_skew=cp_skew,
+            **fields,
         )
 
 
@@ -224,7 +217,7 @@ def setup_logging(rank: int) -> None:
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
-        import transformers
+        import transformers  # lazy: the tools that only read records (compare, summarize) import no transformers
 
         transformers.logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
@@ -234,7 +227,7 @@ def setup_logging(rank: int) -> None:
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
     if device.type == "cuda":
-        import torch
+        import torch  # lazy: the tools that only read records (compare, summarize) import no torch
 
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
@@ -406,7 +399,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
     """A wandb run logging next to the JSONL. Offline needs neither network nor key; an online run that
     cannot start (no key, no network) says so loudly and continues offline rather than killing training."""
-    import wandb
+    import wandb  # optional (logger.wandb=true): the wandb extra
 
     os.environ.setdefault("WANDB_SILENT", "true")
     sys.argv[1:] = redact_argv(sys.argv[1:])  # wandb stores the command line in its run files

@@ -45,7 +45,7 @@ def full_tensors(trainer: Trainer) -> dict[str, torch.Tensor]:
 
 def probe_logits(trainer: Trainer) -> torch.Tensor:
     """Logits of the sharded model on example 0 as a packed batch of one (collective)."""
-    dataset = trainer.dataset if trainer.probe is None else trainer.probe  # streaming: the stream's head
+    dataset = trainer.check_examples[0]  # streaming: the stream's head
     batch = collate_packed(dataset, [0], trainer.tokenizer.pad_token_id).to(trainer.device)
     trainer.model.eval()  # no dropout: the exported model is compared in eval mode
     with torch.no_grad():

@@ -21,7 +21,8 @@ import signal
 import time
 
 from tests.quick_exit import run_then_exit
-from trainer import context_parallel, loop, train
+from trainer import loop, train
+from trainer.parallel import cp_attention
 
 
 def signal_after(name: str, target: str, rank: int, step: int):
@@ -38,7 +39,7 @@ def signal_after(name: str, target: str, rank: int, step: int):
 
 def signal_in_cp_gather(name: str, rank: int, step: int) -> None:
     """Patch the CP all-gather (and ``forward_backward``, which says which step runs) to signal this rank."""
-    original_fb, original_gather = loop.Trainer.forward_backward, context_parallel._AllGatherTokens.forward
+    original_fb, original_gather = loop.Trainer.forward_backward, cp_attention._AllGatherTokens.forward
     now = {"step": 0, "sent": False}
 
     def forward_backward(self, *args, **kwargs):
@@ -53,7 +54,7 @@ def signal_in_cp_gather(name: str, rank: int, step: int) -> None:
         return original_gather(ctx, x, group)
 
     loop.Trainer.forward_backward = forward_backward
-    context_parallel._AllGatherTokens.forward = staticmethod(gather)
+    cp_attention._AllGatherTokens.forward = staticmethod(gather)
 
 
 def signal_in_native_tokenizer_training(name: str, rank: int) -> None:

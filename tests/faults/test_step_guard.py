@@ -11,8 +11,10 @@ import math
 import pytest
 import torch
 
-from trainer.collate import IGNORE_INDEX
-from trainer.guard import FaultInjector, TrainingHalted, parse_faults
+from tests.faults.inject import Faults, inject, parse_faults
+from trainer.data.examples import IGNORE_INDEX
+from trainer.guard import TrainingHalted
+from trainer.throughput import StepCounts
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -30,15 +32,12 @@ def assert_same(a, b) -> None:
         assert torch.equal(x, y)
 
 
-def inject(trainer, spec: str) -> None:
-    trainer.faults = FaultInjector(spec.replace("NEXT", str(trainer.step + 1)), rank=0)
-
-
 def test_all_masked_microbatch_has_zero_loss_and_zero_gradient(trainer):
     _, indices, _ = trainer.sampler.next_microbatch()
     batch = trainer.collate(trainer.dataset, indices, trainer.tokenizer.pad_token_id)
     batch.labels.fill_(IGNORE_INDEX)
-    loss = trainer.forward_backward(batch, global_label_tokens=0.0)
+    batch.num_label_tokens = 0
+    loss = trainer.forward_backward(batch, StepCounts.of([batch], trainer.objective.units))
     assert loss.item() == 0.0
     grads = [_local(p.grad) for p in trainer.model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() and not g.any() for g in grads)
@@ -90,7 +89,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop(trainer):
     trainer.guard.cfg.max_consecutive_skips = 2
     trainer.guard.consecutive_nonfinite = 0
     first = trainer.step + 1
-    trainer.faults = FaultInjector(f"nan_loss@{first},nan_loss@{first + 1}", rank=0)
+    trainer.faults = Faults(f"nan_loss@{first},nan_loss@{first + 1}", rank=0)
     trainer.train_step()
     with pytest.raises(TrainingHalted, match=rf"step {first + 1}: .*2 non-finite steps in a row"):
         trainer.train_step()
@@ -101,5 +100,5 @@ def test_too_many_nonfinite_steps_in_a_row_stop(trainer):
 def test_fault_specs_are_checked():
     assert [(f.kind, f.step, f.rank) for f in parse_faults("oom@3:1, hang@2")] == [("oom", 3, 1), ("hang", 2, None)]
     for bad in ("boom@1", "nan_loss@x", "nan_loss"):
-        with pytest.raises(ValueError, match="PACKFSDP_INJECT_FAULT"):
+        with pytest.raises(ValueError, match="PFTEST_FAULT"):
             parse_faults(bad)

@@ -27,7 +27,7 @@ def test_every_group_made_after_the_start_honours_the_collective_timeout():
 
     from trainer import distributed
     from trainer.config import ParallelConfig
-    from trainer.context_parallel import new_cp_group
+    from trainer.parallel.route import new_cp_group
     from trainer.parallel import build_mesh
 
     def timeout_s(group) -> float:

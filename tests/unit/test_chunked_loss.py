@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
-from trainer.evaluate import evaluate, subset
+from trainer.collate import collate_packed, collate_padded
+from trainer.data.examples import IGNORE_INDEX
+from trainer.data.holdout import subset
+from trainer.evaluate import evaluate
 from trainer.loss import LogitTransform, chunked_summed_loss, summed_token_loss
 from trainer.model import VarlenCausalLM, resolve_backend
 
@@ -53,7 +55,7 @@ def packed_inputs(seed: int = 0) -> tuple[dict, torch.Tensor]:
 
 def loss_and_grads(model: VarlenCausalLM, inputs: dict, labels: torch.Tensor, scale: float = 0.01):
     model.zero_grad()
-    loss = model(**inputs, labels=labels)
+    loss = model.token_loss(**inputs, labels=labels)
     (loss * scale).backward()  # a loss divided by the global label count, as the trainer does
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

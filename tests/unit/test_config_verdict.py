@@ -53,8 +53,8 @@ def test_chunked_loss_keeps_the_boundary_relay():
     model = prepare_model(AutoModelForCausalLM.from_config(config), resolve_backend("sdpa_varlen", torch.device("cpu")))
     model.use_loss("chunked")
     ids = torch.randint(3, 64, (1, 12))
-    loss = model(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32), 7,
-                 labels=ids)
+    loss = model.token_loss(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32),
+                            7, labels=ids)
     assert torch.isfinite(loss)
 
 

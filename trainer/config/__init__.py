@@ -19,6 +19,7 @@ from trainer.config.common import (
     ATTENTION_BACKENDS,
     CODE_OPTIONS,
     CONTEXT_KEYS,
+    CP_SPLITS,
     DTYPE_NAMES,
     GENERATED_SOURCES,
     LOCAL_PATH_PREFIXES,
@@ -30,18 +31,20 @@ from trainer.config.common import (
 from trainer.config.job import JobConfig
 from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
-    PEFT_METHODS, CheckpointConfig, DPOConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
+    OBJECTIVES, PEFT_METHODS, CheckpointConfig, DPOConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
 )
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "CODE_OPTIONS",
     "CONTEXT_KEYS",
+    "CP_SPLITS",
     "DTYPE_NAMES",
     "GENERATED_SOURCES",
     "LOCAL_PATH_PREFIXES",
     "LOSS_IMPLS",
     "MISSING",
+    "OBJECTIVES",
     "PEFT_METHODS",
     "CheckpointConfig",
     "ConfigError",

@@ -4,6 +4,9 @@ error every bad value raises, and the two checks most fields use (``ConfigError`
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,35 @@ LOSS_IMPLS = ("chunked", "naive")
 """``loss.impl`` choices (``trainer.loss``): the LM head fused with the cross-entropy in chunks of tokens, or
 the model's full logits then cross-entropy."""
 
+@dataclass(frozen=True)
+class StrategyKind:
+    """What a packing strategy's micro-batches are, as config validation and every stage need to know it."""
+
+    padded: bool = False
+    """Micro-batches are padded rectangles (``collate_padded``) rather than flat varlen rows."""
+    splits: bool = False
+    """May cut an example into pieces (needs ``budget >= 2``; never drops over-long examples)."""
+
+    @property
+    def min_budget(self) -> int:
+        """The smallest token budget it can pack into: a piece needs a labelled token besides its overlap token."""
+        return 2 if self.splits else 1
+
+
+PACKING_STRATEGIES = {
+    "none": StrategyKind(padded=True), "sorted": StrategyKind(padded=True), "ffd": StrategyKind(),
+    "bfd": StrategyKind(), "bfd_split": StrategyKind(splits=True), "wrapped": StrategyKind(splits=True),
+}
+"""``packing.strategy`` choices and what each packs (``trainer.packing.strategies`` implements exactly these)."""
+
+WORK_MEASURES = ("flops", "tokens", "attention")
+"""``packing.balance`` choices: what ranks can be balanced on (``trainer.packing.balance.work_measure``): the work
+of each sequence from its length: model FLOPs (``TokenCost``), tokens, or attention (length^2)."""
+
+CP_SPLITS = ("contiguous", "balanced")
+"""``parallel.cp_split`` choices: how a row is cut over a context-parallel group (``trainer.parallel.cp_layout``
+implements exactly these; the names live here so that validating a config never imports torch)."""
+
 CONTEXT_KEYS = ("n_positions", "max_position_embeddings")
 """Where a transformers config states the model's context length (GPT-2 names it ``n_positions``)."""
 
@@ -46,8 +78,8 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 
 
 GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic", "reasoning_synthetic", "preference_synthetic")
-"""The sources ``trainer.data.sources`` generates offline (small: the local BPE may train on them even when
-they are streamed)."""
+"""The sources ``trainer.data.sources`` generates offline (``generated_source`` registers exactly these; small:
+the local BPE may train on them even when they are streamed)."""
 
 
 
@@ -111,9 +143,6 @@ def check_finite_settings(settings: Any, key: str = "") -> None:
     """Every number under a config (dataclass fields, and the dicts and lists inside them: optimizer kwargs,
     ``config_overrides``) is finite and at most ``MAX_SETTING`` in size; refused in one line naming the key.
     Generic on purpose: a new float field is covered without being listed."""
-    import dataclasses
-    import math
-
     if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
         items = [(f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)]
     elif isinstance(settings, dict):

@@ -7,14 +7,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Light registries (numpy only): the choice lists and strategy facts below come from them.
-from trainer.packing.balance import WORK_MEASURES
-from trainer.packing.strategies import STRATEGIES, get_strategy
-
 from trainer.config.common import (
-    DTYPE_NAMES,
     ATTENTION_BACKENDS,
+    CP_SPLITS,
+    DTYPE_NAMES,
     LOCAL_PATH_PREFIXES,
+    PACKING_STRATEGIES,
+    WORK_MEASURES,
     ConfigError,
     check_choice,
     check_folder,
@@ -217,10 +216,10 @@ class PackingConfig:
     """``sorted`` only: sort by length inside random groups of ``megabatch_factor x batch size`` examples."""
 
     def validate(self) -> None:
-        check_choice("packing.strategy", self.strategy, tuple(STRATEGIES))
-        check_choice("packing.balance", self.balance, tuple(WORK_MEASURES))
+        check_choice("packing.strategy", self.strategy, tuple(PACKING_STRATEGIES))
+        check_choice("packing.balance", self.balance, WORK_MEASURES)
         check_positive("packing.token_budget", self.token_budget)
-        if self.token_budget < (least := get_strategy(self.strategy).min_budget):
+        if self.token_budget < (least := PACKING_STRATEGIES[self.strategy].min_budget):
             raise ConfigError(f"packing.token_budget must be >= {least} for strategy {self.strategy}")
         if self.max_examples_per_bin is not None:
             check_positive("packing.max_examples_per_bin", self.max_examples_per_bin)
@@ -231,12 +230,12 @@ class PackingConfig:
     @property
     def packed(self) -> bool:
         """Flat varlen micro-batches (``collate_packed``) rather than padded rectangles."""
-        return not get_strategy(self.strategy).padded
+        return not PACKING_STRATEGIES[self.strategy].padded
 
     @property
     def splits_examples(self) -> bool:
         """May cut an example into pieces, so examples need not fit the budget."""
-        return get_strategy(self.strategy).splits
+        return PACKING_STRATEGIES[self.strategy].splits
 
 
 @dataclass
@@ -269,14 +268,14 @@ class ParallelConfig:
     """Backend for ``compile`` (``inductor``; ``aot_eager`` compiles fast, for tests and debugging)."""
     cp: int = 1
     """Context-parallel degree C: each packed row holds ``C x packing.token_budget`` tokens and is sharded along
-    the sequence over C neighbouring ranks (``trainer.context_parallel``); the world is dp x cp, cp innermost."""
+    the sequence over C neighbouring ranks (``trainer.parallel``); the world is dp x cp, cp innermost."""
     cp_split: str = "balanced"
     """How a row is cut over the CP group: ``contiguous`` (equal slices) or ``balanced`` (head/tail zigzag per
     long example, short ones placed by attention cost: about equal attention work per rank)."""
 
     def validate(self) -> None:
         check_positive("parallel.cp", self.cp)
-        check_choice("parallel.cp_split", self.cp_split, ("contiguous", "balanced"))
+        check_choice("parallel.cp_split", self.cp_split, CP_SPLITS)
         check_choice("parallel.activation_checkpointing", self.activation_checkpointing, ("none", "full", "every_k"))
         check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
         if self.dp_replicate is not None:

@@ -9,7 +9,7 @@ each other, positions do not restart, or the backend is wrong: the run stops wit
 It compares logits and the gradient of the run's loss (the *loss of the check*, ``CheckLoss``): the packed
 batch runs the step's own path forward and backward (``TokenLossCheck``: the loss the run trains with,
 ``VarlenCausalLM.use_loss``, the chunked loss through the decoder stack and the boundary relay, or the naive
-one; under ``objective=dpo``, ``trainer.preference.PairLossCheck``: the per-sequence log-probs through the
+one; under ``objective=dpo``, ``trainer.objectives.dpo.PairLossCheck``: the per-sequence log-probs through the
 same head, then the pair losses); each example alone runs through transformers' own attention and its full
 logits' cross-entropy, from which the same loss is computed (one backward per example, or per pair: a pair's
 loss needs both its sequences, and in half precision one more pass for the reverse-order reference). Where
@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from trainer import distributed
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
+from trainer.errors import SelfCheckError
 from trainer.loss import summed_token_loss
 from trainer.model.wrapper import VarlenCausalLM
 from trainer.packing import piece_starts
@@ -91,10 +93,6 @@ def non_finite_gradient(model: torch.nn.Module) -> str:
 def _zero_grads(model: torch.nn.Module) -> None:
     for param in model.parameters():
         param.grad = None
-
-
-class SelfCheckError(RuntimeError):
-    """The packed (or padded) micro-batch disagrees with its examples run one by one."""
 
 
 @dataclass
@@ -218,7 +216,7 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class TokenLossCheck:
     """The loss of the check under SFT: the summed token loss over the batch's label count, as a step takes it.
 
-    A loss of the check (``CheckLoss``: this class, or ``trainer.preference.PairLossCheck``) says how the
+    A loss of the check (``CheckLoss``: this class, or ``trainer.objectives.dpo.PairLossCheck``) says how the
     packed batch's loss runs through the run's own path (``packed``) and how the same loss is made from
     its sequences run alone, ``group`` consecutive sequences at a time (``alone``)."""
 
@@ -259,7 +257,7 @@ def self_check(
     ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0.
     ``route``: the way the run computes the batch when it is not ``model(**batch.model_inputs())`` -- an object
     with ``logits(batch)`` (the row's logits, this rank's part differentiable) and ``sum_over_ranks(t)`` (the
-    gradient projections summed over the ranks that share the row): ``trainer.context_parallel.CPRoute``.
+    gradient projections summed over the ranks that share the row): ``trainer.parallel.route.CPRoute``.
     ``loss``: the loss of the check (``TokenLossCheck``, the default; ``objective=dpo``: ``PairLossCheck``)."""
     check_positions(batch, starts)
     loss = loss or TokenLossCheck()
@@ -367,7 +365,7 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
     relative to the larger of the aux gradient's own size and the token gradient's (``token_rms``) over
     ``coef``. Near balanced routing the aux gradient alone is at float rounding (1e-8 in float32), where a
     relative gap of its own would read rounding as a leak."""
-    _, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+    _, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
     value = stats.balance_loss()
     if trains:
         value.backward()
@@ -376,8 +374,7 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
     parts = []
     for row, span in spans:  # one example's graph at a time
         ids = batch.input_ids[row : row + 1, span]
-        _, part = model(input_ids=ids, position_ids=batch.position_ids[row : row + 1, span],
-                        attention_mask=torch.ones_like(ids), router_aux=True)
+        part = model.router_statistics(ids, batch.position_ids[row : row + 1, span], attention_mask=torch.ones_like(ids))
         if trains:
             part.with_counts_of(stats).backward()
         parts.append(RouterStats(*(t.detach() for t in part)))

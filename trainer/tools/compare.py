@@ -45,7 +45,7 @@ and warns when the two runs differ in one."""
 LOSS_PARITY_TOLERANCE = 0.05  # "loss within 0.05 of the padded baseline"
 DPO_LOSS_PARITY_TOLERANCE = 0.02  # objective=dpo: "final held-out DPO loss of the two within 0.02"
 HELD_OUT_ACCURACY = "final_eval_rewards/accuracies"
-"""objective=dpo: the summary key of the held-out reward accuracy (``trainer.preference``)."""
+"""objective=dpo: the summary key of the held-out reward accuracy (``trainer.objectives.dpo``)."""
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -112,7 +112,7 @@ def load_summary(run_dir: Path) -> dict:
 
 
 def versions() -> dict[str, str]:
-    import torch
+    import torch  # heavy: compare and summarize read records without torch; the report's versions need it
     import transformers
 
     try:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_both(overrides, args.nproc, out)
     report = write_report(out, overrides, args.nproc)
     if args.variability:
-        from trainer.tools import variability
+        from trainer.tools import variability  # heavy (torch, a model): only with --variability
 
         variability.main(["--out", str(out)])
     if args.publish:
