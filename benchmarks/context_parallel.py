@@ -77,7 +77,7 @@ def worker(args) -> None:
         dist.barrier()
         start = time.perf_counter()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = model(**batch.model_inputs(), labels=batch.labels)
+            loss = model.token_loss(**batch.model_inputs(), labels=batch.labels)
         activations = sum(saved.values())
         loss.backward()
         times.append(time.perf_counter() - start)

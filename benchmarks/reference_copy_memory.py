@@ -1,4 +1,4 @@
-"""What making the frozen DPO reference costs in host memory at setup (``trainer.preference.reference.frozen_copy``,
+"""What making the frozen DPO reference costs in host memory at setup (``trainer.objectives.reference.frozen_copy``,
 the policy still whole on every rank): ``python benchmarks/reference_copy_memory.py [--layers 12 --width 768]``.
 
 Two ways to copy a GPT-2 (default: GPT-2 small, 124M parameters, fp32) into a bf16 reference, each in a process
@@ -25,7 +25,7 @@ def measure(way: str, layers: int, width: int) -> dict:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from trainer.preference.reference import frozen_copy
+    from trainer.objectives.reference import frozen_copy
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64, vocab_size=50257))

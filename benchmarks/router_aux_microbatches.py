@@ -44,7 +44,7 @@ def epoch_stats(model, overrides: list[str]) -> list[tuple[int, RouterStats]]:
     out = []
     for round_ in data.sampler.plan(0).rounds:
         batch = data.collate(data.dataset, round_[0], data.tokenizer.pad_token_id)
-        _, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+        _, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
         out.append((batch.num_tokens, stats))
     return out
 

@@ -31,7 +31,10 @@ is counted exactly once.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -39,8 +42,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.model.attention_needs import refuse_unhonoured
+
+log = logging.getLogger("trainer")
 
 CP_SPLITS = ("contiguous", "balanced")
 
@@ -410,6 +416,108 @@ class CPRoute:
         t = t.clone()
         dist.all_reduce(t, group=self.model.cp_group)
         return t
+
+
+class Route:
+    """How a micro-batch runs over the ranks: the route of the parallel stage the step, eval and the self-check go
+    through. This one (``parallel.cp=1``): whole rows, one per rank, dealt over every rank."""
+
+    def __init__(self, rank: int | None = None, world_size: int | None = None) -> None:
+        self.rank = distributed.rank() if rank is None else rank
+        self.world_size = distributed.world_size() if world_size is None else world_size
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel group: the rows it is dealt."""
+        return self.rank
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel groups (the ranks rows are dealt to)."""
+        return self.world_size
+
+    def describe(self) -> str:
+        return "data parallel: a micro-batch's row runs whole on its rank"
+
+    def prepare(self, model: torch.nn.Module, sampler, lengths: np.ndarray) -> None:
+        """Set ``model`` (unsharded) up for this route and refuse what it cannot run; ``sampler`` and the examples'
+        ``lengths``: the plan the start-up log describes."""
+
+    def local(self, batch: Batch) -> Batch:
+        """This rank's part of a collated micro-batch (its whole row)."""
+        return batch
+
+    @contextlib.contextmanager
+    def step(self, batches: list[Batch], device: torch.device) -> Iterator[list[Batch]]:
+        """One optimizer step's micro-batches as this rank runs them (on ``device``)."""
+        yield [self.local(b).to(device) for b in batches]
+
+    def step_metrics(self) -> dict[str, float]:
+        """What the route measured of the last step (for the step's record)."""
+        return {}
+
+    def self_check_route(self, model: torch.nn.Module):
+        """The startup self-check's way of running a batch (``None``: ``model`` as is)."""
+        return None
+
+
+class ContextParallelRoute(Route):
+    """``parallel.cp = C > 1``: a row is the CP group's (ranks ``g*C .. g*C + C - 1``), each rank runs its shard
+    (``shard_batch``), the attention gathers the row's keys over the group (``cp_attention``)."""
+
+    def __init__(self, cp: int, split: str, rank: int | None = None, world_size: int | None = None) -> None:
+        super().__init__(rank, world_size)
+        self.cp, self.split = cp, split
+        self.group = None
+        self.rows_checked = False
+        """The first step after start or resume checks that the group holds one row (``check_same_row``)."""
+        self.skew: float | None = None
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.cp
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.cp
+
+    def describe(self) -> str:
+        return f"context parallel: cp={self.cp} ({self.split} split), {self.dp_size} data-parallel group(s)"
+
+    def prepare(self, model: torch.nn.Module, sampler, lengths: np.ndarray) -> None:
+        refuse_unshardable(model.model, self.cp)
+        self.group = model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
+        rows = [row_lengths(b, lengths) for round_ in sampler.plan(0).rounds[:64] for b in round_]
+        log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
+                 "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%", self.cp, self.split,
+                 self.dp_size, sampler.params.budget, 100 * split_skew(rows, self.cp, "contiguous"),
+                 100 * split_skew(rows, self.cp, "balanced"))
+
+    def local(self, batch: Batch) -> Batch:
+        return shard_batch(batch, self.cp, self.rank % self.cp, self.split)
+
+    @contextlib.contextmanager
+    def step(self, batches: list[Batch], device: torch.device) -> Iterator[list[Batch]]:
+        if not self.rows_checked:
+            for batch in batches:
+                check_same_row(batch, self.group, device)
+            self.rows_checked = True
+        local = [self.local(b).to(device) for b in batches]
+        yield local
+        self.skew = step_skew(local, self.cp, device)
+
+    def step_metrics(self) -> dict[str, float]:
+        return {"cp_skew": self.skew}
+
+    def self_check_route(self, model: torch.nn.Module) -> CPRoute:
+        return CPRoute(model, self.cp, self.rank % self.cp, self.split)
+
+
+def build_route(cfg, rank: int, world_size: int) -> Route:
+    """The route ``parallel.cp`` asks for (``cfg``: the ``ParallelConfig``)."""
+    if cfg.cp > 1:
+        return ContextParallelRoute(cfg.cp, cfg.cp_split, rank, world_size)
+    return Route(rank, world_size)
 
 
 def row_lengths(bin_: np.ndarray, lengths: np.ndarray) -> list[int]:

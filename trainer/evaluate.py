@@ -14,13 +14,14 @@ held-out row fits as its training rows do; each rank counts its own labels, so e
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import torch
 
 from trainer import distributed
 from trainer.collate import Batch, collate_packed
-from trainer.context_parallel import shard_batch
+from trainer.context_parallel import Route
 from trainer.data.examples import TokenizedDataset
 from trainer.data.holdout import holdout_mask, split_holdout, subset  # noqa: F401 (the split's home is data)
 from trainer.loss import summed_token_loss
@@ -37,33 +38,30 @@ def eval_microbatches(lengths: np.ndarray, token_budget: int, rank: int, world_s
     return [round_[rank] for round_ in deal_bins(bins, world_size, lengths, rng=None)]
 
 
+def eval_batches(dataset: TokenizedDataset, token_budget: int, device: torch.device, pad_id: int = 0,
+                 route: Route | None = None) -> Iterator[Batch]:
+    """This rank's held-out micro-batches, collated, through ``route`` (``None``: whole rows on every rank) and on
+    ``device``: ``eval_microbatches`` dealt to the data-parallel groups; under context parallelism each row is
+    the group's, and this rank gets its shard of it."""
+    route = route or Route()
+    for indices in eval_microbatches(dataset.lengths, token_budget, route.dp_rank, route.dp_size):
+        yield route.local(collate_packed(dataset, indices, pad_id)).to(device)
+
+
 @torch.no_grad()
-def evaluate(
-    model: torch.nn.Module,
-    dataset: TokenizedDataset,
-    token_budget: int,
-    device: torch.device,
-    pad_id: int = 0,
-    cp: int = 1,
-    cp_split: str = "balanced",
-) -> dict[str, float]:
-    """Mean token loss over ``dataset`` (all ranks), from packed micro-batches.
+def evaluate(model: torch.nn.Module, dataset: TokenizedDataset, token_budget: int, device: torch.device,
+             pad_id: int = 0, route: Route | None = None) -> dict[str, float]:
+    """Mean token loss over ``dataset`` (all ranks), from packed micro-batches (``eval_batches``).
 
     Every rank must call this together: the micro-batch count is equal on every rank by construction, so
-    FSDP's all-gathers line up. ``cp > 1``: ``token_budget`` is the row (``JobConfig.row_budget``), dealt to
-    ``world / cp`` groups and sharded over each group (the model's ``cp_group``).
+    FSDP's all-gathers line up. Under context parallelism ``token_budget`` is the row (``JobConfig.row_budget``).
     """
     start = time.perf_counter()
     was_training = model.training
     model.eval()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     labels = 0
-    rank = distributed.rank()
-    for indices in eval_microbatches(dataset.lengths, token_budget, rank // cp, distributed.world_size() // cp):
-        batch: Batch = collate_packed(dataset, indices, pad_id)
-        if cp > 1:  # the group's row, this rank's shard of it
-            batch = shard_batch(batch, cp, rank % cp, cp_split)
-        batch = batch.to(device)
+    for batch in eval_batches(dataset, token_budget, device, pad_id, route):
         loss_sum += summed_token_loss(model, batch).double()
         labels += batch.num_label_tokens
     model.train(was_training)

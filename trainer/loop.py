@@ -4,9 +4,11 @@
 ``forward_backward`` (one micro-batch), ``train_step`` (accumulate, clip, step, log) and ``train`` (the loop
 and the summary). The command users type, ``torchrun ... -m trainer.train``, is ``trainer/train.py``.
 
-The loss of a step is the sum of token losses over every micro-batch and every rank divided by the
-global count of label tokens (one all-reduce before the backward passes), so packed, padded and any world
-size optimise the same objective.
+The loop never asks which objective runs nor how a row is laid over the ranks: the objective
+(``trainer.objectives``, chosen by ``objective=``) gives each micro-batch's loss and its share of the step's
+objective, over the step's global counts (one all-reduce before the backward passes), so packed, padded and
+any world size optimise the same objective; the parallel route (``trainer.context_parallel``, chosen by
+``parallel.cp``) gives this rank's part of each micro-batch, in the step's one context.
 """
 
 from __future__ import annotations
@@ -15,32 +17,20 @@ import json
 import logging
 import math
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
-from trainer.context_parallel import (
-    CPRoute,
-    check_same_row,
-    new_cp_group,
-    refuse_unshardable,
-    row_lengths,
-    shard_batch,
-    split_skew,
-    step_skew,
-)
+from trainer.context_parallel import build_route
 from trainer.data import load_tokenizer
-from trainer.data.examples import holds_pairs, pair_splits_of
-from trainer.evaluate import evaluate
+from trainer.data.examples import pair_splits_of
 from trainer.guard import FaultInjector, StepGuard
-from trainer.loss import summed_token_loss
 from trainer.metrics import (
     SUMMARY_FILE,
     EvalMetrics,
@@ -55,14 +45,12 @@ from trainer.metrics import (
 from trainer.model import DTYPES, build_model
 from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
+from trainer.objectives import MicroLoss, RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
 from trainer.pipeline import balance_cost, build_training_data, resolve_attention
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
-from trainer.preference import PAIR_SUMS, PairLossCheck, PreferenceObjective, preference_metrics
-from trainer.preference.reference import plan_reference
-from trainer.router_aux import use_router_aux
 from trainer.run_dir import RunDir, claim_run_dir
 from trainer.safety import redact_tree, user_code
 from trainer.throughput import StepCounts, flop_params, model_flops, peak_tflops
@@ -77,8 +65,6 @@ class Trainer:
         self.last_checkpoint: Path | None = None
         self.tokens_seen = 0
         """Label tokens trained on so far, over all ranks (restored on resume)."""
-        self.first_step = 0
-        """The step this process started at (0, or the resumed one): the CP row check runs right after it."""
         self.setup()
 
     # ------------------------------------------------------------------------------------------------ setup
@@ -101,23 +87,17 @@ class Trainer:
         model = model.to(self.device)
         self.loss_impl = model.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
         log.info("loss: %s", self.loss_impl)
-        self.cp = cfg.parallel.cp
-        self.router_aux = use_router_aux(model, self.cp, cfg.objective)
-        refuse_unshardable(model.model, self.cp)
-        model.cp_group = new_cp_group(self.world_size, self.cp, self.rank)
-        if cfg.model.self_check:  # before FSDP: the unsharded model (under cp, its CP route), before step 1
+        self.objective = build_objective(cfg, model)
+        self.route = build_route(cfg.parallel, self.rank, self.world_size)
+        self.route.prepare(model, self.sampler, self.dataset.lengths)
+        if cfg.model.self_check:  # before FSDP: the unsharded model (through the route), before step 1
             self.startup_self_check(model)
-        if self.cp > 1:
-            rows = [row_lengths(b, self.dataset.lengths) for round_ in self.sampler.plan(0).rounds[:64] for b in round_]
-            log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
-                     "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%",
-                     self.cp, cfg.parallel.cp_split, self.world_size // self.cp, cfg.row_budget,
-                     100 * split_skew(rows, self.cp, "contiguous"), 100 * split_skew(rows, self.cp, "balanced"))
         mesh = build_mesh(self.device, self.world_size, cfg.parallel)
-        reference = plan_reference(cfg.dpo, model, cfg.parallel.param_dtype, self.backend.name, self.loss_impl,
-                                   dtype=DTYPES[cfg.parallel.param_dtype]) if cfg.objective == "dpo" else None
-        self.model = parallelize(model, mesh, cfg.parallel)
-        self.objective = self.preference_objective(reference, mesh)
+        dtype = cfg.parallel.param_dtype
+        self.model = self.objective.setup(model, RunSetup(
+            partial(parallelize, mesh=mesh, cfg=cfg.parallel), [self.dataset, self.eval_dataset], cfg.row_budget,
+            self.device, self.tokenizer.pad_token_id, DTYPES[dtype], (dtype, self.backend.name, self.loss_impl)))
+        log.info("objective: %s", self.objective.describe())
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
         same = {"the number of optimizer steps": self.total_steps}
@@ -134,19 +114,6 @@ class Trainer:
                 "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
                 len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
             )
-
-    def preference_objective(self, reference, mesh) -> PreferenceObjective | None:
-        """``objective=dpo``: the objective with its reference (``trainer.preference``), built after the
-        policy is sharded (a live copy is sharded the same way; ``precompute`` runs its pass now)."""
-        if reference is None:
-            return None
-        no_grad = replace(self.cfg.parallel, activation_checkpointing="none")  # nothing to recompute
-        ref = reference.build(self.model, lambda m: parallelize(m, mesh, no_grad),
-                              [self.dataset, self.eval_dataset], self.cfg.packing.token_budget, self.device,
-                              self.tokenizer.pad_token_id)
-        objective = PreferenceObjective(self.cfg.dpo, ref)
-        log.info("objective: %s", objective.describe())
-        return objective
 
     def start_distributed(self) -> None:
         """Device, process group, logging, the step guard and the run directory every rank agrees on."""
@@ -182,26 +149,18 @@ class Trainer:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
     def startup_self_check(self, model: torch.nn.Module) -> None:
-        """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``);
-        under cp > 1 the batch is a row, run sharded over the real CP group (``CPRoute``); under
-        ``objective=dpo`` the gradient is the DPO loss's (``PairLossCheck``)."""
+        """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``),
+        through the run's route (under cp > 1, sharded over the real CP group) and the objective's loss."""
         dataset, sampler = self.dataset, self.sampler
         if self.probe is not None:  # streaming: the stream's first examples stand in for the dataset
             dataset = self.probe
             sampler = build_sampler(dataset.lengths, self.cfg.packing, 0, 1, self.cfg.seed,
                                     cost=balance_cost(self.cfg, self.tokenizer), pair_splits=pair_splits_of(dataset))
-        first = worst_case_microbatch(sampler)
-        if holds_pairs(dataset):  # pairs are packed whole: the pieces' pairs, as many as the budget holds
-            first = whole_pairs(first, dataset.lengths, self.cfg.row_budget)
-        batch = self.collate(dataset, first, self.tokenizer.pad_token_id)
-        route = CPRoute(model, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split) if self.cp > 1 else None
-        loss = PairLossCheck(self.cfg.dpo) if self.cfg.objective == "dpo" else None
+        first = self.objective.check_indices(worst_case_microbatch(sampler), dataset.lengths, self.cfg.row_budget)
         run_startup_self_check(
-            model, batch, self.cfg.model.self_check_tolerance, DTYPES[self.cfg.parallel.param_dtype], first, route, loss
+            model, self.collate(dataset, first, self.tokenizer.pad_token_id), self.cfg.model.self_check_tolerance,
+            DTYPES[self.cfg.parallel.param_dtype], first, self.route.self_check_route(model), self.objective.check_loss(),
         )
-        if batch.num_pairs:
-            log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone "
-                     "(logits, reply log-probs, the %s's gradient)", batch.num_pairs, batch.num_examples, loss.describe())
 
     def training_state(self) -> TrainingState:
         return TrainingState(self.model, self.optimizer, self.scheduler, self.sampler, self.tokenizer)
@@ -214,7 +173,6 @@ class Trainer:
             self.checkpointer.check_config(path, self.cfg.resume_allow_changes, self.cfg.grad_accum)
             restored = self.checkpointer.load(path, self.training_state(), self.total_steps)
             self.step, self.tokens_seen = restored.step, restored.tokens_seen
-        self.first_step = self.step  # the CP row check runs on the first step after start or resume
         if self.rank == 0:  # steps (and evals) logged after the checkpoint, or by a restart from scratch
             trim_metrics(self.run_dir, self.step)
 
@@ -231,58 +189,38 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------- loop
     def next_step_batches(self) -> list[Batch]:
-        """Up to ``grad_accum`` micro-batches; a step never crosses an epoch boundary. Every rank gets the
+        """Up to ``grad_accum`` collated micro-batches; a step never crosses an epoch boundary. Every rank gets the
         same count because every rank's epoch plan has the same length."""
         batches = []
         for _ in range(self.cfg.grad_accum):
             _, indices, last_of_epoch = self.sampler.next_microbatch()
-            batch = self.collate(self.dataset, indices, self.tokenizer.pad_token_id)
-            if self.cp > 1:  # the group's row, this rank's shard of it
-                if self.step == self.first_step:
-                    check_same_row(batch, self.model.cp_group, self.device)
-                batch = shard_batch(batch, self.cp, self.rank % self.cp, self.cfg.parallel.cp_split)
-            batches.append(batch.to(self.device))
-            self.faults.on_batch(batches[-1])
+            batches.append(self.collate(self.dataset, indices, self.tokenizer.pad_token_id))
             if last_of_epoch:
                 break
         self.dataset.check_unchanged()  # after the reads: a cache edited under the run stops it before it trains on it
         return batches
 
-    def forward_backward(self, batch: Batch, global_label_tokens: float) -> torch.Tensor:
-        """Summed token loss (``objective=dpo``: summed pair loss) of one micro-batch; backward of its share of
-        the global mean (``global_label_tokens``; for ``objective=dpo``, the global pair count), plus, where the
-        config asks, its share of the router aux loss (``trainer.router_aux``: by its part of the step's tokens)."""
+    def forward_backward(self, batch: Batch, counts: StepCounts) -> torch.Tensor:
+        """The objective's summed loss of one micro-batch; backward of its share of the step's objective (over the
+        step's global ``counts``: ``trainer.objectives.base``)."""
         self.faults.before_forward()
-        aux = None
-        if self.objective is not None:
-            loss_sum, sums = self.objective.loss_sum(self.model, batch)
-            self.pair_sums += sums
-        elif self.router_aux is not None:
-            loss_sum, stats = self.model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
-            aux = self.router_aux.step_share(stats, batch.num_tokens, self.step_tokens)
-            self.aux_sum += aux.detach()
-        else:
-            loss_sum = summed_token_loss(self.model, batch)
-        loss_sum = self.faults.on_loss(loss_sum)
-        # An all-masked micro-batch gives loss_sum == 0 (a sum over no token), so zero gradient, never NaN.
-        objective = loss_sum / max(global_label_tokens, 1.0)  # objective=dpo: the global pair count
-        (objective if aux is None else objective + self.router_aux.coef * aux).backward()
-        return loss_sum.detach()
+        loss = MicroLoss(*(self.faults.on_loss(t) for t in self.objective.loss(self.model, batch, counts)))
+        loss.objective.backward()
+        return loss.loss_sum.detach()
 
     def train_step(self) -> StepMetrics:
-        """One optimizer step over this rank's micro-batches, applied or skipped on every rank together."""
+        """One optimizer step over this rank's micro-batches (through the parallel route), applied or skipped on
+        every rank together."""
         start = time.perf_counter()
         self.faults.before_step(self.step + 1)
-        batches = self.next_step_batches()
-        counts = StepCounts.of(batches).all_reduced(self.device)
-        cp_skew = step_skew(batches, self.cp, self.device) if self.cp > 1 else None
-        loss_sum = torch.zeros((), device=self.device)
-        self.pair_sums = torch.zeros(len(PAIR_SUMS), dtype=torch.float64, device=self.device)
-        self.aux_sum, self.step_tokens = torch.zeros((), device=self.device), counts.tokens  # the router aux loss's
-        global_count = counts.pairs if self.objective is not None else counts.label_tokens
-        for i, batch in enumerate(batches):
-            set_gradient_sync(self.model, i == len(batches) - 1)
-            loss_sum += self.forward_backward(batch, global_count)
+        with self.route.step(self.next_step_batches(), self.device) as batches:
+            for batch in batches:
+                self.faults.on_batch(batch)
+            counts = StepCounts.of(batches, self.objective.units).all_reduced(self.device)
+            loss_sum = torch.zeros((), device=self.device)
+            for i, batch in enumerate(batches):
+                set_gradient_sync(self.model, i == len(batches) - 1)
+                loss_sum += self.forward_backward(batch, counts)
         self.faults.after_backward(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         # Every rank reaches the same verdict (one all-reduce): apply, or skip on all ranks together.
@@ -292,26 +230,14 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self.step += 1
         metrics = StepMetrics.measure(
-            counts, step=self.step, epoch=self.sampler.epoch, loss_sum=verdict.loss_sum, lr=lr, grad_norm=grad_norm,
-            skipped=verdict.skip, step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
+            counts, step=self.step, epoch=self.sampler.epoch, lr=lr, grad_norm=grad_norm, skipped=verdict.skip,
+            step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
             model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, self.flop_params),
-            tokens_seen_before=self.tokens_seen, cp_skew=cp_skew, preference=self.step_preference_metrics(counts),
-            router_aux=self.step_router_aux(),
+            tokens_seen_before=self.tokens_seen, **self.objective.step_metrics(verdict.loss_sum, counts, self.device),
+            **self.route.step_metrics(),
         )
         self.tokens_seen = metrics.tokens_seen
         return metrics
-
-    def step_router_aux(self) -> tuple[float, float] | None:
-        """The step's router aux loss over every rank (one all-reduce) and its coefficient, where trained."""
-        if self.router_aux is None:
-            return None
-        return distributed.all_reduce_sum([self.aux_sum.item()], self.device)[0], self.router_aux.coef
-
-    def step_preference_metrics(self, counts: StepCounts) -> dict[str, float] | None:
-        """``objective=dpo``: the step's TRL-named metrics over every rank (one all-reduce)."""
-        if self.objective is None:
-            return None
-        return preference_metrics(distributed.all_reduce_sum(self.pair_sums.tolist(), self.device), counts.pairs)
 
     def optimizer_step(self, apply: bool) -> float:
         """Apply the accumulated gradients (or drop them) and advance the schedule; the lr the step used."""
@@ -369,14 +295,11 @@ class Trainer:
                 "run_dir": str(self.run_dir)}
 
     def evaluate(self) -> EvalMetrics | None:
-        """Eval loss on the held-out split (packed batches; every rank takes part; under cp, sharded rows)."""
+        """The objective's held-out loss (packed batches through the route; every rank takes part)."""
         if self.eval_dataset is None:
             return None
-        # pairs: cp>1 is refused at build
-        run = partial(evaluate, cp=self.cp, cp_split=self.cfg.parallel.cp_split) if self.objective is None \
-            else self.objective.evaluate
-        result = EvalMetrics(step=self.step, **run(
-            self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id
+        result = EvalMetrics(step=self.step, **self.objective.evaluate(
+            self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id, self.route
         ))
         self.eval_dataset.check_unchanged()  # before the result counts
         self.summary.add_eval(result)
@@ -415,17 +338,6 @@ class Trainer:
                 100 * result["mfu"], result["steps"], self.world_size,
             )
         return result
-
-
-def whole_pairs(indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
-    """The self-check batch for preference pairs: the examples of its pieces (or rows), whole, in order,
-    those that fit ``budget`` together (the longest pair always does)."""
-    chosen, room = [], budget
-    for i in dict.fromkeys(int(v) for v in (indices[:, 0] if indices.ndim == 2 else indices)):
-        if lengths[i] <= room or not chosen:
-            chosen.append(i)
-            room -= int(lengths[i])
-    return np.array(chosen, dtype=np.int64)
 
 
 def json_safe(record: dict) -> dict:

@@ -2,7 +2,7 @@
 
 Callers divide by the *global* count of label tokens (all micro-batches of a step, all ranks), so packed,
 padded and every world size optimise the same mean token loss. Training, eval and the benchmarks all
-use ``summed_token_loss``; the model wrapper computes it (``VarlenCausalLM.forward(..., labels=...)``) so that,
+use ``summed_token_loss``; the model wrapper computes it (``VarlenCausalLM.token_loss``) so that,
 under FSDP2, the LM head's parameters are gathered while it runs.
 
 Two implementations of the same sum (``loss.impl``):
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,8 +38,8 @@ chunk of 55 tokens at a 152k vocabulary ran 20% slower than one of 880."""
 def summed_token_loss(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
     """Sum of the token cross-entropies of ``batch``, in fp32. Labels are aligned with input_ids:
     position t predicts ``labels[t + 1]``; -100 (pads, masked tokens, each example's first token) is skipped.
-    ``model`` is a ``VarlenCausalLM`` (its configured loss implementation runs)."""
-    return model(**batch.model_inputs(), labels=batch.labels)
+    ``model`` is a ``VarlenCausalLM`` (its configured loss implementation runs: ``token_loss``)."""
+    return model.token_loss(**batch.model_inputs(), labels=batch.labels)
 
 
 def naive_summed_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -88,6 +88,29 @@ def label_positions(hidden: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 def chunk_tokens_for(vocab: int, chunk_tokens: int | None) -> int:
     return chunk_tokens or max(1, CHUNK_LOGITS // vocab)
+
+
+class LabelHidden(NamedTuple):
+    """The hidden states that predict a label and the output head that makes their logits
+    (``VarlenCausalLM.label_hidden`` hands it to an objective's own loss, inside the forward window, where FSDP2
+    holds the head gathered). A chunked loss takes ``chunk_tokens`` rows at a time (``logits``), so full
+    ``[tokens, vocab]`` logits never exist."""
+
+    hidden: torch.Tensor
+    """``[n, hidden]``: the positions that predict a label, in row order."""
+    targets: torch.Tensor
+    """``[n]``: the label each of them predicts."""
+    weight: torch.Tensor
+    """The head's weight ``[vocab, hidden]``."""
+    bias: torch.Tensor | None
+    transform: LogitTransform
+    """What the family does to the head's output (scale, softcap), as the model's own logits have it."""
+    chunk_tokens: int
+    """Rows per chunk (``loss.chunk_tokens``, or ``CHUNK_LOGITS // vocab``)."""
+
+    def logits(self, start: int, end: int) -> torch.Tensor:
+        """The fp32 logits of rows ``start:end``, transformed as the model's own."""
+        return self.transform.apply(F.linear(self.hidden[start:end], self.weight, self.bias).float())[0]
 
 
 def _chunked_pass(

@@ -154,7 +154,7 @@ class StepMetrics(JsonRecord):
     """Seconds since this process started the run (a resumed attempt counts from its own start)."""
     preference: dict[str, float] | None = None
     """``objective=dpo``: the step's TRL-named metrics over all ranks (``rewards/chosen``, ``rewards/rejected``,
-    ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ``trainer.preference``);
+    ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ``trainer.objectives.dpo``);
     ``loss`` is then the mean pair loss."""
 
     def __post_init__(self) -> None:
@@ -165,26 +165,19 @@ class StepMetrics(JsonRecord):
 
     @classmethod
     def measure(
-        cls, counts: StepCounts, *, step: int, epoch: int, loss_sum: float, lr: float, grad_norm: float,
+        cls, counts: StepCounts, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float,
         skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
-        cp_skew: float | None = None,
-        preference: dict[str, float] | None = None,
-        router_aux: tuple[float, float] | None = None,
+        **fields: Any,
     ) -> StepMetrics:
-        """The record of a step from its all-reduced ``counts`` and its summed token loss over all ranks
-        (``preference``: its summed pair loss, divided by the global pair count; ``router_aux``: the step's
-        aux loss and its coefficient, added to the loss)."""
+        """The record of a step from its all-reduced ``counts`` and its ``loss`` over all ranks; ``fields``: what the
+        objective (``token_loss``, ``aux_loss``, ``preference``) and the parallel route (``cp_skew``) add."""
         useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
-        denominator = counts.pairs if preference is not None else counts.label_tokens
-        loss = loss_sum / max(denominator, 1.0)
-        token_loss, aux_loss = (None, None) if router_aux is None else (loss, router_aux[0])
         return cls(
-            step=step, epoch=epoch, loss=loss if router_aux is None else loss + router_aux[1] * router_aux[0], lr=lr,
-            grad_norm=grad_norm, preference=preference, token_loss=token_loss, aux_loss=aux_loss,
-            useful_tokens=useful, tokens=int(counts.tokens), positions=int(counts.positions),
+            step=step, epoch=epoch, loss=loss, lr=lr, grad_norm=grad_norm, useful_tokens=useful,
+            tokens=int(counts.tokens), positions=int(counts.positions),
             padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
             step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
-            cp_skew=cp_skew,
+            **fields,
         )
 
 

@@ -21,13 +21,16 @@ of the global batch, whatever the world size or mesh shape.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
 from torch import nn
 from torch.distributed._composable import checkpoint as checkpoint_activations
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard, register_fsdp_forward_method,
+)
 
 from trainer.config import ParallelConfig
 from trainer.model import DTYPES, VarlenCausalLM
@@ -90,7 +93,7 @@ def offload_policy(cfg: ParallelConfig, device: torch.device) -> OffloadPolicy:
     return CPUOffloadPolicy(pin_memory=device.type == "cuda")
 
 
-def parallelize(model: VarlenCausalLM, mesh: DeviceMesh, cfg: ParallelConfig) -> VarlenCausalLM:
+def parallelize(model: VarlenCausalLM, mesh: DeviceMesh, cfg: ParallelConfig, frozen: bool = False) -> VarlenCausalLM:
     """Apply activation checkpointing, compile and FSDP2/HSDP to ``model`` in place and return it.
 
     Each decoder block is its own FSDP unit; the root holds the rest (embeddings, final norm, LM head; tied
@@ -100,7 +103,11 @@ def parallelize(model: VarlenCausalLM, mesh: DeviceMesh, cfg: ParallelConfig) ->
         model: the (unsharded) model, already on its device.
         mesh: from ``build_mesh``: 1-D (FSDP) or 2-D (HSDP).
         cfg: the parallel config (dtypes, checkpointing, offload, resharding, compile).
+        frozen: a model that never runs backward (a DPO reference): sharded the same way, nothing to recompute,
+            so no activation checkpointing.
     """
+    if frozen:
+        cfg = dataclasses.replace(cfg, activation_checkpointing="none")
     block_mp, root_mp = mixed_precision_policy(cfg, root=False), mixed_precision_policy(cfg)
     device = next(model.parameters()).device
     offload = offload_policy(cfg, device)
@@ -113,6 +120,8 @@ def parallelize(model: VarlenCausalLM, mesh: DeviceMesh, cfg: ParallelConfig) ->
         reshard = cfg.reshard_after_forward and i < len(layers) - 1
         fully_shard(layer, mesh=mesh, mp_policy=block_mp, offload_policy=offload, reshard_after_forward=reshard)
     fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
+    for method in model.FORWARD_METHODS:  # the wrapper's other passes (token loss, log-probs, ...) are forwards too
+        register_fsdp_forward_method(model, method)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_gradient_divide_factor(1.0)

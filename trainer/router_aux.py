@@ -16,7 +16,7 @@ is their ``RouterStats`` added up, and its gradient can be taken one example at 
 counts (what the startup self-check's reference does).
 
 packfsdp takes the same statistic from the router logits the decoder returns on the run's own path
-(``VarlenCausalLM.forward(..., router_aux=True)``: the naive or the chunked loss, a packed row or a padded
+(``VarlenCausalLM.token_loss(..., router=True)``: the naive or the chunked loss, a packed row or a padded
 batch) over each micro-batch's real tokens, and the step trains
 
     sum_m token_loss_m / labels  +  coef * sum_m (tokens_m / tokens) * aux_m
@@ -37,6 +37,7 @@ import torch
 import transformers
 from torch import nn
 
+from trainer import distributed
 from trainer.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -154,6 +155,31 @@ def router_aux_of(model: nn.Module) -> RouterAux | None:
     return RouterAux(coef, int(model.num_experts), int(model.num_experts_per_tok))
 
 
+class RouterAuxTerm:
+    """The router aux loss as an additive term of an objective's step (``trainer.objectives.sft`` carries it): each
+    micro-batch adds ``coef x`` its share of the step's aux loss (``RouterAux.step_share``, by its part of the
+    step's real tokens) to what backward runs, and the step logs the aux loss apart from the token loss."""
+
+    def __init__(self, aux: RouterAux) -> None:
+        self.aux = aux
+        self.aux_sum: torch.Tensor | None = None
+        """The step's aux shares so far on this rank (detached)."""
+
+    def share(self, stats: RouterStats, tokens: float, step_tokens: float) -> torch.Tensor:
+        """``coef x`` a micro-batch's share of the step's aux loss (``tokens`` of the step's ``step_tokens``)."""
+        share = self.aux.step_share(stats, tokens, step_tokens)
+        self.aux_sum = share.detach() if self.aux_sum is None else self.aux_sum + share.detach()
+        return self.aux.coef * share
+
+    def step_metrics(self, token_loss: float, device: torch.device) -> dict[str, float]:
+        """The step's aux loss over every rank (one all-reduce): ``loss`` (what was trained: ``token_loss + coef x
+        aux``), ``token_loss`` and ``aux_loss``; the next step starts from 0."""
+        local = 0.0 if self.aux_sum is None else self.aux_sum.item()
+        self.aux_sum = None
+        aux = distributed.all_reduce_sum([local], device)[0]
+        return {"loss": token_loss + self.aux.coef * aux, "token_loss": token_loss, "aux_loss": aux}
+
+
 def use_router_aux(model: nn.Module, cp: int, objective: str) -> RouterAux | None:
     """Set ``model`` (a ``VarlenCausalLM``, unsharded) to return its router statistics where asked, and return
     what the step adds (``None``: nothing). Refused in one line where packfsdp cannot train it exactly; a tiny
@@ -190,7 +216,7 @@ def probe_router_logits(model: nn.Module, tokens: int = 8) -> bool:
     was_training = model.training
     model.eval()
     try:
-        _, stats = model(ids, positions, attention_mask=torch.ones_like(ids), labels=ids, router_aux=True)
+        _, stats = model.token_loss(ids, positions, attention_mask=torch.ones_like(ids), labels=ids, router=True)
     except NoRouterLogits:
         return False
     finally:

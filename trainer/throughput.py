@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import NamedTuple
 
@@ -72,16 +73,16 @@ class StepCounts:
     """Positions padded micro-batches of the same examples would compute."""
     sum_squared_lengths: float
     """Sum of squared example lengths (the attention part of the model FLOPs)."""
-    pairs: float = 0.0
-    """Preference pairs (``objective=dpo`` divides its summed pair loss by this global count)."""
+    units: float = 0.0
+    """What the objective divides its summed loss by (``Objective.units``: label tokens, preference pairs)."""
 
     @classmethod
-    def of(cls, batches: list[Batch]) -> StepCounts:
-        """This rank's counts."""
+    def of(cls, batches: list[Batch], units: Callable[[Batch], float] = lambda b: b.num_label_tokens) -> StepCounts:
+        """This rank's counts (``units``: what a micro-batch adds to the objective's denominator)."""
         return cls(
             sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
             sum(b.num_positions for b in batches), sum(padded_equivalent_positions(b) for b in batches),
-            sum(sum_squared_lengths(b) for b in batches), sum(b.num_pairs for b in batches),
+            sum(sum_squared_lengths(b) for b in batches), sum(units(b) for b in batches),
         )
 
     def all_reduced(self, device: torch.device) -> StepCounts:

@@ -54,7 +54,7 @@ def reference(model, data: Examples, items) -> tuple[torch.Tensor, float, dict]:
     for item in items:
         batch = collate_packed(data, np.asarray([item]))
         logits.append(model(**batch.model_inputs())[0].detach())
-        loss = model(**batch.model_inputs(), labels=batch.labels)
+        loss = model.token_loss(**batch.model_inputs(), labels=batch.labels)
         loss.backward()
         total += float(loss.detach())
     return torch.cat(logits), total, grads(model)
@@ -67,7 +67,7 @@ def context_parallel(model, data: Examples, items, cp: int, split: str, group) -
     row = collate_packed(data, np.asarray(items))
     local = shard_batch(row, cp, dist.get_rank(group), split)
     logits = model(**local.model_inputs())[0].detach()
-    loss = model(**local.model_inputs(), labels=local.labels)
+    loss = model.token_loss(**local.model_inputs(), labels=local.labels)
     loss.backward()
     g = grads(model)
     for t in g.values():
@@ -173,6 +173,7 @@ def composition_cases(groups) -> dict:
 def eval_cases(groups) -> dict:
     """Packed eval under cp: rows of cp x budget dealt to the data-parallel groups and sharded over each group
     give the eval loss of cp=1, and no rank runs more than its shard of a row."""
+    from trainer.context_parallel import ContextParallelRoute
     from trainer.evaluate import evaluate
 
     lengths = [int(x) for x in np.random.default_rng(5).integers(1, 60, 24)]
@@ -180,12 +181,12 @@ def eval_cases(groups) -> dict:
     data.lengths = np.asarray(lengths)
     model = tiny_model("gpt2")
     seen = []
-    model.register_forward_pre_hook(lambda m, args, kw: seen.append(kw["input_ids"].shape[1]), with_kwargs=True)
+    model.model.get_input_embeddings().register_forward_hook(lambda m, args, out: seen.append(args[0].shape[1]))
     budget, out = 64, {}
     ref = evaluate(model, data, budget, torch.device("cpu"))["eval_loss"]
     for cp in (2, 4):
         model.cp_group, seen[:] = groups[cp][dist.get_rank() // cp], []
-        loss = evaluate(model, data, cp * budget, torch.device("cpu"), cp=cp)["eval_loss"]
+        loss = evaluate(model, data, cp * budget, torch.device("cpu"), route=ContextParallelRoute(cp, "balanced"))["eval_loss"]
         out[f"eval/cp{cp}"] = {"loss": abs(loss - ref), "unsharded": float(max(seen) > 1.5 * budget)}
     model.cp_group = None
     return out

@@ -18,8 +18,8 @@ from trainer.data import load_dataset, load_tokenizer
 from trainer.model import build_model, resolve_backend
 from trainer.model.lora import apply_peft
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
-from trainer.preference import PreferenceObjective
-from trainer.preference.reference import plan_reference
+from trainer.objectives.dpo import PairLoss
+from trainer.objectives.reference import plan_reference
 
 SIZES = {"gpt2": LORA_SIZES["gpt2"],
          "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -58,7 +58,7 @@ def run_case(family: str, lora: bool, tokenizer, microbatches, rank: int) -> dic
         for p in one.parameters():
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     one_ref = one_plan.build(one, lambda m: m, [], 0, torch.device("cpu"))
-    loss_one = accumulate(one, PreferenceObjective(CFG, one_ref), microbatches, global_pairs)
+    loss_one = accumulate(one, PairLoss(CFG, one_ref), microbatches, global_pairs)
 
     cfg = ParallelConfig(device="cpu", backend="gloo", param_dtype="float32", reduce_dtype="float32")
     mesh = build_mesh(torch.device("cpu"), 2, cfg)
@@ -69,7 +69,7 @@ def run_case(family: str, lora: bool, tokenizer, microbatches, rank: int) -> dic
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     model = parallelize(model, mesh, cfg)
     ref = plan.build(model, lambda m: parallelize(m, mesh, cfg), [], 0, torch.device("cpu"))
-    local = accumulate(model, PreferenceObjective(CFG, ref), microbatches[2 * rank: 2 * rank + 2], global_pairs)
+    local = accumulate(model, PairLoss(CFG, ref), microbatches[2 * rank: 2 * rank + 2], global_pairs)
     loss_two = distributed.all_reduce_sum([local], torch.device("cpu"))[0]
     grads = {n: p.grad for n, p in one.named_parameters() if p.requires_grad}
     diffs = {n: float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in model.named_parameters() if p.requires_grad}

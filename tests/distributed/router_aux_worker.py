@@ -33,7 +33,7 @@ def step(model, batches, labels: float, tokens: float) -> tuple[float, float, di
     objective = aux_sum = 0.0
     for i, batch in enumerate(batches):
         set_gradient_sync(model, i == len(batches) - 1)
-        loss_sum, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+        loss_sum, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
         aux = model.router_aux.step_share(stats, batch.num_tokens, tokens)
         value = loss_sum / labels + model.router_aux.coef * aux
         value.backward()

@@ -109,11 +109,11 @@ def test_dpo_trains_is_preempted_in_its_eval_resumes_bitwise_and_refuses_a_chang
     """SIGTERM during the step-2 DPO eval (the watchdog's grace covers the eval): the eval ends, the step-2
     checkpoint is saved, the run returns preempted; ``resume=auto`` rebuilds the frozen reference from the
     starting weights and trains steps 3-4 as the run never stopped."""
-    from trainer.preference import PreferenceObjective
+    from trainer.objectives import DPO
 
     whole, whole_dir = live_run
     with one_rank_world():
-        resumed = preempted_then_resumed(monkeypatch, tmp_path / "cut", PreferenceObjective, "evaluate",
+        resumed = preempted_then_resumed(monkeypatch, tmp_path / "cut", DPO, "evaluate",
                                          signal.SIGTERM, 2)
         with pytest.raises(ConfigError, match=r"dpo\.beta: 0\.1 -> 0\.3"):
             run(tmp_path / "cut", "resume=auto", "dpo.beta=0.3", "max_steps=6")

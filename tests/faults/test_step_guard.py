@@ -13,6 +13,7 @@ import torch
 
 from trainer.collate import IGNORE_INDEX
 from trainer.guard import FaultInjector, TrainingHalted, parse_faults
+from trainer.throughput import StepCounts
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -38,7 +39,8 @@ def test_all_masked_microbatch_has_zero_loss_and_zero_gradient(trainer):
     _, indices, _ = trainer.sampler.next_microbatch()
     batch = trainer.collate(trainer.dataset, indices, trainer.tokenizer.pad_token_id)
     batch.labels.fill_(IGNORE_INDEX)
-    loss = trainer.forward_backward(batch, global_label_tokens=0.0)
+    batch.num_label_tokens = 0
+    loss = trainer.forward_backward(batch, StepCounts.of([batch], trainer.objective.units))
     assert loss.item() == 0.0
     grads = [_local(p.grad) for p in trainer.model.parameters() if p.grad is not None]
     assert grads and all(torch.isfinite(g).all() and not g.any() for g in grads)

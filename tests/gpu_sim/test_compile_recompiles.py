@@ -130,7 +130,7 @@ def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torc
     policy's per-sequence reply log-probs through the chunked head (with grad), the frozen reference's and the
     policy's eval pass (both no-grad). Returns (DPO loss, gradients, eval log-probs)."""
     from trainer.config import DPOConfig
-    from trainer.preference import pair_losses
+    from trainer.objectives.dpo import pair_losses
 
     g = torch.Generator().manual_seed(sum(map(sum, pairs)))
     ids, labels, lengths = [], [], []
@@ -143,11 +143,11 @@ def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torc
             lengths.append(prompt + reply)
     batch = dict(input_ids=torch.cat(ids)[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
                  cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), max_seqlen=max(lengths),
-                 labels=torch.cat(labels)[None], per_sequence=True)
+                 labels=torch.cat(labels)[None])
     policy.zero_grad(set_to_none=True)
-    logps = policy(**batch)
+    logps = policy.sequence_logps(**batch)
     with torch.no_grad():
-        ref = reference(**batch)
+        ref = reference.sequence_logps(**batch)
     loss = pair_losses(logps[0::2], logps[1::2], ref[0::2], ref[1::2], DPOConfig())[0].sum()
     loss.backward()
     policy.eval()

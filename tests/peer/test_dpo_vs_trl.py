@@ -14,7 +14,7 @@ pairs. cDPO (packfsdp's ``sigmoid`` with ``label_smoothing``) is no TRL 1.16 los
 
 packfsdp's side: TRL's token ids as pre-tokenized pairs (``prompt_input_ids`` / ``chosen_input_ids`` /
 ``rejected_input_ids``) through packfsdp's data route, all pairs in one packed row (``collate_packed``),
-``PreferenceObjective`` with a ``LiveReference`` through the chunked head, divided by the pair count.
+``PairLoss`` (``trainer.objectives.dpo``) with a ``LiveReference`` through the chunked head, divided by the pair count.
 The reference is a perturbed copy of the policy, so the loss is not trivially log 2. The reference-free
 ``simpo`` is compared with TRL's SimPO (``trl.experimental.cpo.CPOTrainer``) the same way (last test).
 """
@@ -37,8 +37,8 @@ from trainer.config import DataConfig, DPOConfig, ModelConfig  # noqa: E402
 from trainer.data import load_dataset, load_tokenizer  # noqa: E402
 from trainer.model.attention import resolve_backend  # noqa: E402
 from trainer.model.wrapper import VarlenCausalLM  # noqa: E402
-from trainer.preference import PreferenceObjective  # noqa: E402
-from trainer.preference.reference import LiveReference  # noqa: E402
+from trainer.objectives.dpo import PairLoss  # noqa: E402
+from trainer.objectives.reference import LiveReference  # noqa: E402
 
 TOL = dict(atol=1e-5, rtol=1e-5)
 WORDS = "the a train bus shop opens closes at nine ten today tomorrow early late please thanks sorry yes no".split()
@@ -134,7 +134,7 @@ def packfsdp_batch(examples, tokenizer, tmp_path):
 def packfsdp_loss_and_grads(policy, reference, batch, cfg: DPOConfig):
     policy.train()
     policy.zero_grad(set_to_none=True)
-    loss_sum, _ = PreferenceObjective(cfg, LiveReference(reference)).loss_sum(policy, batch)
+    loss_sum, _ = PairLoss(cfg, LiveReference(reference)).loss_sum(policy, batch)
     loss = loss_sum / batch.num_pairs
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in policy.model.named_parameters() if p.grad is not None}
@@ -220,7 +220,7 @@ def test_packed_simpo_equals_trl_cpo_trainer_simpo(tokenizer, tmp_path):
         pairs.append({"prompt_ids": prompt, "chosen_ids": chosen, "rejected_ids": rejected})
     batch = packfsdp_batch(pairs, tok, tmp_path)
     policy.train()
-    loss_sum, _ = PreferenceObjective(DPOConfig(beta=beta, loss="simpo", simpo_gamma=gamma), None).loss_sum(policy, batch)
+    loss_sum, _ = PairLoss(DPOConfig(beta=beta, loss="simpo", simpo_gamma=gamma), None).loss_sum(policy, batch)
     loss = loss_sum / batch.num_pairs
     loss.backward()
     grads = {n: p.grad for n, p in policy.model.named_parameters() if p.grad is not None}

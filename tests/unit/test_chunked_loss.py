@@ -53,7 +53,7 @@ def packed_inputs(seed: int = 0) -> tuple[dict, torch.Tensor]:
 
 def loss_and_grads(model: VarlenCausalLM, inputs: dict, labels: torch.Tensor, scale: float = 0.01):
     model.zero_grad()
-    loss = model(**inputs, labels=labels)
+    loss = model.token_loss(**inputs, labels=labels)
     (loss * scale).backward()  # a loss divided by the global label count, as the trainer does
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 

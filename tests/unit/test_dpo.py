@@ -1,4 +1,4 @@
-"""The preference objective (``trainer.preference``): packed pairs == each sequence run alone.
+"""The preference objective (``trainer.objectives.dpo``): packed pairs == each sequence run alone.
 
 Per-sequence summed reply log-probs, the DPO loss and every gradient of a packed pair batch equal those of
 each sequence run alone through the plain transformers model (no packing, no chunked head), with the loss
@@ -21,8 +21,8 @@ from trainer.collate import collate_packed, collate_padded
 from trainer.config import DPOConfig
 from trainer.data.examples import from_examples
 from trainer.data.pairs import join_pair
-from trainer.preference import PreferenceObjective, pair_losses, sequence_logps
-from trainer.preference.reference import LiveReference, adapters_off
+from trainer.objectives.dpo import PairLoss, pair_losses, sequence_logps
+from trainer.objectives.reference import LiveReference, adapters_off
 
 PAIRS = [(5, 9, 3), (1, 14, 6), (7, 2, 11), (3, 8, 8), (10, 4, 1)]
 """(prompt, chosen, rejected) lengths: long and short replies, a one-token prompt, a one-token reply."""
@@ -94,7 +94,7 @@ def test_packed_pairs_equal_each_sequence_alone(family, lora):
     batch = collate_packed(ds, indices)
     assert batch.num_pairs == len(PAIRS) and batch.num_examples == 2 * len(PAIRS)
     model.train()
-    loss_sum, sums = PreferenceObjective(cfg, reference).loss_sum(model, batch)
+    loss_sum, sums = PairLoss(cfg, reference).loss_sum(model, batch)
     (loss_sum / batch.num_pairs).backward()
     packed_grads = grads(model)
     packed_logps = sequence_logps(model, batch).detach().view(-1, 2)
@@ -122,7 +122,7 @@ def test_padded_pairs_equal_packed_pairs():
     """``packing=none`` runs DPO padded (one row per sequence): the same loss and gradients as packed."""
     model = tiny_model("qwen2", "sdpa_varlen")
     model.use_loss("chunked")
-    ds, objective = pair_dataset(), PreferenceObjective(DPOConfig(), FixedReference(torch.zeros(2 * len(PAIRS))))
+    ds, objective = pair_dataset(), PairLoss(DPOConfig(), FixedReference(torch.zeros(2 * len(PAIRS))))
     results = []
     for collate in (collate_packed, collate_padded):
         batch = collate(ds, np.arange(len(PAIRS)), 0)
@@ -167,7 +167,7 @@ def test_a_filler_batch_gives_zero_loss_and_zero_gradient():
 
     model = tiny_model("gpt2", "sdpa_varlen")
     model.use_loss("chunked")
-    loss_sum, sums = PreferenceObjective(DPOConfig(), FixedReference(None)).loss_sum(model, _empty_batch(0))
+    loss_sum, sums = PairLoss(DPOConfig(), FixedReference(None)).loss_sum(model, _empty_batch(0))
     loss_sum.backward()
     assert float(loss_sum) == 0.0 and not sums.any()
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
@@ -182,8 +182,8 @@ def test_precomputed_reference_is_the_live_one_stored_with_the_cache(tokenizer, 
     from trainer.data import load_dataset
     from trainer.data.holdout import split_holdout
     from trainer.model import build_model, resolve_backend
-    from trainer.preference import reference as reference_module
-    from trainer.preference.reference import plan_reference
+    from trainer.objectives import reference as reference_module
+    from trainer.objectives.reference import plan_reference
 
     data = load_dataset(DataConfig(source="preference_synthetic", num_records=40, cache_dir=str(tmp_path)), tokenizer, 512)
     train, held = split_holdout(data, 0.2, seed=1)
@@ -226,7 +226,7 @@ def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
     from tests.unit.test_self_check import with_zero_init_leak
     from trainer.model import SelfCheckError, self_check
     from trainer.model.selfcheck import run_startup_self_check
-    from trainer.preference import PairLossCheck
+    from trainer.objectives.dpo import PairLossCheck
 
     model = tiny_model("gpt2", "sdpa_varlen")
     model.use_loss("chunked", chunk_tokens=7)

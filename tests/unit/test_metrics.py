@@ -25,9 +25,9 @@ JSONL_KEYS = [
 ]
 
 
-def _measure(counts: StepCounts, skipped: str | None = None, loss_sum: float = 700.0) -> StepMetrics:
+def _measure(counts: StepCounts, skipped: str | None = None, loss: float = 2.0) -> StepMetrics:
     return StepMetrics.measure(
-        counts, step=3, epoch=1, loss_sum=loss_sum, lr=1e-4, grad_norm=0.5, skipped=skipped, step_time_s=0.25,
+        counts, step=3, epoch=1, loss=loss, lr=1e-4, grad_norm=0.5, skipped=skipped, step_time_s=0.25,
         model_flops=2e9, peak_mem_gib=1.5, tokens_seen_before=10_000,
     )
 
@@ -39,7 +39,7 @@ COUNTS = StepCounts(label_tokens=350.0, tokens=400.0, positions=500.0, padded_eq
 def test_measure_computes_the_derived_ratios_from_the_all_reduced_counts():
     m = _measure(COUNTS)
     assert (m.useful_tokens, m.tokens, m.positions, m.padded_equivalent_positions) == (350, 400, 500, 1000)
-    assert m.loss == pytest.approx(2.0)  # summed token loss / label tokens
+    assert m.loss == pytest.approx(2.0)
     assert m.useful_tokens_per_s == pytest.approx(1400.0) and m.tokens_per_s == pytest.approx(1600.0)
     assert m.padding_fraction == pytest.approx(0.2)  # 100 of 500 positions hold no token
     assert m.padding_saved_fraction == pytest.approx(0.5)  # 500 computed instead of 1000 padded
@@ -48,11 +48,11 @@ def test_measure_computes_the_derived_ratios_from_the_all_reduced_counts():
 
 
 def test_a_skipped_step_counts_no_useful_token():
-    m = _measure(COUNTS, skipped="nonfinite", loss_sum=float("nan"))
+    m = _measure(COUNTS, skipped="nonfinite", loss=float("nan"))
     assert m.useful_tokens == 0 and m.useful_tokens_per_s == 0.0 and m.tokens_seen == 10_000
     assert math.isnan(m.loss) and m.tokens == 400  # the positions were computed all the same
     assert "SKIPPED (nonfinite)" in format_step(m)
-    empty = _measure(StepCounts(0.0, 0.0, 0.0, 0.0, 0.0), skipped="no_labels", loss_sum=0.0)
+    empty = _measure(StepCounts(0.0, 0.0, 0.0, 0.0, 0.0), skipped="no_labels", loss=0.0)
     assert empty.loss == 0.0 and empty.padding_fraction == 0.0 and empty.padding_saved_fraction == 0.0
 
 

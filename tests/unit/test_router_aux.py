@@ -20,7 +20,7 @@ from trainer.config import ConfigError
 from trainer.metrics import RunSummary, StepMetrics, format_step
 from trainer.model.family_probe import build_probe_model, packed_batch
 from trainer.model.selfcheck import SelfCheckError, run_startup_self_check
-from trainer.router_aux import RouterAux, RouterStats, refuse_untrained_losses, use_router_aux
+from trainer.router_aux import RouterAux, RouterAuxTerm, RouterStats, refuse_untrained_losses, use_router_aux
 from trainer.throughput import StepCounts
 
 AUX_FAMILIES = (
@@ -58,7 +58,7 @@ def padded_batch(seqs: list[torch.Tensor]) -> Batch:
 
 def objective(model, batch: Batch) -> torch.Tensor:
     """A one-micro-batch step's objective, as the loop takes it (token loss / labels + coef x its aux share)."""
-    loss_sum, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+    loss_sum, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
     aux = model.router_aux.step_share(stats, batch.num_tokens, batch.num_tokens)
     return loss_sum / batch.num_label_tokens + model.router_aux.coef * aux
 
@@ -109,7 +109,7 @@ def test_the_aux_changes_the_router_gradients():
     batch = packed_batch(examples((17,)))
     objective(model, batch).backward()
     with_aux = grads(model)
-    (model(**batch.model_inputs(), labels=batch.labels) / batch.num_label_tokens).backward()
+    (model.token_loss(**batch.model_inputs(), labels=batch.labels) / batch.num_label_tokens).backward()
     without = grads(model)
     routers = [n for n in with_aux if "gate" in n and "experts" not in n]
     assert routers and all(not torch.allclose(with_aux[n], without[n]) for n in routers)
@@ -122,7 +122,7 @@ def test_packed_equals_padded_on_the_same_tokens_and_pads_never_count(impl):
     seqs = examples()
     values, gradients = [], []
     for batch in (packed_batch(seqs), padded_batch(seqs)):
-        _, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+        _, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
         assert float(stats.rows) == sum(LENGTHS) * model.config.num_hidden_layers
         values.append(stats.balance_loss())
         values[-1].backward()
@@ -158,11 +158,17 @@ def test_step_weighs_microbatches_by_their_real_tokens():
 
 
 def step_record(router_aux=None) -> StepMetrics:
+    """A step's record as the loop makes it: the objective's fields (``SFT``: with the router term, ``RouterAuxTerm``
+    over the step's aux shares) from the global loss sum 250 over 100 label tokens."""
     counts = StepCounts(label_tokens=100, tokens=120, positions=128, padded_equivalent_positions=150,
-                        sum_squared_lengths=5000)
-    return StepMetrics.measure(counts, step=1, epoch=0, loss_sum=250.0, lr=1e-3, grad_norm=1.0, skipped=None,
-                               step_time_s=0.5, model_flops=1e9, peak_mem_gib=0.1, tokens_seen_before=0,
-                               router_aux=router_aux)
+                        sum_squared_lengths=5000, units=100)
+    fields = {"loss": 250.0 / counts.units}
+    if router_aux is not None:
+        term = RouterAuxTerm(RouterAux(coef=router_aux[1], num_experts=4, top_k=2))
+        term.aux_sum = torch.tensor(router_aux[0])
+        fields = term.step_metrics(fields["loss"], torch.device("cpu"))  # no process group: the sums are this rank's
+    return StepMetrics.measure(counts, step=1, epoch=0, lr=1e-3, grad_norm=1.0, skipped=None, step_time_s=0.5,
+                               model_flops=1e9, peak_mem_gib=0.1, tokens_seen_before=0, **fields)
 
 
 def test_metrics_carry_the_aux_apart_from_the_token_loss():

@@ -30,7 +30,7 @@ from trainer.config.common import (
 from trainer.config.job import JobConfig
 from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
-    PEFT_METHODS, CheckpointConfig, DPOConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
+    OBJECTIVES, PEFT_METHODS, CheckpointConfig, DPOConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
 )
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "LOCAL_PATH_PREFIXES",
     "LOSS_IMPLS",
     "MISSING",
+    "OBJECTIVES",
     "PEFT_METHODS",
     "CheckpointConfig",
     "ConfigError",

@@ -39,7 +39,7 @@ class JobConfig:
 
     objective: str = "sft"
     """``sft`` (the mean token cross-entropy of the labels) or ``dpo`` (a preference objective over pairs of
-    ``prompt``/``chosen``/``rejected`` data, set by the ``dpo`` section; ``trainer.preference``)."""
+    ``prompt``/``chosen``/``rejected`` data, set by the ``dpo`` section; ``trainer.objectives``)."""
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
     output_root: str = "outputs"

@@ -97,7 +97,7 @@ DPO_REFERENCES = ("live", "precompute")
 
 @dataclass
 class DPOConfig:
-    """The preference objective (``objective=dpo``; ``trainer.preference``), TRL's names and defaults."""
+    """The preference objective (``objective=dpo``; ``trainer.objectives.dpo``), TRL's names and defaults."""
 
     beta: float = 0.1
     """Strength of the implicit KL penalty: rewards are ``beta * (log pi - log ref)`` of a reply (``simpo``:

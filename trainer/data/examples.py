@@ -74,7 +74,7 @@ class TokenizedDataset:
     ``None``: the examples are not pairs."""
     stored_ref_logps: np.ndarray | None = None
     """``dpo.reference=precompute``: per base example, the reference's summed reply log-probs
-    ``[chosen, rejected]`` (float64, ``trainer.preference.reference``)."""
+    ``[chosen, rejected]`` (float64, ``trainer.objectives.reference``)."""
     opened: dict | None = None
     """The mapped cache files as they were when opened (``cache_integrity.stamps``); ``None``: in memory."""
 

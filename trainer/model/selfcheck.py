@@ -9,7 +9,7 @@ each other, positions do not restart, or the backend is wrong: the run stops wit
 It compares logits and the gradient of the run's loss (the *loss of the check*, ``CheckLoss``): the packed
 batch runs the step's own path forward and backward (``TokenLossCheck``: the loss the run trains with,
 ``VarlenCausalLM.use_loss``, the chunked loss through the decoder stack and the boundary relay, or the naive
-one; under ``objective=dpo``, ``trainer.preference.PairLossCheck``: the per-sequence log-probs through the
+one; under ``objective=dpo``, ``trainer.objectives.dpo.PairLossCheck``: the per-sequence log-probs through the
 same head, then the pair losses); each example alone runs through transformers' own attention and its full
 logits' cross-entropy, from which the same loss is computed (one backward per example, or per pair: a pair's
 loss needs both its sequences, and in half precision one more pass for the reverse-order reference). Where
@@ -204,7 +204,7 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
 class TokenLossCheck:
     """The loss of the check under SFT: the summed token loss over the batch's label count, as a step takes it.
 
-    A loss of the check (``CheckLoss``: this class, or ``trainer.preference.PairLossCheck``) says how the
+    A loss of the check (``CheckLoss``: this class, or ``trainer.objectives.dpo.PairLossCheck``) says how the
     packed batch's loss runs through the run's own path (``packed``) and how the same loss is made from
     its sequences run alone, ``group`` consecutive sequences at a time (``alone``)."""
 
@@ -340,7 +340,7 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
     example run alone (their ``RouterStats`` merged); with trainable parameters its gradient too, the reference's
     taken one example at a time with the batch's counts (``RouterStats.with_counts_of``: the counts carry no
     gradient; a count that differs shows in the value). ``SelfCheckResult``'s ``aux_*`` fields."""
-    _, stats = model(**batch.model_inputs(), labels=batch.labels, router_aux=True)
+    _, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
     value = stats.balance_loss()
     if trains:
         value.backward()
@@ -349,8 +349,7 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
     parts = []
     for row, span in spans:  # one example's graph at a time
         ids = batch.input_ids[row : row + 1, span]
-        _, part = model(input_ids=ids, position_ids=batch.position_ids[row : row + 1, span],
-                        attention_mask=torch.ones_like(ids), router_aux=True)
+        part = model.router_statistics(ids, batch.position_ids[row : row + 1, span], attention_mask=torch.ones_like(ids))
         if trains:
             part.with_counts_of(stats).backward()
         parts.append(RouterStats(*(t.detach() for t in part)))

@@ -5,12 +5,15 @@
   restarting per example and no ``attention_mask`` (the boundaries travel as ``cu_seq_lens_*`` kwargs);
 - a padded batch (``attention_mask`` given) runs transformers' own SDPA path with the padding mask (eager
   for a family without one, ``padded_attention``).
-The wrapper returns logits, or with ``labels`` the summed token loss (``trainer.loss``: naive or chunked); the
-trainer normalises it by the global label count. With ``router_aux=True`` it also returns the batch's router
-statistics (``trainer.router_aux``), from the router logits the decoder records on the same pass.
+Each pass an objective can ask for is a method of its own (``VarlenCausalLM``): logits, the summed token loss
+(``trainer.loss``: naive or chunked), per-sequence log-probs, or the label positions' hidden states and the head
+for an objective's own chunked loss; the router statistic rides along with the token loss where asked.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -18,8 +21,8 @@ from torch import nn
 
 from trainer.collate import IGNORE_INDEX
 from trainer.loss import (
-    HeadLoss, LogitTransform, chunked_token_logps, head_matches_logits, label_positions, liger_available,
-    naive_summed_loss, naive_token_logps, sequence_of_labels,
+    HeadLoss, LabelHidden, LogitTransform, chunk_tokens_for, chunked_token_logps, head_matches_logits, label_positions,
+    liger_available, naive_summed_loss, naive_token_logps, sequence_of_labels,
 )
 from trainer.model.attention import AttentionBackend
 from trainer.model.attention_needs import AttentionNeeds
@@ -27,6 +30,7 @@ from trainer.model.packed_layout import packed_attention_kwargs
 from trainer.router_aux import RouterAux
 
 PADDED_ATTENTION = "sdpa"
+T = TypeVar("T")
 
 
 def padded_attention(model: nn.Module) -> str:
@@ -51,13 +55,30 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 
 class VarlenCausalLM(nn.Module):
+    """A transformers causal LM that runs packed rows, padded batches and (``cp_shard``) a rank's share of a
+    context-parallel row. Each pass is its own method, and an objective asks for the one it needs:
+
+    - ``forward``: the logits ``[batch, seq, vocab]`` (the self-check's reference, tools);
+    - ``token_loss``: the summed token cross-entropy (fp32 scalar), through the loss ``use_loss`` picked;
+    - ``sequence_logps``: each sequence's summed label log-probability ``[sequences]`` (preference pairs);
+    - ``label_hidden``: ``fn(LabelHidden)`` of the hidden states that predict a label and the head that turns
+      them into logits, for an objective's own chunked loss (``trainer.loss.LabelHidden``);
+    - ``router_statistics``: the router statistic of a forward's real tokens (``trainer.router_aux``).
+
+    Each runs its loss inside this root module's forward window: ``parallelize`` registers them
+    (``FORWARD_METHODS``) with FSDP2, which holds the head's parameters gathered while one runs.
+    """
+
+    FORWARD_METHODS = ("token_loss", "sequence_logps", "label_hidden", "router_statistics")
+    """The passes besides ``forward`` that FSDP2 must treat as forwards (``register_fsdp_forward_method``)."""
+
     def __init__(self, model: nn.Module, backend: AttentionBackend) -> None:
         super().__init__()
         self.model = model
         self.backend = backend
         self.padded_attention = padded_attention(model)
         self.loss = HeadLoss()
-        """The loss ``forward(..., labels=...)`` runs: naive until ``use_loss`` picks one."""
+        """The loss ``token_loss`` runs: naive until ``use_loss`` picks one."""
         self.cp_group = None
         """Context parallel: the process group a sharded row's keys/values are gathered over."""
         self.cp_gather = None
@@ -69,69 +90,84 @@ class VarlenCausalLM(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        position_ids: torch.Tensor,
-        cu_seqlens: torch.Tensor | None = None,
-        max_seqlen: int | None = None,
-        attention_mask: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        cp_shard=None,
-        per_sequence: bool = False,
-        router_aux: bool = False,
-    ) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]``; with ``labels``, the summed token loss (fp32 scalar) instead,
-        through the loss implementation ``use_loss`` picked. The loss runs here, inside the root module's
-        forward, because that is where FSDP2 holds the head's parameters gathered. With ``per_sequence``
-        (the preference objective), each sequence's summed label log-probability ``[sequences]`` instead.
-        With ``router_aux`` (``self.router_aux`` set), ``(that, RouterStats of the batch's real tokens)``."""
-        if per_sequence:
-            return self.sequence_logps(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, labels)
-        if cp_shard is not None:
-            inputs = self.context_parallel_inputs(input_ids, position_ids, cp_shard)
-        else:
-            inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
-        if self.router_aux is not None:  # recorded only where asked (not in eval, nor the reference's pass)
-            inputs["output_router_logits"] = router_aux
-        if labels is None or self.loss.impl == "naive":
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, cp_shard=None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]``."""
+        return self.model(**self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, cp_shard)).logits
+
+    def token_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                   max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, cp_shard=None, *,
+                   labels: torch.Tensor, router: bool = False):
+        """The summed token loss (fp32 scalar) through the loss implementation ``use_loss`` picked; the trainer
+        normalises it by the global label count. With ``router`` (``self.router_aux`` set), ``(that,
+        RouterStats of the batch's real tokens)``, from the router logits the decoder records on the same pass."""
+        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, cp_shard)
+        if self.router_aux is not None:  # recorded only where asked (not in eval, nor a reference's pass)
+            inputs["output_router_logits"] = router
+        if self.loss.impl == "naive":
             outputs = self.model(**inputs)
-            logits = outputs.logits
-            if labels is None:
-                return self.with_router_stats(logits, outputs, attention_mask, router_aux)
             if cp_shard is not None:  # labels already shifted before the row was sharded
-                return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum")
-            return self.with_router_stats(naive_summed_loss(logits, labels), outputs, attention_mask, router_aux)
-        outputs = decoder_of(self.model)(**inputs)
-        hidden = outputs.last_hidden_state
-        if cp_shard is not None:  # pre-shifted: one dummy position after the last makes label_positions' shift a no-op
-            hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
-        hidden, targets = label_positions(hidden, labels)
-        head = self.model.get_output_embeddings()
-        loss = self.loss(hidden, head.weight, head.bias, targets)
-        return self.with_router_stats(loss, outputs, attention_mask, router_aux)
+                loss = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
+                                       reduction="sum")
+            else:
+                loss = naive_summed_loss(outputs.logits, labels)
+        else:
+            outputs = decoder_of(self.model)(**inputs)
+            head = self.label_head(outputs.last_hidden_state, labels, shifted=cp_shard is not None)
+            loss = self.loss(head.hidden, head.weight, head.bias, head.targets)
+        if not router:
+            return loss
+        return loss, self.router_aux.statistics(getattr(outputs, "router_logits", None), attention_mask)
 
-    def with_router_stats(self, result: torch.Tensor, outputs, attention_mask, router_aux: bool):
-        """``result``, or with ``router_aux`` ``(result, RouterStats)`` of the router logits in ``outputs`` (the
-        decoder's or the causal LM's): over every position of a packed row, over ``attention_mask`` of a padded one."""
-        if not router_aux:
-            return result
-        return result, self.router_aux.statistics(getattr(outputs, "router_logits", None), attention_mask)
-
-    def sequence_logps(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, labels) -> torch.Tensor:
-        """Summed label log-probabilities per sequence (a packed segment or a padded row), fp32: the chunked
-        head (``trainer.loss.chunked_token_logps``, never full logits) unless ``loss.impl=naive``."""
-        inputs = self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
+    def sequence_logps(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                       max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, *,
+                       labels: torch.Tensor) -> torch.Tensor:
+        """Summed label log-probabilities per sequence (a packed segment or a padded row), fp32 ``[sequences]``:
+        the chunked head (``trainer.loss.chunked_token_logps``, never full logits) unless ``loss.impl=naive``."""
+        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
         if self.loss.impl == "naive":
             token_logps = naive_token_logps(self.model(**inputs).logits, labels)
         else:
-            hidden, targets = label_positions(decoder_of(self.model)(**inputs).last_hidden_state, labels)
-            head = self.model.get_output_embeddings()
-            token_logps = chunked_token_logps(hidden, head.weight, head.bias, targets, self.loss.transform,
-                                              self.loss.chunk_tokens)
+            head = self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels)
+            token_logps = chunked_token_logps(head.hidden, head.weight, head.bias, head.targets, head.transform,
+                                              head.chunk_tokens)
         sequences = labels.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         out = torch.zeros(sequences, dtype=torch.float32, device=token_logps.device)
         return out.index_add(0, sequence_of_labels(labels, cu_seqlens), token_logps)
+
+    def label_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                     max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, cp_shard=None, *,
+                     labels: torch.Tensor, fn: Callable[[LabelHidden], T]) -> T:
+        """``fn`` of the hidden states that predict a label and the head that makes their logits (``LabelHidden``),
+        run here, inside the forward window, so an objective's chunked loss reads the head's gathered weight.
+        ``fn`` returns a tensor or a tuple of tensors (FSDP2 hooks the backward on them)."""
+        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, cp_shard)
+        return fn(self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels, shifted=cp_shard is not None))
+
+    def router_statistics(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                          max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None):
+        """``RouterStats`` of one forward's real tokens (the self-check's one-by-one reference of the router aux
+        loss): the decoder's router logits, no loss."""
+        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
+        inputs["output_router_logits"] = True
+        return self.router_aux.statistics(getattr(self.model(**inputs), "router_logits", None), attention_mask)
+
+    def label_head(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> LabelHidden:
+        """The positions of ``hidden`` that predict a label, their targets and the output head. ``shifted``: the
+        labels are already the targets of their own positions (a context-parallel shard): one dummy position after
+        the last makes ``label_positions``' shift a no-op."""
+        if shifted:
+            hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
+        hidden, targets = label_positions(hidden, labels)
+        head = self.model.get_output_embeddings()
+        return LabelHidden(hidden, targets, head.weight, head.bias, self.loss.transform,
+                           chunk_tokens_for(head.weight.shape[0], self.loss.chunk_tokens))
+
+    def inputs(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, attention_mask=None, cp_shard=None) -> dict:
+        """The transformers call's keyword arguments for the batch's layout (packed, padded or a CP shard)."""
+        if cp_shard is not None:
+            return self.context_parallel_inputs(input_ids, position_ids, cp_shard)
+        return self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
 
     def context_parallel_inputs(self, input_ids, position_ids, cp_shard) -> dict:
         """A rank's shard of a context-parallel row (``trainer.context_parallel``): the CP attention all-gathers

@@ -45,7 +45,7 @@ and warns when the two runs differ in one."""
 LOSS_PARITY_TOLERANCE = 0.05  # "loss within 0.05 of the padded baseline"
 DPO_LOSS_PARITY_TOLERANCE = 0.02  # objective=dpo: "final held-out DPO loss of the two within 0.02"
 HELD_OUT_ACCURACY = "final_eval_rewards/accuracies"
-"""objective=dpo: the summary key of the held-out reward accuracy (``trainer.preference``)."""
+"""objective=dpo: the summary key of the held-out reward accuracy (``trainer.objectives.dpo``)."""
 REPO = Path(__file__).resolve().parents[1]
 
 

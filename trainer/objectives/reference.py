@@ -21,14 +21,24 @@ import logging
 
 import numpy as np
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 from trainer import distributed
 from trainer.collate import Batch, collate_packed
 from trainer.data.cache_integrity import load_hashes, save_hashes
 from trainer.data.examples import TokenizedDataset
-from trainer.preference.logps import sequence_logps
+from trainer.evaluate import eval_microbatches
 
 log = logging.getLogger(__name__)
+
+
+def sequence_logps(model: torch.nn.Module, batch: Batch) -> torch.Tensor:
+    """Summed label log-probabilities of every sequence of ``batch``, fp32 ``[sequences]`` (pair ``k``:
+    entries ``2k`` chosen and ``2k + 1`` rejected). ``model`` is a ``VarlenCausalLM`` (FSDP2-wrapped or not): it
+    computes them inside its forward window, through the chunked fused head (full logits never exist); a
+    sequence's first token carries no label, so each sum equals that of the sequence run alone. The policy's
+    pass (``trainer.objectives.dpo``) and the reference's (no grad) are this one."""
+    return model.sequence_logps(**batch.model_inputs(), labels=batch.labels)
 
 
 class LiveReference:
@@ -57,8 +67,6 @@ class LiveReference:
 def reshard(model: torch.nn.Module) -> None:
     """Free the gathered parameters of a no-grad forward: no backward comes to reshard them (FSDP2 keeps
     the root and the last block gathered after forward for the backward it expects)."""
-    from torch.distributed.fsdp import FSDPModule
-
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.reshard()
@@ -83,7 +91,7 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
 def adapters_off(model: torch.nn.Module):
     """The LoRA layers of ``model`` pass their base layer's output only (``peft``'s own switch, flipped
     without touching ``requires_grad``, which FSDP2 must not see change), and eval mode, for the block."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer  # peft is optional (the lora extra): only LoRA runs get here
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     was = [m._disable_adapters for m in layers]
@@ -133,8 +141,6 @@ def precompute_reference(
     """Every pair's reference log-probs (all base examples of the cache folder, so the held-out split is
     covered too), read from the cache or computed once by ``model`` (the starting policy, as sharded for
     training: the same precision as a live reference) and stored; then attached to ``datasets``."""
-    from trainer.evaluate import eval_microbatches
-
     base = dataclasses.replace(datasets[0], rows=None)
     path = base.folder / f"ref_logps_{fingerprint}.npy" if base.folder is not None else None
     saved = load_hashes(path) if path is not None and path.is_file() else None
