@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config.distill import DistillConfig
-from trainer.distill.loss import HeadTeacher, TopKTeacher, chunked_distill_loss, naive_distill_loss
+from trainer.objectives.distill.loss import HeadTeacher, TopKTeacher, chunked_distill_loss, naive_distill_loss
 from trainer.loss import LogitTransform
 
 N, HIDDEN, TEACHER_HIDDEN, VOCAB = 23, 16, 24, 41

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from trainer.config.common import ConfigError, check_choice, check_positive
+from trainer.config.common import LOCAL_PATH_PREFIXES, ConfigError, check_choice, check_positive
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TEACHER_LOGITS = ("live", "precompute")
@@ -53,3 +55,25 @@ class DistillConfig:
         if self.divergence == "jsd" and not 0.0 < self.beta < 1.0:
             raise ConfigError(f"distill.beta must be in (0, 1) for distill.divergence=jsd, got {self.beta} "
                               "(0 is forward_kl, 1 is reverse_kl)")
+
+    def check_job(self, job: Any) -> None:
+        """What ``objective=distill`` needs of the rest of ``job`` (a ``JobConfig``)."""
+        if not self.teacher:
+            raise ConfigError("objective=distill needs a teacher: distill.teacher=DIR_OR_HUB_ID (a model with the "
+                              "student's tokenizer)")
+        if self.teacher.startswith(LOCAL_PATH_PREFIXES) and not Path(self.teacher).expanduser().is_dir():
+            raise ConfigError(f"distill.teacher={self.teacher}: no such folder (a recipe's teacher is built by the "
+                              "command its first comment line gives)")
+        refused = {
+            "parallel.cp": (job.parallel.cp > 1, f"={job.parallel.cp} (the teacher's pass is not sharded over a "
+                            "context-parallel group)"),
+            "data.stream.enabled": (self.teacher_logits == "precompute" and job.data.stream.enabled,
+                                    "=true with distill.teacher_logits=precompute (the top-k is stored in the data "
+                                    "cache; a stream has none: distill.teacher_logits=live)"),
+            "data.mixture.sources": (self.teacher_logits == "precompute" and bool(job.data.mixture.sources),
+                                     " with distill.teacher_logits=precompute (the top-k is stored per cache folder: "
+                                     "distill.teacher_logits=live)"),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"objective=distill cannot be combined with {key}{why}")

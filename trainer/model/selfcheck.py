@@ -258,9 +258,13 @@ def self_check(
     spans = example_spans(batch)
     groups = [range(g, min(g + loss.group, len(spans))) for g in range(0, len(spans), loss.group)]
 
+    # A loss of the check may say what one sequence alone gives per token (distillation: against the teacher run
+    # alone on it); the token cross-entropy otherwise.
+    per_token = getattr(loss, "token_losses", lambda batch, i, logits, labels: _token_losses(logits, labels))
+
     def alone_losses(group: range) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         labels = [batch.labels[spans[i][0], spans[i][1]] for i in group]
-        return [_token_losses(_alone(model, batch, *spans[i]), y) for i, y in zip(group, labels)], labels
+        return [per_token(batch, i, _alone(model, batch, *spans[i]), y) for i, y in zip(group, labels)], labels
 
     was_training = model.training
     model.eval()
@@ -292,7 +296,7 @@ def self_check(
                     row, span = spans[i]
                     alone = _alone(model, batch, row, span)
                     labels.append(batch.labels[row, span])
-                    token_losses.append(_token_losses(alone, labels[-1]))
+                    token_losses.append(per_token(batch, i, alone, labels[-1]))
                     alone = alone.detach()
                     together = full[row, span]
                     diff = float((together - alone).abs().max())
@@ -300,7 +304,7 @@ def self_check(
                     if diff > worst:
                         worst, worst_i = diff, i
                     if len(labels[-1]) > 1:
-                        d = (_token_losses(together, labels[-1]) - token_losses[-1].detach()).abs().max()
+                        d = (_token_losses(together, labels[-1]) - _token_losses(alone, labels[-1])).abs().max()
                         loss_diff = max(loss_diff, float(d))
                     if packed_values is not None:
                         logps.append((abs(float(packed_values[i]) + float(token_losses[-1].detach().sum())),

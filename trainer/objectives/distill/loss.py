@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config.distill import DistillConfig
-from trainer.loss import LogitTransform, chunk_tokens_for, head_backward
+from trainer.collate import Batch
+from trainer.loss import LogitTransform, chunk_tokens_for, head_backward, label_positions
 
 LOG_FLOOR = -1.0e4
 """The log-probability a bucket with no mass gets (a top-k that holds the whole vocabulary leaves the rest
@@ -80,10 +81,15 @@ def token_terms(
     return cross_entropy, divergence(over_classes(log_probs, ids), teacher, cfg)
 
 
+def blend(cross_entropy: torch.Tensor, div: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
+    """The trained loss ``alpha * CE + (1 - alpha) * D`` (per token, or of sums)."""
+    return cfg.alpha * cross_entropy + (1.0 - cfg.alpha) * div
+
+
 def mixed(cross_entropy: torch.Tensor, div: torch.Tensor, cfg: DistillConfig) -> torch.Tensor:
-    """``TERMS`` summed over the tokens: the trained loss ``alpha * CE + (1 - alpha) * D``, then its parts."""
+    """``TERMS`` summed over the tokens: the trained loss, then its parts."""
     ce, d = cross_entropy.sum(), div.sum()
-    return torch.stack([cfg.alpha * ce + (1.0 - cfg.alpha) * d, ce, d])
+    return torch.stack([blend(ce, d, cfg), ce, d])
 
 
 @dataclass
@@ -189,3 +195,14 @@ def naive_distill_loss(
         target, ids = teacher.log_probs(start, end)
         sums = sums + mixed(*token_terms(logits[start:end], targets[start:end], target, ids, cfg), cfg)
     return sums
+
+
+def student_terms(model: torch.nn.Module, batch: Batch, teacher: Teacher, cfg: DistillConfig) -> torch.Tensor:
+    """``TERMS`` of ``batch`` (fp32 ``[3]``, the first differentiable) through the student's own path: its chunked
+    head inside its forward window (``VarlenCausalLM.label_hidden``), or its full logits where its loss is
+    ``naive`` (``loss.impl=naive``, or a head the chunk cannot reproduce)."""
+    if model.loss.impl == "naive":
+        logits, targets = label_positions(model(**batch.model_inputs()), batch.labels)
+        return naive_distill_loss(logits, targets, teacher, cfg, model.loss.chunk_tokens)
+    return model.label_hidden(**batch.model_inputs(), labels=batch.labels, fn=lambda head: chunked_distill_loss(
+        head.hidden, head.weight, head.bias, head.targets, teacher, cfg, head.transform, head.chunk_tokens))

@@ -39,7 +39,7 @@ from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.data.cache_integrity import intact, seal_folder
 from trainer.data.examples import TokenizedDataset, label_counts
-from trainer.distill.loss import TopKTeacher
+from trainer.objectives.distill.loss import TopKTeacher
 from trainer.loss import sequence_of_labels
 
 log = logging.getLogger(__name__)

@@ -23,11 +23,14 @@ import logging
 import torch
 from transformers import PreTrainedTokenizerBase
 
+from trainer.collate import Batch
 from trainer.config import ConfigError, JobConfig, ModelConfig, stated_context
 from trainer.data.tokenizer import pretrained_tokenizer
 from trainer.errors import library_load
 from trainer.model import build_model
 from trainer.model.wrapper import VarlenCausalLM
+from trainer.objectives.distill.loss import HeadTeacher
+from trainer.objectives.distill.topk import top_k_rows
 from trainer.pipeline import resolve_attention
 
 log = logging.getLogger(__name__)
@@ -59,10 +62,7 @@ def load_teacher(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: Va
                  device: torch.device) -> VarlenCausalLM:
     """``distill.teacher`` built, checked against ``student`` (the unsharded model, its loss picked), frozen, in
     eval mode, on ``device``, its chunked head in use."""
-    name = cfg.distill.teacher
-    if not name:
-        raise ConfigError("objective=distill needs a teacher: distill.teacher=DIR_OR_HUB_ID (a model with the "
-                          "student's tokenizer)")
+    name = cfg.distill.teacher  # set: DistillConfig.check_job
     check_same_vocabulary(tokenizer, name, cfg.model.trust_remote_code)
     teacher_cfg = dataclasses.replace(cfg, model=teacher_model_config(cfg))
     backend = resolve_attention(teacher_cfg, device)
@@ -82,3 +82,19 @@ def load_teacher(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: Va
                           "the teacher's head a chunk of tokens at a time and cannot reproduce its logits")
     log.info("teacher %s: attention %s (packed), head chunked", name, backend.name)
     return teacher.requires_grad_(False).eval()
+
+
+def live_teacher(teacher: torch.nn.Module, batch: Batch, temperature: float) -> HeadTeacher:
+    """The teacher's label positions of ``batch`` and its head (no grad): its own pass over the same layout. Under
+    FSDP2 its root (the head) stays gathered after the pass (``set_reshard_after_forward(False)`` on the root) until
+    the caller reshards it, after the student's loss."""
+    with torch.no_grad():
+        head = teacher.label_hidden(**batch.model_inputs(), labels=batch.labels, fn=lambda head: head)
+    return HeadTeacher(head.hidden, head.weight, head.bias, head.transform, temperature)
+
+
+def teacher_top_k(teacher: torch.nn.Module, batch: Batch, temperature: float, k: int):
+    """``top_k_rows`` of ``batch``'s label tokens through the teacher's pass (inside its forward window)."""
+    with torch.no_grad():
+        return teacher.label_hidden(**batch.model_inputs(), labels=batch.labels, fn=lambda head: top_k_rows(
+            head.hidden, head.weight, head.bias, head.transform, temperature, k, head.chunk_tokens))
