@@ -353,7 +353,8 @@ class MetricsLogger:
             metrics.step, metrics.eval_loss, metrics.eval_tokens, metrics.eval_time_s,
             "" if not metrics.preference else " | {} pairs, reward acc {:.3f} margin {:.4f}".format(
                 metrics.preference["eval_pairs"], metrics.preference["eval_rewards/accuracies"],
-                metrics.preference["eval_rewards/margins"]),
+                metrics.preference["eval_rewards/margins"])
+            + ("" if not metrics.distill else " | ce {eval_cross_entropy:.4f} div {eval_divergence:.4f}".format(**metrics.distill)),
         )
 
     def wall_clock(self) -> dict[str, Any]:
@@ -467,4 +468,5 @@ def format_step(m: StepMetrics) -> str:
         + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
         + (" | reward acc {:.3f} margin {:.4f}".format(m.preference["rewards/accuracies"], m.preference["rewards/margins"])
            if m.preference else "")
+        + (" | ce {cross_entropy:.4f} div {divergence:.4f}".format(**m.distill) if m.distill else "")
     )
