@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from trainer.config.common import LOCAL_PATH_PREFIXES, ConfigError, check_choice, check_positive
+from trainer.config.common import ConfigError, check_choice, check_positive
 
 DIVERGENCES = ("forward_kl", "reverse_kl", "jsd")
 TEACHER_LOGITS = ("live", "precompute")
@@ -22,7 +21,7 @@ class DistillConfig:
     teacher: str | None = None
     """The teacher: a local model folder or a hub id, with the student's tokenizer (the same vocabulary, checked
     at start) and the same number of output rows. Loaded frozen, in the compute dtype, FSDP2-sharded like the
-    student."""
+    student. A local folder is looked for when the run starts (a recipe may name one it builds first)."""
     divergence: str = "forward_kl"
     """``forward_kl`` ``KL(teacher || student)`` (mass-covering), ``reverse_kl`` ``KL(student || teacher)``
     (mode-seeking) or ``jsd``, the generalized Jensen-Shannon divergence of GKD (Agarwal et al. 2024) with
@@ -61,9 +60,6 @@ class DistillConfig:
         if not self.teacher:
             raise ConfigError("objective=distill needs a teacher: distill.teacher=DIR_OR_HUB_ID (a model with the "
                               "student's tokenizer)")
-        if self.teacher.startswith(LOCAL_PATH_PREFIXES) and not Path(self.teacher).expanduser().is_dir():
-            raise ConfigError(f"distill.teacher={self.teacher}: no such folder (a recipe's teacher is built by the "
-                              "command its first comment line gives)")
         refused = {
             "parallel.cp": (job.parallel.cp > 1, f"={job.parallel.cp} (the teacher's pass is not sharded over a "
                             "context-parallel group)"),

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from pathlib import Path
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from trainer.collate import Batch
-from trainer.config import ConfigError, JobConfig, ModelConfig, stated_context
+from trainer.config import LOCAL_PATH_PREFIXES, ConfigError, JobConfig, ModelConfig, stated_context
 from trainer.data.tokenizer import pretrained_tokenizer
 from trainer.errors import library_load
 from trainer.model import build_model
@@ -63,6 +64,9 @@ def load_teacher(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: Va
     """``distill.teacher`` built, checked against ``student`` (the unsharded model, its loss picked), frozen, in
     eval mode, on ``device``, its chunked head in use."""
     name = cfg.distill.teacher  # set: DistillConfig.check_job
+    if name.startswith(LOCAL_PATH_PREFIXES) and not Path(name).expanduser().is_dir():
+        raise ConfigError(f"distill.teacher={name}: no such folder; train and export the teacher first (a recipe "
+                          "that names one gives the command on its first line; docs/distill.md)")
     check_same_vocabulary(tokenizer, name, cfg.model.trust_remote_code)
     teacher_cfg = dataclasses.replace(cfg, model=teacher_model_config(cfg))
     backend = resolve_attention(teacher_cfg, device)
