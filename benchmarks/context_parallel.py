@@ -5,7 +5,7 @@
 For each cp it launches ``torchrun --nproc_per_node cp`` of this file's worker: a Qwen2-shaped model (~30M
 parameters at the defaults: hidden 512, 8 layers, 8 query / 2 key-value heads, vocab 8192, random init,
 fp32) trains on one row of ``--tokens`` tokens (a long-tailed mix: one example of half the row, the rest
-in shorter ones) sharded with ``trainer.context_parallel`` (balanced split). Each rank reports the activations
+in shorter ones) sharded with ``trainer.parallel.cp_layout`` (balanced split). Each rank reports the activations
 autograd saves for backward in its forward (each storage once) and its peak resident memory, its
 useful tokens/s (the label tokens it holds / step time), the group's attention-cost skew of both splits
 and the bytes of K/V each rank receives per layer (all-gather forward; the backward's reduce-scatter
@@ -42,7 +42,8 @@ def worker(args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trainer.collate import collate_packed
-    from trainer.context_parallel import attention_cost, new_cp_group, shard_batch
+    from trainer.parallel.cp_layout import attention_cost, shard_batch
+    from trainer.parallel.route import new_cp_group
     from trainer.model import VarlenCausalLM, resolve_backend
 
     dist.init_process_group("gloo")
@@ -52,7 +53,7 @@ def worker(args) -> None:
                          num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.tokens,
                          tie_word_embeddings=False)
     model = VarlenCausalLM(Qwen2ForCausalLM(config).float(), resolve_backend("sdpa_varlen", torch.device("cpu")))
-    model.cp_group = new_cp_group(cp, cp, rank) if cp > 1 else None
+    group = new_cp_group(cp, cp, rank) if cp > 1 else None
     lengths = row_lengths(args.tokens)
 
     rng = np.random.default_rng(0)
@@ -63,7 +64,7 @@ def worker(args) -> None:
             return tokens[i], np.ones(len(tokens[i]), dtype=bool)
 
     row = collate_packed(Row(), np.arange(len(lengths)))
-    batch = shard_batch(row, cp, rank, "balanced") if cp > 1 else row
+    batch = shard_batch(row, cp, rank, "balanced", group) if cp > 1 else row
     saved: dict[int, int] = {}
 
     def pack(t):  # activations autograd keeps for backward, each storage once

@@ -1,7 +1,9 @@
 """Every causal-LM family of your transformers: exact / refused (why) / skipped (why) / untested.
 
     python benchmarks/family_matrix.py                 # the table packfsdp applies (no models built, 1 s)
-    python benchmarks/family_matrix.py --probe         # also probe every family on CPU (~10 min, 2 cores)
+    python benchmarks/family_matrix.py --probe         # also probe every family on CPU (one core; docs/families.md
+                                                       # gives the command, versions and duration of the last sweep)
+    python benchmarks/family_matrix.py --probe --jobs 2 --json matrix.json  # two families at a time; rows to a file
     python benchmarks/family_matrix.py --probe llama phi3 falcon   # probe a few
     python benchmarks/family_matrix.py --probe --exact # probe every family the table calls exact
     python benchmarks/family_matrix.py --markdown      # the summary table for docs/families.md
@@ -10,8 +12,8 @@ The table (``trainer.model.families``) was probed with one transformers version;
 (``trainer.model.family_probe``: a tiny 2-layer model; a packed row runs the trainer's step, the default
 chunked loss through the decoder and the boundary relay, backward, then one optimizer step; against its
 examples one by one: logits, loss and every gradient in fp32 at 1e-5, before and after the step) against
-yours, each family in its own forked process with a time limit,
-and flags any family whose probe disagrees with the table (``MISMATCH``: tell us). A family transformers
+yours, each family in its own forked process with a time limit (``--jobs`` at a time; the seconds each took
+go to ``--json``), and flags any family whose probe disagrees with the table (``MISMATCH``: tell us). A family transformers
 added after the table was made shows as ``untested``: packfsdp trains it only behind the startup self-check.
 """
 
@@ -21,6 +23,7 @@ import argparse
 import json
 import multiprocessing as mp
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -76,18 +79,42 @@ def preload() -> None:
 
 def probe_isolated(family: str, timeout_s: float):
     """``probe(family)`` in a forked child (a family that hangs or eats memory cannot take the run down)."""
+    return next(probe_many([family], timeout_s))[1]
+
+
+def probe_many(families: list[str], timeout_s: float, jobs: int = 1):
+    """``probe_isolated`` for each family, ``jobs`` children at a time: yields (family, result, seconds) in the
+    order of ``families``. The children are forked from this thread (no threads: fork copies only the caller)."""
     from trainer.model.family_probe import ProbeResult
 
     ctx = mp.get_context("fork")
-    queue = ctx.Queue()
-    child = ctx.Process(target=_probe_child, args=(family, queue))
-    child.start()
-    child.join(timeout_s)
-    if child.is_alive():
-        child.kill()
-        child.join()
-        return ProbeResult(family, "unbuildable", f"no result within {timeout_s:g} s")
-    return queue.get() if not queue.empty() else ProbeResult(family, "unbuildable", f"exit code {child.exitcode}")
+    running: dict[str, tuple] = {}
+    done: dict[str, tuple] = {}
+    waiting = list(families)
+    for family in families:
+        while family not in done:
+            while waiting and len(running) < max(1, jobs):
+                name = waiting.pop(0)
+                queue = ctx.Queue()
+                child = ctx.Process(target=_probe_child, args=(name, queue))
+                child.start()
+                running[name] = (child, queue, time.monotonic())
+            for name, (child, queue, start) in list(running.items()):
+                late = time.monotonic() - start > timeout_s
+                if child.is_alive() and not late:
+                    continue
+                if late and child.is_alive():
+                    child.kill()
+                    result = ProbeResult(name, "unbuildable", f"no result within {timeout_s:g} s")
+                else:
+                    result = queue.get() if not queue.empty() else None
+                    result = result or ProbeResult(name, "unbuildable", f"exit code {child.exitcode}")
+                child.join()
+                done[name] = (result, time.monotonic() - start)
+                del running[name]
+            if family not in done:
+                time.sleep(0.05)
+        yield (family, *done.pop(family))
 
 
 def agrees(kind: str, outcome: str) -> bool:
@@ -120,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("families", nargs="*", help="only these model types (default: every causal-LM family)")
     parser.add_argument("--probe", action="store_true", help="build and probe each family (CPU, minutes)")
     parser.add_argument("--timeout", type=float, default=120.0, help="seconds per family probe")
+    parser.add_argument("--jobs", type=int, default=1, help="families probed at once (one core each)")
     parser.add_argument("--exact", action="store_true", help="only the families the table calls exact")
     parser.add_argument("--markdown", action="store_true", help="print the docs summary table")
     parser.add_argument("--json", type=Path, help="also write the rows (and probe results) here")
@@ -136,16 +164,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.exact:
         families = [f for f in families if verdict(f).kind == "exact"]
     rows, records, mismatches = [], [], 0
+    start = time.monotonic()
     print(f"transformers {transformers.__version__} (table probed with {TESTED_WITH}): {len(families)} families",
           file=sys.stderr)
-    for family in families:
+    probed = probe_many(families, args.timeout, args.jobs) if args.probe else ((f, None, 0.0) for f in families)
+    for family, result, seconds in probed:
         v = verdict(family)
         rows.append((family, v.kind, v.reason))
         record = {"family": family, "verdict": v.kind, "reason": v.reason}
         line = f"{family:28s} {v.kind:9s} {v.reason}"
-        if args.probe:
-            result = probe_isolated(family, args.timeout)
-            record["probe"] = result.line()
+        if result is not None:
+            record |= {"probe": result.line(), "seconds": round(seconds, 1)}
             ok = agrees(v.kind, result.outcome)
             mismatches += not ok
             line += f"{'  ' if v.reason else ''}[probe: {result.line().split(': ', 1)[1]}]" + ("" if ok else "  MISMATCH")
@@ -155,7 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.markdown:
         print(markdown(rows))
     counts = {k: sum(1 for _, kind, _ in rows if kind == k) for k in ("exact", "refused", "skipped", "untested")}
-    print(", ".join(f"{n} {k}" for k, n in counts.items()), file=sys.stderr)
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; probed in {time.monotonic() - start:.0f} s" if args.probe else ""),
+          file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
     return 1 if mismatches else 0

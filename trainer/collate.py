@@ -20,19 +20,22 @@ A micro-batch of **preference pairs** (``trainer.data.pairs``) holds each pair's
 pair ``k`` is sequences ``2k`` (prompt + chosen) and ``2k + 1`` (prompt + rejected), each its own segment of
 ``cu_seqlens`` with positions from 0 (packed), or its own row (padded); ``num_pairs`` counts them.
 
-Both carry ``num_label_tokens`` (tokens that carry loss: the "useful" tokens), ``num_tokens`` (real tokens)
-and ``num_positions`` (positions the model computes, pads included), so the metrics never guess.
+Both carry ``num_label_tokens`` (tokens that carry loss: the "useful" tokens), ``num_tokens`` (real tokens),
+``num_positions`` (positions the model computes, pads included), ``padded_positions`` (what a padded
+micro-batch of the same sequences computes: ``trainer.packing.padded_positions`` of its segments) and
+``sum_squared_lengths`` (the attention FLOPs' term), counted here on the host, so the metrics never guess.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
 
-from trainer.data.examples import IGNORE_INDEX, TokenizedDataset, from_examples, holds_pairs  # IGNORE_INDEX: re-exported below
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset, from_examples, holds_pairs
+from trainer.packing import Bins, padded_positions
 
 
 @dataclass
@@ -50,9 +53,10 @@ class Batch:
     num_label_tokens: int = 0
     num_positions: int = 0
     example_ids: list[int] = field(default_factory=list)
-    cp_shard: Any = None
-    """Context parallel only: this rank's ``trainer.context_parallel.CPShard`` of the row; ``labels`` are
-    then already shifted (``labels[t]`` is what position ``t`` predicts) and ``cu_seqlens`` is the row's."""
+    padded_positions: int = 0
+    """Positions a padded micro-batch of the same sequences would compute (rows x the longest)."""
+    sum_squared_lengths: int = 0
+    """Sum over the batch's sequences of length^2 (the attention part of the model FLOPs)."""
     num_pairs: int = 0
     """Preference pairs in the batch: sequences ``2k`` and ``2k + 1`` are pair ``k``'s chosen and rejected."""
     ref_logps: torch.Tensor | None = None
@@ -62,24 +66,28 @@ class Batch:
     def packed(self) -> bool:
         return self.cu_seqlens is not None
 
-    def to(self, device: torch.device) -> "Batch":
-        move = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-        return Batch(
-            move(self.input_ids), move(self.labels), move(self.position_ids), move(self.cu_seqlens),
-            self.max_seqlen, move(self.attention_mask), self.num_examples, self.num_tokens,
-            self.num_label_tokens, self.num_positions, self.example_ids,
-            None if self.cp_shard is None else self.cp_shard.to(device), self.num_pairs, move(self.ref_logps),
-        )
+    def to(self, device: torch.device) -> Batch:
+        """The batch with its tensors on ``device`` (a subclass stays one)."""
+        return dataclasses.replace(self, **{
+            f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(Batch)
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        })
 
     def model_inputs(self) -> dict:
-        """Keyword arguments for ``VarlenCausalLM.forward``."""
-        if self.cp_shard is not None:
-            return {"input_ids": self.input_ids, "position_ids": self.position_ids, "cp_shard": self.cp_shard}
+        """Keyword arguments for ``VarlenCausalLM``'s passes (``forward``, ``token_loss``, ...)."""
         if self.packed:
             return {"input_ids": self.input_ids, "position_ids": self.position_ids,
                     "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
         return {"input_ids": self.input_ids, "position_ids": self.position_ids,
                 "attention_mask": self.attention_mask}
+
+
+def sequence_counts(lengths: list[int]) -> dict[str, int]:
+    """``padded_positions`` and ``sum_squared_lengths`` of a micro-batch of sequences of ``lengths`` (a packed
+    row's segments, a padded batch's rows): ``trainer.packing.padded_positions`` of them as one bin."""
+    sizes = np.asarray(lengths, dtype=np.int64)
+    return {"padded_positions": int(padded_positions(Bins.of([np.arange(len(sizes))]), sizes)[0]),
+            "sum_squared_lengths": int((sizes * sizes).sum())}
 
 
 def _labels_for(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
@@ -120,6 +128,7 @@ def collate_packed(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int =
     labels_t = torch.from_numpy(np.concatenate(labels))[None]
     n = int(cu[-1])
     return Batch(
+        **sequence_counts(seqlens),
         input_ids=torch.from_numpy(np.concatenate(ids).astype(np.int64))[None],
         labels=labels_t,
         position_ids=torch.from_numpy(np.concatenate(positions))[None],
@@ -152,6 +161,7 @@ def collate_padded(dataset: TokenizedDataset, indices: np.ndarray, pad_id: int) 
         attn[row, : len(tok)] = 1
     labels_t = torch.from_numpy(labels)
     return Batch(
+        **sequence_counts([len(t) for t, _ in examples]),
         input_ids=torch.from_numpy(ids),
         labels=labels_t,
         position_ids=torch.arange(width).expand(len(examples), width).contiguous(),
@@ -190,4 +200,5 @@ def _empty_batch(pad_id: int, packed: bool = True) -> Batch:
         max_seqlen=1,
         attention_mask=None if packed else torch.ones((1, 1), dtype=torch.long),
         num_positions=1,
+        padded_positions=1,  # a filler costs the same either way
     )

@@ -10,12 +10,14 @@ import gc
 import logging
 import os
 import socket
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +87,13 @@ def init_distributed(
     if "RANK" not in os.environ:  # plain `python -m trainer.train`: a single-rank group
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-    dist.init_process_group(
-        backend=backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(backend=backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    # A group created later without a timeout of its own (a context-parallel group, DeviceMesh's HSDP
+    # dimensions, any library's) would wait torch's default (30 min gloo, 10 min NCCL) for a stopped peer:
+    # torch reads these two names whenever it makes such a group, so every one honours the timeout too.
+    distributed_c10d.default_pg_timeout = distributed_c10d.default_pg_nccl_timeout = timeout
+    start_heartbeat(heartbeat_interval(timeout_s))
 
 
 def destroy_distributed(clean: bool = True) -> None:
@@ -99,6 +103,7 @@ def destroy_distributed(clean: bool = True) -> None:
     waiting for them would turn one rank's error into a hang.
     """
     if is_initialized():
+        stop_heartbeat()
         if clean:
             dist.barrier()
         # The model (FSDP state), device mesh and optimizer hold the group through reference cycles. Collect
@@ -191,7 +196,7 @@ def record_failure(message: str) -> None:
     if not is_initialized():
         return
     try:
-        dist.distributed_c10d._get_default_store().set(_FAILURE_KEY.format(rank=rank()), message)
+        failure_store().set(_FAILURE_KEY.format(rank=rank()), message)
     except Exception:  # noqa: BLE001 - reporting must never raise over the real error
         pass
 
@@ -202,7 +207,7 @@ def peer_failures() -> dict[int, str]:
         return {}
     found = {}
     try:
-        store = dist.distributed_c10d._get_default_store()
+        store = failure_store()
         for r in range(world_size()):
             key = _FAILURE_KEY.format(rank=r)
             if r != rank() and store.check([key]):
@@ -210,6 +215,16 @@ def peer_failures() -> dict[int, str]:
     except Exception:  # noqa: BLE001
         pass
     return found
+
+
+def failure_store(wait_s: float = 2.0):
+    """The shared store, for a failing rank: each operation waits at most ``wait_s`` (the store may live in a
+    stopped rank's process, and the collective timeout has already been waited once). This rank's heartbeat
+    stops: its failure is what it tells the others now."""
+    stop_heartbeat()
+    store = dist.distributed_c10d._get_default_store()
+    store.set_timeout(datetime.timedelta(seconds=wait_s))
+    return store
 
 
 def store_barrier(name: str, timeout_s: float) -> bool:
@@ -233,3 +248,78 @@ def store_barrier(name: str, timeout_s: float) -> bool:
         return True
     except Exception:  # noqa: BLE001
         return False
+
+
+# Heartbeats: which rank stopped answering. A rank stuck in a collective only sees "timed out"; every rank's
+# thread leaves the time and the step it is in under its key, so the ranks that give up can name the one whose
+# heartbeat went quiet (stopped, frozen, dead) or that never started their step (hung before it). The stamps
+# are wall-clock times: hosts' clocks must agree within a second or so (NTP), far below the staleness bound.
+_HEARTBEAT_KEY = "packfsdp/alive/{rank}"
+_progress = {"step": 0}
+_stepped = threading.Event()
+_quiet = threading.Event()
+"""Set at teardown and on failure: the store may go with rank 0 (or the agent), and a write to a store that is
+gone costs a C++ warning with a stack trace on stderr."""
+
+
+def heartbeat_interval(timeout_s: float) -> float:
+    """Seconds between heartbeats: a tenth of the collective timeout, within [0.5, 10] (one small store write)."""
+    return min(10.0, max(0.5, timeout_s / 10))
+
+
+def note_step(step: int) -> None:
+    """The optimizer step this rank is in (its heartbeat carries it, written at once)."""
+    _progress["step"] = step
+    _stepped.set()
+
+
+def start_heartbeat(interval_s: float) -> None:
+    """A daemon thread writing ``"<time> <step>"`` under this rank's key every ``interval_s``, and soon after
+    a new step begins (multi-rank only; it stops when the store is gone)."""
+    if not is_initialized() or world_size() == 1:
+        return
+    store, key = dist.distributed_c10d._get_default_store(), _HEARTBEAT_KEY.format(rank=rank())
+    _quiet.clear()
+
+    def beat() -> None:
+        while not _quiet.is_set():
+            _stepped.clear()  # before the step is read: a step noted from here on wakes the next write
+            try:
+                store.set(key, f"{time.time():.3f} {_progress['step']}")
+            except Exception:  # noqa: BLE001 - the store (rank 0 or the agent) is gone: nothing left to tell
+                return
+            time.sleep(interval_s / 5)  # at most five writes per interval, however short the steps
+            _stepped.wait(interval_s * 4 / 5)
+
+    threading.Thread(target=beat, name="packfsdp-heartbeat", daemon=True).start()
+
+
+def stop_heartbeat() -> None:
+    """No more heartbeat writes from this rank (teardown, failure)."""
+    _quiet.set()
+    _stepped.set()
+
+
+def silent_peers(stale_s: float) -> list[str]:
+    """The other ranks that look unresponsive, each described (``rank 1: no heartbeat for 28 s, in step 3``,
+    ``rank 2: still in step 1``): a heartbeat older than ``stale_s``, or a step behind this rank's. Best
+    effort (``failure_store``: never a long wait)."""
+    if not is_initialized() or world_size() == 1:
+        return []
+    found = []
+    try:
+        store = failure_store()
+        now, mine = time.time(), _progress["step"]
+        for r in range(world_size()):
+            key = _HEARTBEAT_KEY.format(rank=r)
+            if r == rank() or not store.check([key]):
+                continue
+            stamp, step = store.get(key).decode().split()
+            quiet = now - float(stamp)
+            if quiet > stale_s:
+                found.append(f"rank {r}: no heartbeat for {quiet:.0f} s, in step {step}")
+            elif int(step) < mine:
+                found.append(f"rank {r}: still in step {step}")
+    except Exception:  # noqa: BLE001 - naming the rank must never hide the failure itself
+        pass
+    return found

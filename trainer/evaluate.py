@@ -7,7 +7,7 @@ keeps examples apart and labels never cross a boundary, so this equals the mean 
 examples evaluated one by one (``tests/unit/test_eval.py``).
 
 Under context parallelism (``cp > 1``) eval runs like training: rows of ``cp x token_budget`` tokens are dealt
-to the data-parallel groups and each row is sharded over its CP group (``trainer.context_parallel``), so a long
+to the data-parallel groups and each row is sharded over its CP group (``trainer.parallel``'s route), so a long
 held-out row fits as its training rows do; each rank counts its own labels, so every label counts once.
 """
 
@@ -21,7 +21,7 @@ import torch
 
 from trainer import distributed
 from trainer.collate import Batch, collate_packed
-from trainer.context_parallel import Route
+from trainer.parallel import Route
 from trainer.data.examples import TokenizedDataset
 from trainer.data.holdout import holdout_mask, split_holdout, subset  # noqa: F401 (the split's home is data)
 from trainer.loss import summed_token_loss

@@ -155,9 +155,11 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
         first = min(peers)
         return JobFailed(f"rank {rank}: stopping at {where} because rank {first} failed: {peers[first]}", own=False)
     if any(sign in text.lower() for sign in _COLLECTIVE_SIGNS) and distributed.world_size() > 1:
+        silent = distributed.silent_peers(stale_s=3 * distributed.heartbeat_interval(timeout_s))
+        who = "; ".join(silent) if silent else "another rank stopped answering or died"
         return JobFailed(
-            f"rank {rank}: a collective failed at {where} (guard.collective_timeout_s={timeout_s:g}): another "
-            f"rank stopped answering or died; exiting so the launcher can restart the job ({text})",
+            f"rank {rank}: a collective failed at {where} (guard.collective_timeout_s={timeout_s:g}): {who}; "
+            f"exiting so the launcher can restart the job ({text})",
             own=False,
         )
     return _own(rank, f"rank {rank}: {type(exc).__name__} at {where}: {text}")

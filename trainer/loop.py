@@ -7,7 +7,7 @@ and the summary). The command users type, ``torchrun ... -m trainer.train``, is 
 The loop never asks which objective runs nor how a row is laid over the ranks: the objective
 (``trainer.objectives``, chosen by ``objective=``) gives each micro-batch's loss and its share of the step's
 objective, over the step's global counts (one all-reduce before the backward passes), so packed, padded and
-any world size optimise the same objective; the parallel route (``trainer.context_parallel``, chosen by
+any world size optimise the same objective; the parallel route (``trainer.parallel``, chosen by
 ``parallel.cp``) gives this rank's part of each micro-batch, in the step's one context.
 """
 
@@ -27,7 +27,6 @@ from trainer import distributed
 from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
-from trainer.context_parallel import build_route
 from trainer.data import load_tokenizer
 from trainer.data.examples import pair_splits_of
 from trainer.guard import FaultInjector, StepGuard
@@ -49,7 +48,7 @@ from trainer.objectives import MicroLoss, RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
 from trainer.pipeline import balance_cost, build_training_data, resolve_attention
-from trainer.parallel import build_mesh, parallelize, set_gradient_sync
+from trainer.parallel import build_mesh, build_route, parallelize, set_gradient_sync
 from trainer.preemption import StepBoundary
 from trainer.run_dir import RunDir, claim_run_dir
 from trainer.safety import redact_tree, user_code
@@ -213,6 +212,7 @@ class Trainer:
         every rank together."""
         start = time.perf_counter()
         self.faults.before_step(self.step + 1)
+        distributed.note_step(self.step + 1)  # the heartbeat tells the other ranks which step this one is in
         with self.route.step(self.next_step_batches(), self.device) as batches:
             for batch in batches:
                 self.faults.on_batch(batch)

@@ -11,9 +11,12 @@ The clock of ``checkpoint.every_minutes`` is rank 0's, shared by the same all-re
 differ still save together.
 
 A rank that is stuck (a hung peer, a kernel that never returns) never reaches the boundary, and with a
-handler installed the signal no longer ends it. So the handler also starts a watchdog: when no boundary is
+handler installed the signal no longer ends it. So the signal also starts a watchdog: when no boundary is
 reached within ``max(MIN_GRACE_S, 3 x the longest step so far)`` (a step's interval includes its eval and
 checkpoint), the rank exits with ``128 + signal`` and one line, as the signal alone would have ended it.
+
+Outside the loop, and for native code and the launcher, see ``trainer.stop_signals`` (light: the entry
+point imports it before torch).
 """
 
 from __future__ import annotations
@@ -24,20 +27,19 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import FrameType
 
 import torch
 
 from trainer import distributed
+from trainer.stop_signals import PREEMPTED_EXIT_CODE, STOP_SIGNALS, watcher
+
+__all__ = ["PREEMPTED_EXIT_CODE", "Boundary", "StepBoundary"]
 
 log = logging.getLogger("trainer")
 
-PREEMPTED_EXIT_CODE = 75
-"""Exit code of a run stopped by a signal after saving its checkpoint (``EX_TEMPFAIL``: try again later)."""
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 MIN_GRACE_S = 10.0
 """Shortest wait for the next step boundary after a signal before a rank counts as stuck."""
 
@@ -50,34 +52,6 @@ class Boundary:
     """Name of the signal a rank received (``SIGTERM``, ``SIGUSR1``), or ``None``."""
     clock_due: bool
     """``checkpoint.every_minutes`` passed since the last save."""
-
-
-class SetupInterrupted(BaseException):
-    """SIGTERM/SIGUSR1 before the training loop (setup: data and cache build, model, self-check, resume).
-    A ``BaseException``, so no ``except Exception`` on the way swallows it; cleanups run on the way out."""
-
-    def __init__(self, signum: int) -> None:
-        super().__init__(signal.Signals(signum).name)
-        self.signal_name = signal.Signals(signum).name
-
-
-@contextlib.contextmanager
-def signals_end_setup() -> Iterator[None]:
-    """Around setup: a stop signal raises ``SetupInterrupted`` (no step was trained, nothing to save), which
-    the entry point turns into a ``packfsdp:`` line and ``PREEMPTED_EXIT_CODE``. Main thread only."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def interrupt(signum: int, frame: FrameType | None) -> None:
-        raise SetupInterrupted(signum)
-
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 class StepBoundary:
@@ -100,28 +74,44 @@ class StepBoundary:
         self.phase: str | None = None
         """A phase between step boundaries that may take longer than a step (``eval``)."""
         self.longest_phase_s: dict[str, float] = {}
+        self._lock = threading.Lock()
+        """Guards the watchdog: the watcher thread arms it, the main thread stops and re-arms it."""
+        self._previous_on_signal: Callable[[int], None] | None = None
 
     def __enter__(self) -> StepBoundary:
         if threading.current_thread() is not threading.main_thread():  # Python takes signals there only
             log.warning("training outside the main thread: SIGTERM/SIGUSR1 will not save a checkpoint first")
             return self
+        watch = watcher()
         for sig in STOP_SIGNALS:
             self._previous[sig] = signal.signal(sig, self._record)
+        self._previous_on_signal, watch.on_signal = watch.on_signal, self._seen
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if self._previous:
+            watcher().on_signal = self._previous_on_signal
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
         self._stop_watchdog()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        # Nothing that takes a lock (logging could deadlock): a flag, and a timer thread for a stuck rank.
+        # The Python handler (main thread, maybe long after the signal): a flag only, no lock (logging or the
+        # watchdog's lock could deadlock here). The watcher thread saw the signal first and armed the watchdog.
+        self.received = signum
+
+    def _seen(self, signum: int) -> None:
+        """The watcher thread, the moment the signal arrives (the main thread may be in native code)."""
         self.received = signum
         if not self.saving:
             self._arm_watchdog()
 
     def _arm_watchdog(self) -> None:
+        with self._lock:
+            self._arm_watchdog_locked()
+
+    def _arm_watchdog_locked(self) -> None:
         if self._watchdog is None and self.received:
             grace = max(MIN_GRACE_S, 3 * self.longest_step_s)
             if self.phase is not None:  # the phase running now is what must end in time, not a step
@@ -139,9 +129,10 @@ class StepBoundary:
         os._exit(128 + signum)
 
     def _stop_watchdog(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
+        with self._lock:
+            if self._watchdog is not None:
+                self._watchdog.cancel()
+                self._watchdog = None
 
     @contextlib.contextmanager
     def saving_checkpoint(self) -> Iterator[None]:

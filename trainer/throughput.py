@@ -2,8 +2,9 @@
 
 - **Padded-equivalent positions** of a micro-batch: the positions a padded micro-batch of the *same*
   sequences would compute (rows x longest, ``trainer.packing.padded_positions``, the count ``packfsdp
-  analyze`` uses too; a preference pair is two rows). A packed run logs it next to ``positions`` so its saving is
-  visible without running the baseline; for a padded batch it equals ``positions``.
+  analyze`` uses too; a preference pair is two rows), counted by the collate on the host
+  (``Batch.padded_positions``). A packed run logs it next to ``positions`` so its saving is visible without
+  running the baseline; for a padded batch it equals ``positions``.
 - **Model FLOPs** count the work on real tokens only (pads are waste, not model work), forward + backward:
   ``6 * N`` per token for the trainable matmul parameters ``N`` (everything but the position table) and
   ``4 * N_frozen`` for frozen ones (a LoRA base: forward and the activation gradient, no weight gradient), plus causal
@@ -35,30 +36,6 @@ GPU_PEAK_TFLOPS = {
 }
 
 
-def padded_equivalent_positions(batch: Batch) -> int:
-    """Positions a padded micro-batch of this batch's sequences would cost: one row per segment (a pair's two
-    sequences are two segments) x the longest, ``trainer.packing.padded_positions`` for one packed batch,
-    read from the batch's own counts (no copy of ``cu_seqlens`` to the host on every step)."""
-    if not batch.packed:
-        return batch.num_positions
-    if batch.num_examples == 0:
-        if batch.cp_shard is not None and batch.cp_shard.rank > 0:
-            return 0  # a context-parallel row is counted once, on the group's first rank
-        return batch.num_positions  # a filler costs the same either way
-    return batch.num_examples * batch.max_seqlen
-
-
-def sum_squared_lengths(batch: Batch) -> int:
-    """Sum over the batch's examples of length^2 (the attention part of the model FLOPs)."""
-    if batch.num_examples == 0:
-        return 0
-    if batch.packed:
-        lengths = batch.cu_seqlens[1:] - batch.cu_seqlens[:-1]
-    else:
-        lengths = batch.attention_mask.sum(dim=1)
-    return int((lengths.long() ** 2).sum())
-
-
 @dataclass
 class StepCounts:
     """What one optimizer step's micro-batches hold, summed over them (and over ranks by ``all_reduced``)."""
@@ -81,8 +58,8 @@ class StepCounts:
         """This rank's counts (``units``: what a micro-batch adds to the objective's denominator)."""
         return cls(
             sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
-            sum(b.num_positions for b in batches), sum(padded_equivalent_positions(b) for b in batches),
-            sum(sum_squared_lengths(b) for b in batches), sum(units(b) for b in batches),
+            sum(b.num_positions for b in batches), sum(b.padded_positions for b in batches),
+            sum(b.sum_squared_lengths for b in batches), sum(units(b) for b in batches),
         )
 
     def all_reduced(self, device: torch.device) -> StepCounts:

@@ -23,6 +23,7 @@ from trainer.config import ConfigError, JobConfig
 
 from trainer.compose import config_dir, open_mapping_overrides, register_configs, to_job_config
 from trainer.safety import printable, redact
+from trainer.stop_signals import PREEMPTED_EXIT_CODE, Interrupted, exit_interrupted, signals_interrupt, stop_with_launcher
 
 log = logging.getLogger("trainer")
 
@@ -42,24 +43,27 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     from trainer.guard import describe_failure
     from trainer.loop import Trainer
 
-    from trainer.preemption import SetupInterrupted, signals_end_setup
-
     trainer = None
     try:
-        with signals_end_setup():  # a signal before the loop: a packfsdp: line and exit 75, not a traceback
+        with signals_interrupt(setup_interrupted_line):  # one line and exit 75, not a traceback
             trainer = Trainer(cfg)
-        result = trainer.train()
-    except SetupInterrupted as e:
-        exit_interrupted_setup(e.signal_name)
+        with signals_interrupt(outside_step_line):  # inside the loop, its step boundary takes them
+            result = trainer.train()
+    except Interrupted as e:
+        interrupted(e)
     except (Exception, CheckpointException) as e:  # DCP's CheckpointException is a BaseException
         where = f"step {trainer.step + 1}" if trainer is not None else "setup"
         raise describe_failure(e, where, cfg.guard.collective_timeout_s) from e
     if result.get("preempted"):  # before the teardown's barrier: every rank's line is out before any exits
         announce_preempted(result)
-    if keep_process_group:
-        distributed.barrier()  # every rank finishes this job before any starts the next
-    else:
-        distributed.destroy_distributed()
+    try:  # a signal now (torchrun stops the others once one rank exits): exit 75, its line is out already
+        with signals_interrupt((lambda name: "") if result.get("preempted") else outside_step_line):
+            if keep_process_group:
+                distributed.barrier()  # every rank finishes this job before any starts the next
+            else:
+                distributed.destroy_distributed()
+    except Interrupted as e:
+        interrupted(e)
     return result
 
 
@@ -105,7 +109,6 @@ def announce_preempted(result: dict) -> None:
     group is up, before the teardown's barrier: the first rank to exit makes torchrun SIGTERM the others,
     which must have written theirs by then."""
     from trainer import distributed
-    from trainer.preemption import PREEMPTED_EXIT_CODE
 
     sys.stderr.write(
         f"packfsdp: rank {distributed.rank()}: preempted ({result['preempted']}) after step {result['step']}: "
@@ -115,25 +118,33 @@ def announce_preempted(result: dict) -> None:
     sys.stderr.flush()
 
 
-def exit_interrupted_setup(signal_name: str) -> None:
-    """A stop signal during setup: no step was trained since the last checkpoint, so there is nothing to
-    save; one line and ``PREEMPTED_EXIT_CODE`` (no collective: the other ranks may be anywhere in setup)."""
-    from trainer import distributed
-    from trainer.preemption import PREEMPTED_EXIT_CODE
+def setup_interrupted_line(signal_name: str) -> str:
+    """A stop signal during setup (before Hydra, the tokenizer, the data, the model, the verdict, the
+    self-check, the DPO reference): no step was trained since the last checkpoint, nothing to save."""
+    return (f"packfsdp: rank {_rank()}: preempted ({signal_name}) during setup, before any step was trained; "
+            f"nothing to save: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})")
 
-    sys.stderr.write(
-        f"packfsdp: rank {distributed.rank()}: preempted ({signal_name}) during setup, before any step was "
-        f"trained; nothing to save: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})\n"
-    )
+
+def outside_step_line(signal_name: str) -> str:
+    """A stop signal in the moments before the loop's first step or after its last boundary."""
+    return (f"packfsdp: rank {_rank()}: preempted ({signal_name}) outside a step; nothing trained since the last "
+            f"checkpoint: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})")
+
+
+def interrupted(e: Interrupted) -> None:
+    """One line and ``PREEMPTED_EXIT_CODE`` (no collective: the other ranks may be anywhere in setup)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(PREEMPTED_EXIT_CODE)
+    exit_interrupted(e.line)
+
+
+def _rank() -> int:
+    """This process's rank (from torchrun's environment before the process group starts)."""
+    return int(os.environ.get("RANK", 0))
 
 
 def exit_preempted(result: dict) -> None:
     """Exit with ``PREEMPTED_EXIT_CODE`` (the line was written by ``announce_preempted``)."""
-    from trainer.preemption import PREEMPTED_EXIT_CODE
-
     sys.exit(PREEMPTED_EXIT_CODE)
 
 
@@ -142,14 +153,19 @@ def main() -> None:
     # interpreter's final garbage collections then skip the millions of objects torch and transformers hold,
     # which took 1.5-4 s per rank at every exit on a busy machine; nothing left is collected that needs a finaliser.
     atexit.register(gc.freeze)
-    register_configs()
-    sys.argv[1:] = open_mapping_overrides(sys.argv[1:])  # before Hydra reads them
-    from trainer.cli import check_code_sources, check_group_choices, check_overrides
+    stop_with_launcher()  # under torchrun: a worker never outlives its agent
+    try:
+        with signals_interrupt(setup_interrupted_line):  # from the first line, not from the Trainer's
+            register_configs()
+            sys.argv[1:] = open_mapping_overrides(sys.argv[1:])  # before Hydra reads them
+            from trainer.cli import check_code_sources, check_group_choices, check_overrides
 
-    check_group_choices(sys.argv[1:])
-    check_overrides(sys.argv[1:])
-    check_code_sources(sys.argv[1:])  # before Hydra instantiates its callbacks, launcher and sweeper
-    hydra_main()
+            check_group_choices(sys.argv[1:])
+            check_overrides(sys.argv[1:])
+            check_code_sources(sys.argv[1:])  # before Hydra instantiates its callbacks, launcher and sweeper
+            hydra_main()
+    except Interrupted as e:
+        interrupted(e)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ import torch
 import torch.distributed as dist
 
 from trainer.collate import collate_packed
-from trainer.context_parallel import CPRoute, attention_cost, gather_tokens, shard_batch, step_skew
+from trainer.parallel import cp_attention
+from trainer.parallel.cp_layout import attention_cost, shard_batch
+from trainer.parallel.route import ContextParallelRoute, CPRoute, step_skew
 from trainer.model import VarlenCausalLM, resolve_backend
 
 TOL = 1e-5
@@ -63,9 +65,8 @@ def reference(model, data: Examples, items) -> tuple[torch.Tensor, float, dict]:
 def context_parallel(model, data: Examples, items, cp: int, split: str, group) -> tuple[torch.Tensor, float, dict]:
     """The CP group's logits (row order), summed loss and summed gradients of the same items as one row."""
     model.zero_grad(set_to_none=True)
-    model.cp_group = group
     row = collate_packed(data, np.asarray(items))
-    local = shard_batch(row, cp, dist.get_rank(group), split)
+    local = shard_batch(row, cp, dist.get_rank(group), split, group)
     logits = model(**local.model_inputs())[0].detach()
     loss = model.token_loss(**local.model_inputs(), labels=local.labels)
     loss.backward()
@@ -74,14 +75,13 @@ def context_parallel(model, data: Examples, items, cp: int, split: str, group) -
         dist.all_reduce(t, group=group)
     parts = [torch.empty_like(logits) for _ in range(cp)]
     dist.all_gather(parts, logits.contiguous(), group=group)
-    index = [torch.empty_like(local.cp_shard.index) for _ in range(cp)]
-    dist.all_gather(index, local.cp_shard.index, group=group)
+    index = [torch.empty_like(local.shard.index) for _ in range(cp)]
+    dist.all_gather(index, local.shard.index, group=group)
     full = torch.zeros(int(row.cu_seqlens[-1]), logits.shape[-1])
     for part, idx in zip(parts, index):
         full[idx[idx >= 0]] = part[idx >= 0]
     total = torch.tensor([float(loss)], dtype=torch.float64)
     dist.all_reduce(total, group=group)
-    model.cp_group = None
     return full, float(total), g
 
 
@@ -154,10 +154,12 @@ def composition_cases(groups) -> dict:
 
     model = tiny_model("qwen2")
     apply_activation_checkpointing(model.decoder_layers(), ParallelConfig(activation_checkpointing="full"))
-    calls = []
-    model.cp_gather = lambda x, grp: calls.append(torch.is_grad_enabled()) or gather_tokens(x, grp)
-    compare(model, "compose/activation_checkpointing", rows[0], 21)
-    model.cp_gather = None
+    calls, gather = [], cp_attention.gather_tokens
+    cp_attention.gather_tokens = lambda x, grp: calls.append(torch.is_grad_enabled()) or gather(x, grp)
+    try:
+        compare(model, "compose/activation_checkpointing", rows[0], 21)
+    finally:
+        cp_attention.gather_tokens = gather
     # two forwards (logits, loss) x 2 layers x (K, V), plus the loss forward's recompute in backward
     out["compose/activation_checkpointing"]["no_recompute_gather"] = float(calls.count(True) != 3 * 2 * 2)
 
@@ -173,7 +175,6 @@ def composition_cases(groups) -> dict:
 def eval_cases(groups) -> dict:
     """Packed eval under cp: rows of cp x budget dealt to the data-parallel groups and sharded over each group
     give the eval loss of cp=1, and no rank runs more than its shard of a row."""
-    from trainer.context_parallel import ContextParallelRoute
     from trainer.evaluate import evaluate
 
     lengths = [int(x) for x in np.random.default_rng(5).integers(1, 60, 24)]
@@ -185,10 +186,10 @@ def eval_cases(groups) -> dict:
     budget, out = 64, {}
     ref = evaluate(model, data, budget, torch.device("cpu"))["eval_loss"]
     for cp in (2, 4):
-        model.cp_group, seen[:] = groups[cp][dist.get_rank() // cp], []
-        loss = evaluate(model, data, cp * budget, torch.device("cpu"), route=ContextParallelRoute(cp, "balanced"))["eval_loss"]
+        seen[:] = []
+        route = ContextParallelRoute(cp, "balanced", group=groups[cp][dist.get_rank() // cp])
+        loss = evaluate(model, data, cp * budget, torch.device("cpu"), route=route)["eval_loss"]
         out[f"eval/cp{cp}"] = {"loss": abs(loss - ref), "unsharded": float(max(seen) > 1.5 * budget)}
-    model.cp_group = None
     return out
 
 
@@ -202,16 +203,18 @@ def self_check_cases(groups) -> dict:
     data = Examples(lengths, 97, seed=11)
     row = collate_packed(data, np.arange(len(lengths)))
     model = tiny_model("qwen2")
+    gather = cp_attention.gather_tokens
     for cp in (2, 4):
-        model.cp_group = groups[cp][rank // cp]
-        route = CPRoute(model, cp, dist.get_rank(model.cp_group), "balanced")
+        group = groups[cp][rank // cp]
+        route = CPRoute(model, cp, dist.get_rank(group), "balanced", group)
         good = self_check(model, row, route=route)
-        model.cp_gather = lambda x, group: gather_tokens(x, group).flip(2)  # keys of the wrong tokens
-        broken = self_check(model, row, route=route)
-        model.cp_gather = None
+        cp_attention.gather_tokens = lambda x, group: gather(x, group).flip(2)  # keys of the wrong tokens
+        try:
+            broken = self_check(model, row, route=route)
+        finally:
+            cp_attention.gather_tokens = gather
         out[f"self_check/cp{cp}"] = {"failed": float(not good.ok), "broken_passed": float(broken.ok),
                                      "grad_gap": good.grad_gap if good.grad_gap < 1e-4 else 1.0}
-    model.cp_group = None
     return out
 
 
@@ -223,7 +226,7 @@ def step_skew_cases(groups) -> dict:
     row = collate_packed(Examples(lengths, 97, seed=9), np.arange(len(lengths)))
     for cp in (2, 4):
         for split in ("contiguous", "balanced"):
-            local = shard_batch(row, cp, dist.get_rank(groups[cp][rank // cp]), split)
+            local = shard_batch(row, cp, dist.get_rank(groups[cp][rank // cp]), split, groups[cp][rank // cp])
             cost = attention_cost(lengths, cp, split)
             skew = step_skew([local, local], cp, torch.device("cpu"))  # two micro-batches: the same skew
             out[f"step_skew/cp{cp}/{split}"] = {"err": abs(skew - (cost.max() / cost.mean() - 1))}

@@ -1,14 +1,18 @@
 """One rank's context-parallel attention against the full row in one process, the all-gather replaced by the
-row's own keys/values (``full_keys_stand_in``): ``sdpa_varlen`` (explicit lower-right masks), and, through
+row's own keys/values (``gather_tokens`` patched): ``sdpa_varlen`` (explicit lower-right masks), and, through
 the kernel doubles, ``flash_attn`` and ``torch_varlen`` called with ``cu_seqlens_q != cu_seqlens_k`` (their
 bottom-right causal alignment), with a sliding window crossing the ranks' boundaries and GQA."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 
-from trainer.context_parallel import cp_attention, plan_shards
+from trainer.parallel import cp_attention as cp_attention_module
+from trainer.parallel.cp_attention import cp_attention
+from trainer.parallel.cp_layout import plan_shards
 from trainer.model.backends_sdpa import sdpa_varlen_attention
 
 LENGTHS = [3, 29, 1, 9, 14]
@@ -37,9 +41,10 @@ def _cp_row(q, k, v, kernel, split, window):
     for s in shards:
         keep = s.index >= 0
         local_q = q[:, :, s.index.clamp(min=0)]
-        stand_in = iter([k_all, v_all])
-        o, _ = cp_attention(_Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel,
-                            cp_gather=lambda x, group: next(stand_in), sliding_window=window)
+        stand_in = iter([k_all, v_all])  # the all-gather's result: the row's own keys and values
+        with mock.patch.object(cp_attention_module, "gather_tokens", lambda x, group: next(stand_in)):
+            o, _ = cp_attention(_Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel,
+                                sliding_window=window)
         out = out.index_put((torch.zeros_like(s.index[keep]), s.index[keep]), o[0][keep].to(out.dtype))
     return out
 

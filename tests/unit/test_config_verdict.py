@@ -1,8 +1,16 @@
 """The config verdict: a tiny float64 replica of the user's config, packed vs one by one."""
 
+import logging
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
+import yaml
 from transformers import AutoConfig
+
+from tests.conftest import REPO
 
 from trainer.model.config_verdict import replica_config, verify_config
 from trainer.model.families import FamilyRefusedError
@@ -45,8 +53,8 @@ def test_chunked_loss_keeps_the_boundary_relay():
     model = prepare_model(AutoModelForCausalLM.from_config(config), resolve_backend("sdpa_varlen", torch.device("cpu")))
     model.use_loss("chunked")
     ids = torch.randint(3, 64, (1, 12))
-    loss = model(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32), 7,
-                 labels=ids)
+    loss = model.token_loss(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32),
+                            7, labels=ids)
     assert torch.isfinite(loss)
 
 
@@ -188,6 +196,227 @@ def test_lfm2_moe_with_conv_layers_is_refused_from_a_local_checkpoint_config(tmp
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
         layer_types=["conv", "full_attention"], vocab_size=256,
     ).save_pretrained(tmp_path / "lfm2_moe")
-    with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*layer_types contains 'conv'"):
+    with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*conv"):  # the table's refusal, or the verdict's
         build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
                     resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
+
+
+MLA_FAMILIES = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "axk1", "sarvam_mla"]
+"""Multi-head latent attention: transformers' attention runs it only with as many KV heads as heads."""
+
+
+def installed(family: str) -> bool:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    return family in CONFIG_MAPPING_NAMES
+
+
+@pytest.mark.parametrize("family", MLA_FAMILIES)
+def test_mla_released_configs_are_judged_exact(family):
+    """The replica keeps KV heads = heads and MLA's head dims (head_dim is the rope head dim); it used to
+    force 4 heads / 2 KV heads, which MLA cannot run, and refused every MLA family ("the tiny replica fails")."""
+    from trainer.model.config_verdict import _judge
+
+    if not installed(family):
+        pytest.skip(f"{family} is not in this transformers")
+    config = AutoConfig.for_model(family)
+    replica = replica_config(config)
+    assert replica.num_key_value_heads == replica.num_attention_heads == 4
+    assert getattr(replica, "head_dim", replica.qk_rope_head_dim) == replica.qk_rope_head_dim
+    assert replica.q_lora_rank is None if config.q_lora_rank is None else replica.q_lora_rank <= config.q_lora_rank
+    assert _judge(config, family) == ("exact", "")
+
+
+def test_replica_shapes_keep_the_config_s_own_constraints():
+    """Head counts keep their ratios (a KV head count divides the heads), a size never grows past the config's
+    (one expert per token stays one), per-layer lists of layer ids follow the kept layers."""
+    from trainer.model.family_probe import shrunk_layers, shrunk_shapes
+
+    shapes = shrunk_shapes({"num_attention_heads": 14, "num_key_value_heads": 2, "num_experts": 16,
+                            "num_experts_per_tok": 1, "q_lora_rank": None, "pad_token_id": None, "head_dim": 64})
+    assert shapes == {"num_attention_heads": 4, "num_key_value_heads": 1, "num_experts": 4, "num_experts_per_tok": 1,
+                      "head_dim": 16}
+    layers = shrunk_layers({"num_hidden_layers": 8, "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 4,
+                            "kv_source_layers": [0, 1, 2, 3, 4, 5, 1, 3], "hybrid_layer_ids": [3, 6]}, most=2)
+    kept = layers["num_hidden_layers"]
+    assert set(layers["layer_types"]) == {"sliding_attention", "full_attention"} and kept == len(layers["layer_types"])
+    sources = layers["kv_source_layers"]
+    assert all(sources[sources[i]] == sources[i] <= i for i in range(kept))  # every layer reads a kept producer
+    assert all(0 <= i < kept for i in layers["hybrid_layer_ids"])
+
+
+def test_gpt2_upcast_attention_is_judged_in_float32(caplog):
+    """GPT-2's ``reorder_and_upcast_attn`` asserts float32 attention weights: the float64 replica cannot run,
+    the float32 one is exact (~2e-7); it used to be refused as "the tiny replica fails"."""
+    from trainer.model.config_verdict import _judge
+
+    with caplog.at_level(logging.INFO, logger="trainer.model.config_verdict"):
+        assert _judge(AutoConfig.for_model("gpt2", reorder_and_upcast_attn=True), "gpt2") == ("exact", "")
+    assert "judged in float32" in caplog.text and "torch.float32 replica" in caplog.text
+
+
+def with_nan_gradient(run):
+    """``run`` (run_alone / run_packed) whose first gradient by name is NaN: a fault injected on one side."""
+
+    def broken(model, examples):
+        found = run(model, examples)
+        first = min(found.grads)
+        found.grads[first] = found.grads[first] * float("nan")
+        return found
+
+    return broken
+
+
+@pytest.mark.parametrize("side", ["run_alone", "run_packed"])
+def test_a_nan_is_reported_as_a_nan_with_its_side(side, monkeypatch):
+    """A NaN never reads as examples that mix: the line says which side (the examples alone: the family's
+    own; packed) and what (the logits, the loss, which parameter's gradient)."""
+    from trainer.model import config_verdict
+    from trainer.model.config_verdict import _judge
+
+    monkeypatch.setattr(config_verdict, side, with_nan_gradient(getattr(config_verdict, side)))
+    outcome, line = _judge(AutoConfig.for_model("llama", num_hidden_layers=2), "llama")
+    assert outcome == "refused" and "mix" not in line and "\n" not in line
+    if side == "run_alone":
+        assert "the gradient of model.lm_head.weight is not finite (NaN) with its examples run one by one" in line
+        assert "the family's own" in line
+    else:
+        assert "packed, the gradient of model.lm_head.weight is not finite (NaN) where its examples" in line
+
+
+@pytest.mark.skipif(not installed("dory"), reason="dory is newer than this transformers")
+def test_dory_with_a_pad_token_is_refused_as_its_own_nan():
+    """Dory (nGPT) keeps every hidden state on the unit sphere: a sequence that starts with a zero embedding
+    (the pad's padding_idx row) stays zero through every layer, and each L2 norm at zero multiplies the
+    backward by 1/sqrt(eps): NaN gradients, alone and packed alike (transformers' own model, every
+    attention implementation). It was stopped by the self-check as "examples are not kept apart"."""
+    from trainer.model.config_verdict import _judge
+
+    config = AutoConfig.for_model("dory", num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
+                                  layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16)
+    assert _judge(config, "dory") == ("exact", "")  # no pad token: nothing to refuse
+    config.pad_token_id = 0
+    outcome, line = _judge(config, "dory")
+    assert outcome == "refused" and "the family's own, not packing's" in line and "pad_token_id=0" in line
+
+
+def test_a_replica_that_fails_falls_back_and_never_refuses(monkeypatch, caplog):
+    """A replica that cannot run is no verdict on the user's model: the larger replica (the config's own
+    widths) judges it; where none runs, the startup self-check decides, said in one warning."""
+    from trainer.model import config_verdict
+    from trainer.model.config_verdict import _judge
+
+    real = config_verdict.replica_config
+
+    def broken(config, own_shapes=False):
+        replica = real(config, own_shapes)
+        if not own_shapes:
+            replica.num_key_value_heads = 3  # 4 heads in 3 KV heads: the tiny replica cannot run
+        return replica
+
+    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    monkeypatch.setattr(config_verdict, "replica_config", broken)
+    assert _judge(config, "llama") == ("exact", "")
+    monkeypatch.setattr(config_verdict, "REPLICA_MAX_PARAMETERS", 1000)  # the larger replica too big to run
+    with caplog.at_level(logging.WARNING, logger="trainer.model.config_verdict"):
+        assert _judge(config, "llama") == ("unbuildable", "")
+    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warning) == 1 and "tiny replica: RuntimeError" in warning[0] and "parameters, over 1,000" in warning[0]
+    assert "the startup self-check decides" in warning[0]
+
+
+QWEN2_TINY = yaml.safe_load((REPO / "configs" / "model" / "qwen2_tiny.yaml").read_text())["random_init"]
+FORMERLY_REFUSED = {
+    "deepseek_v3": {"num_key_value_heads": 4},  # MLA: KV heads = heads
+    "glm4_moe_lite": {"num_key_value_heads": 4},
+    "minicpm3": {"num_key_value_heads": 4},
+    "gpt2": {"reorder_and_upcast_attn": True},  # float32 attention weights only
+}
+"""``model=qwen2_tiny model.family=F model.config_overrides=...`` configs the verdict refused falsely."""
+
+
+def packed_vs_alone(config, dtype: torch.dtype) -> tuple[float, float]:
+    """(max relative |logit diff|, max relative |grad diff|) of 4 examples in one packed row through
+    ``sdpa_varlen`` against each alone through transformers' eager attention: per-token cross-entropy summed,
+    every parameter's gradient. Written here, apart from the verdict's replica and the family probe."""
+    from transformers import AutoModelForCausalLM
+
+    from trainer.model.attention import AttentionNeeds, resolve_backend
+    from trainer.model.prepare import prepare_model
+
+    torch.manual_seed(0)
+    hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager", experts_implementation="eager")
+    model = prepare_model(hf, resolve_backend("sdpa_varlen", torch.device("cpu"), dtype, AttentionNeeds.of(config)))
+    model.padded_attention = "eager"
+    model.eval()
+    examples = [torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 1, 7, 20)]
+
+    def loss(logits, ids):
+        return torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum")
+
+    alone_logits = []
+    for ids in examples:
+        logits = model(ids[None], torch.arange(len(ids))[None], attention_mask=torch.ones_like(ids)[None])[0]
+        loss(logits, ids).backward()
+        alone_logits.append(logits.detach())
+    alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    cu = torch.tensor([0, *torch.tensor([len(e) for e in examples]).cumsum(0).tolist()], dtype=torch.int32)
+    packed = model(torch.cat(examples)[None], torch.cat([torch.arange(len(e)) for e in examples])[None], cu,
+                   max(len(e) for e in examples))[0]
+    sum(loss(packed[s:t], ids) for s, t, ids in zip(cu[:-1], cu[1:], examples)).backward()
+
+    def rel(a, b) -> float:
+        return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
+
+    logit_diff = max(rel(packed[s:t].detach(), a) for s, t, a in zip(cu[:-1], cu[1:], alone_logits))
+    grad_diff = max(rel(p.grad, alone_grads[n]) for n, p in model.named_parameters() if p.grad is not None)
+    return logit_diff, grad_diff
+
+
+@pytest.mark.parametrize("family", FORMERLY_REFUSED)
+def test_formerly_refused_configs_are_exact_packed(family, tmp_path, monkeypatch):
+    """The verdict now says exact, and an independent packed-vs-alone run agrees: float64 (GPT-2's upcast
+    attention runs in float32 only: 2e-5 there)."""
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    config = AutoConfig.for_model(family, **(QWEN2_TINY | FORMERLY_REFUSED[family]), vocab_size=256, pad_token_id=0)
+    assert verify_config(config) == "exact"
+    if getattr(config, "n_routed_experts", None):  # fewer, narrower experts than the CLI run's (seconds, not 20)
+        config.n_routed_experts, config.moe_intermediate_size = 4, 32
+    # eager attention takes its softmax in float32 (~1e-7 in a float64 model); a leak gives 1e-4 and more
+    dtype, tolerance = (torch.float32, 2e-5) if family == "gpt2" else (torch.float64, 1e-6)
+    logit_diff, grad_diff = packed_vs_alone(config, dtype)
+    assert logit_diff <= tolerance and grad_diff <= tolerance, (logit_diff, grad_diff)
+
+
+@pytest.mark.slow
+def test_formerly_refused_configs_train_with_the_self_check(tmp_path):
+    """``python -m trainer.train model=qwen2_tiny model.family=F model.config_overrides=...`` trains (rc 0, the
+    self-check on) for each family of ``FORMERLY_REFUSED``: one Hydra multirun, their overrides together
+    (each config ignores the others' field)."""
+    overrides = ",".join(f"{k}:{str(v).lower()}" for f in FORMERLY_REFUSED.values() for k, v in f.items())
+    env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PACKFSDP_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "-m", "model=qwen2_tiny", f"model.family={','.join(FORMERLY_REFUSED)}",
+         f"model.config_overrides={{{overrides}}}", "data.num_records=400", "max_steps=2", "logger.peak_tflops=1"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    log = proc.stdout + proc.stderr
+    for family in FORMERLY_REFUSED:
+        assert f"config verdict: {family} exact for this config" in log, family
+    assert log.count("startup self-check passed") == len(FORMERLY_REFUSED)
+
+
+def test_no_replica_and_no_self_check_is_refused(tmp_path, monkeypatch):
+    """Without a verdict from a replica, only the startup self-check vouches for the config: turning it off
+    refuses the config in one line instead of training it unchecked."""
+    from trainer.model import config_verdict
+
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    monkeypatch.setattr(config_verdict, "_judge", lambda config, family: ("unbuildable", ""))
+    config = AutoConfig.for_model("llama", num_hidden_layers=2)
+    assert verify_config(config) == "unbuildable"
+    with pytest.raises(FamilyRefusedError, match="'llama': no replica .* keep model.self_check=true"):
+        verify_config(config, self_check=False)

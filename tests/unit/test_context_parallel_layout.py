@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from trainer.collate import collate_packed
-from trainer.context_parallel import assign_tokens, attention_cost, plan_shards, refuse_unshardable, shard_batch
+from trainer.parallel.cp_layout import assign_tokens, attention_cost, plan_shards, shard_batch
+from trainer.parallel.route import refuse_unshardable
 
 
 class _Examples:
@@ -31,7 +32,7 @@ def test_every_token_once_and_labels_counted_once(cp, split):
     assert sum(s.num_tokens for s in shards) == row.num_tokens
     assert len({s.input_ids.shape[1] for s in shards}) == 1  # equal shards for the all-gather
     # each shard's attention pairs (the step metrics' cp_skew) are the layout's cost of that rank
-    assert [s.cp_shard.pairs for s in shards] == attention_cost(lengths, cp, split).tolist()
+    assert [s.shard.pairs for s in shards] == attention_cost(lengths, cp, split).tolist()
 
 
 def test_balanced_evens_out_attention_cost():

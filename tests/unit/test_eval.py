@@ -11,7 +11,6 @@ from tests.conftest import tiny_gpt2_config
 from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
 from trainer.evaluate import eval_microbatches, evaluate, holdout_mask, split_holdout, subset
 from trainer.model import build_model, resolve_backend
-from trainer.throughput import padded_equivalent_positions, sum_squared_lengths
 
 
 def _examples(ds):
@@ -78,7 +77,7 @@ def test_padded_equivalent_positions(small_dataset):
     lengths = small_dataset.lengths[idx]
     packed = collate_packed(small_dataset, idx)
     padded = collate_padded(small_dataset, idx, 0)
-    assert padded_equivalent_positions(packed) == 4 * lengths.max() == padded.num_positions
-    assert padded_equivalent_positions(padded) == padded.num_positions
-    assert sum_squared_lengths(packed) == sum_squared_lengths(padded) == int((lengths**2).sum())
-    assert padded_equivalent_positions(collate_packed(small_dataset, np.array([], dtype=np.int64))) == 1
+    assert packed.padded_positions == 4 * lengths.max() == padded.num_positions
+    assert padded.padded_positions == padded.num_positions
+    assert packed.sum_squared_lengths == padded.sum_squared_lengths == int((lengths**2).sum())
+    assert collate_packed(small_dataset, np.array([], dtype=np.int64)).padded_positions == 1

@@ -87,7 +87,7 @@ def test_chunks_are_refused_under_context_parallel():
 
 
 def test_context_parallel_attention_refuses_sinks():
-    from trainer.context_parallel import cp_attention
+    from trainer.parallel.cp_attention import cp_attention
 
     q = torch.zeros(1, 4, 3, 8)
     with pytest.raises(AttentionBackendError, match=r"sdpa_varlen under parallel.cp cannot honour .*sinks \(s_aux\)"):

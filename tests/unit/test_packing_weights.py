@@ -73,11 +73,10 @@ def test_a_pair_weighs_its_two_sequences_and_enters_the_fingerprint():
 def test_a_pair_pads_as_two_rows_in_analyze_pack_and_the_trainers_counterfactual():
     """A padded micro-batch of pairs (``collate_padded`` via ``collate_pairs``) is one row per sequence, padded to
     the widest sequence: ``pack``'s positions, ``packfsdp analyze``'s figures and the trainer's padded
-    counterfactual of a packed batch (``padded_equivalent_positions``) all count what that collate builds."""
+    counterfactual of a packed batch (``Batch.padded_positions``) all count what that collate builds."""
     from tests.conftest import compose_job
     from trainer.collate import collate_packed, collate_padded
     from trainer.packing import PackParams, pack
-    from trainer.throughput import padded_equivalent_positions
     from trainer.tools.analyze import packing_report
 
     ds, seqs = pairs_and_sequences()
@@ -92,7 +91,7 @@ def test_a_pair_pads_as_two_rows_in_analyze_pack_and_the_trainers_counterfactual
         padded = [collate_padded(ds, b, 0) for b in result.bins]
         assert all(b.num_positions == b.input_ids.numel() for b in padded)  # rows x width
         assert figures["strategies"][name]["positions"] == result.stats.positions == sum(b.num_positions for b in padded)
-        assert [padded_equivalent_positions(collate_packed(ds, b)) for b in result.bins] == [b.num_positions for b in padded]
+        assert [collate_packed(ds, b).padded_positions for b in result.bins] == [b.num_positions for b in padded]
         as_whole_pairs = sum(len(b) * int(lengths[b].max()) for b in result.bins)
         assert result.stats.positions != as_whole_pairs  # what analyze reported before
     assert figures["max_speedup"] == figures["strategies"]["none"]["positions"] / lengths.sum()

@@ -107,7 +107,7 @@ def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkey
     longest and stops the run. With the fix, it passes."""
     if not fixed:
         monkeypatch.setattr("trainer.model.prepare.apply_per_example_rope", lambda model: [])
-        monkeypatch.setattr("trainer.model.loading.verify_config", lambda config: "off")  # it refuses this too: the self-check alone here
+        monkeypatch.setattr("trainer.model.loading.verify_config", lambda config, self_check=True: "off")  # it refuses this too: the self-check alone here
     lengths = small_dataset.lengths
     original = int(np.median(lengths))
     model = build_model(longrope_phi3(original), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=0)
@@ -200,3 +200,29 @@ def test_a_nan_gradient_fails_the_check(model, small_dataset, tokenizer, monkeyp
     monkeypatch.setattr(selfcheck, "grad_projections", lambda m: torch.full((selfcheck.PROJECTIONS,), float("nan"), dtype=torch.float64))
     with pytest.raises(SelfCheckError, match="gradient gap nan"):
         run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
+
+
+@pytest.mark.parametrize("side", ["packed", "alone"])
+def test_a_nan_is_said_as_a_nan_not_as_a_leak(side, model, small_dataset, tokenizer):
+    """A gradient that is NaN on one side names that side and the parameter; the reference's NaN (examples run
+    one by one) is the model's own. Neither reads "examples are not kept apart"."""
+    param = model.model.transformer.wte.weight  # tied with the head: named by its first name
+    calls = []
+
+    def nan_on_one_side(grad):  # the packed pass runs the first backward; the reference, the ones after it
+        calls.append(1)
+        return grad * float("nan") if (len(calls) == 1) == (side == "packed") else grad
+
+    handle = param.register_hook(nan_on_one_side)
+    try:
+        with pytest.raises(SelfCheckError) as info:
+            run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
+    finally:
+        handle.remove()
+    line = str(info.value)
+    assert "not kept apart" not in line and "\n" not in line
+    if side == "packed":
+        assert "packed, the gradient of model.transformer.wte.weight is not finite (NaN) where the same examples" in line
+    else:
+        assert "the gradient of model.transformer.wte.weight is not finite (NaN) with the check batch's examples run" in line
+        assert "the model's own computation, not packing" in line

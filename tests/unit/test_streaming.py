@@ -146,7 +146,10 @@ def test_bad_rows_are_named_counted_and_truncation_counted(tmp_path, tokenizer, 
     assert stream.stats.truncated == 1 and stream.stats.dropped_empty == 1 and stream.stats.examples == 2
 
 
-def test_a_file_datasets_cannot_parse_is_an_error_or_a_counted_skip(tmp_path, tokenizer):
+def test_a_file_datasets_cannot_parse_is_an_error_or_a_counted_skip(tmp_path, tokenizer, monkeypatch):
+    from trainer.data import parts
+
+    monkeypatch.setattr(parts, "SMALL_FILE_BYTES", 0)  # streamed one by one, as files of a megabyte or more are
     (tmp_path / "a.jsonl").write_text('{"text": "one two"}\n{"text": "broken"\n')
     write_jsonl(tmp_path / "b.jsonl", [{"text": "three four five"}])
     cfg = DataConfig(source="jsonl", path=str(tmp_path), stream=ON)

@@ -4,6 +4,8 @@ error every bad value raises, and the two checks most fields use (``ConfigError`
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from trainer.errors import ConfigError  # the leaf every stage imports; re-exported by trainer.config
@@ -25,6 +27,35 @@ torch's; the names live here so that validating a config never imports torch).""
 LOSS_IMPLS = ("chunked", "naive")
 """``loss.impl`` choices (``trainer.loss``): the LM head fused with the cross-entropy in chunks of tokens, or
 the model's full logits then cross-entropy."""
+
+@dataclass(frozen=True)
+class StrategyKind:
+    """What a packing strategy's micro-batches are, as config validation and every stage need to know it."""
+
+    padded: bool = False
+    """Micro-batches are padded rectangles (``collate_padded``) rather than flat varlen rows."""
+    splits: bool = False
+    """May cut an example into pieces (needs ``budget >= 2``; never drops over-long examples)."""
+
+    @property
+    def min_budget(self) -> int:
+        """The smallest token budget it can pack into: a piece needs a labelled token besides its overlap token."""
+        return 2 if self.splits else 1
+
+
+PACKING_STRATEGIES = {
+    "none": StrategyKind(padded=True), "sorted": StrategyKind(padded=True), "ffd": StrategyKind(),
+    "bfd": StrategyKind(), "bfd_split": StrategyKind(splits=True), "wrapped": StrategyKind(splits=True),
+}
+"""``packing.strategy`` choices and what each packs (``trainer.packing.strategies`` implements exactly these)."""
+
+WORK_MEASURES = ("flops", "tokens", "attention")
+"""``packing.balance`` choices: what ranks can be balanced on (``trainer.packing.balance.work_measure``): the work
+of each sequence from its length: model FLOPs (``TokenCost``), tokens, or attention (length^2)."""
+
+CP_SPLITS = ("contiguous", "balanced")
+"""``parallel.cp_split`` choices: how a row is cut over a context-parallel group (``trainer.parallel.cp_layout``
+implements exactly these; the names live here so that validating a config never imports torch)."""
 
 CONTEXT_KEYS = ("n_positions", "max_position_embeddings")
 """Where a transformers config states the model's context length (GPT-2 names it ``n_positions``)."""
@@ -87,6 +118,18 @@ def check_choice(key: str, value: Any, choices: tuple[str, ...]) -> None:
 def check_positive(key: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ConfigError(f"{key} must be a positive number, got {value!r}")
+
+
+def check_folder(key: str, value: str) -> None:
+    """``value`` is a folder, or can become one: neither it nor a parent is a file (``NotADirectoryError``
+    deep inside the tokenizer or data cache, otherwise)."""
+    path = Path(value).expanduser()
+    for p in (path, *path.parents):
+        if p.exists():
+            if not p.is_dir():
+                what = "is a file" if p == path else f"is inside {p}, a file"
+                raise ConfigError(f"{key}={value} {what}, not a folder: point it at a folder (or at none yet)")
+            return
 
 
 MAX_SETTING = 1e15

@@ -2,20 +2,21 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-# Light registries (numpy only): the choice lists and strategy facts below come from them.
-from trainer.packing.balance import WORK_MEASURES
-from trainer.packing.strategies import STRATEGIES, get_strategy
-
 from trainer.config.common import (
-    DTYPE_NAMES,
     ATTENTION_BACKENDS,
+    CP_SPLITS,
+    DTYPE_NAMES,
     LOCAL_PATH_PREFIXES,
+    PACKING_STRATEGIES,
+    WORK_MEASURES,
     ConfigError,
     check_choice,
+    check_folder,
     check_positive,
 )
 
@@ -92,6 +93,10 @@ class DataConfig:
     part of the data cache's key. Training's randomness is the top-level ``seed`` (see there)."""
     cache_dir: str = "${oc.env:PACKFSDP_CACHE,'~/.cache/packfsdp'}"
     """Where the locally trained tokenizer and tokenized datasets are cached."""
+    max_record_bytes: int = 8 << 20
+    """A record larger than this (its text in UTF-8 bytes, token ids at 4 bytes each) is skipped before it
+    is tokenized or sampled for the local tokenizer, counted and logged: input memory stays bounded (one 200 MB
+    line grew a rank past 11 GB). 8 MiB is ~2M tokens of text, past any ``max_length``."""
     num_proc: int | None = None
     """Processes that render and tokenize a table source (a ``datasets`` map); ``None``: the cores this job
     may use. Inputs under 20k rows are done in-process. Does not change the result (not in the cache key)."""
@@ -106,6 +111,10 @@ class DataConfig:
         check_choice("data.on_bad_record", self.on_bad_record, ("error", "skip"))
         check_positive("data.max_length", self.max_length)
         check_positive("data.num_records", self.num_records)
+        check_positive("data.max_record_bytes", self.max_record_bytes)
+        if os.environ.get("PACKFSDP_CACHE"):  # data.cache_dir's default; the config verdicts are cached there too
+            check_folder("PACKFSDP_CACHE", os.environ["PACKFSDP_CACHE"])
+        check_folder("data.cache_dir", self.cache_dir)
         if self.limit is not None:
             check_positive("data.limit", self.limit)
         if self.num_proc is not None:
@@ -207,10 +216,10 @@ class PackingConfig:
     """``sorted`` only: sort by length inside random groups of ``megabatch_factor x batch size`` examples."""
 
     def validate(self) -> None:
-        check_choice("packing.strategy", self.strategy, tuple(STRATEGIES))
-        check_choice("packing.balance", self.balance, tuple(WORK_MEASURES))
+        check_choice("packing.strategy", self.strategy, tuple(PACKING_STRATEGIES))
+        check_choice("packing.balance", self.balance, WORK_MEASURES)
         check_positive("packing.token_budget", self.token_budget)
-        if self.token_budget < (least := get_strategy(self.strategy).min_budget):
+        if self.token_budget < (least := PACKING_STRATEGIES[self.strategy].min_budget):
             raise ConfigError(f"packing.token_budget must be >= {least} for strategy {self.strategy}")
         if self.max_examples_per_bin is not None:
             check_positive("packing.max_examples_per_bin", self.max_examples_per_bin)
@@ -221,12 +230,12 @@ class PackingConfig:
     @property
     def packed(self) -> bool:
         """Flat varlen micro-batches (``collate_packed``) rather than padded rectangles."""
-        return not get_strategy(self.strategy).padded
+        return not PACKING_STRATEGIES[self.strategy].padded
 
     @property
     def splits_examples(self) -> bool:
         """May cut an example into pieces, so examples need not fit the budget."""
-        return get_strategy(self.strategy).splits
+        return PACKING_STRATEGIES[self.strategy].splits
 
 
 @dataclass
@@ -259,14 +268,14 @@ class ParallelConfig:
     """Backend for ``compile`` (``inductor``; ``aot_eager`` compiles fast, for tests and debugging)."""
     cp: int = 1
     """Context-parallel degree C: each packed row holds ``C x packing.token_budget`` tokens and is sharded along
-    the sequence over C neighbouring ranks (``trainer.context_parallel``); the world is dp x cp, cp innermost."""
+    the sequence over C neighbouring ranks (``trainer.parallel``); the world is dp x cp, cp innermost."""
     cp_split: str = "balanced"
     """How a row is cut over the CP group: ``contiguous`` (equal slices) or ``balanced`` (head/tail zigzag per
     long example, short ones placed by attention cost: about equal attention work per rank)."""
 
     def validate(self) -> None:
         check_positive("parallel.cp", self.cp)
-        check_choice("parallel.cp_split", self.cp_split, ("contiguous", "balanced"))
+        check_choice("parallel.cp_split", self.cp_split, CP_SPLITS)
         check_choice("parallel.activation_checkpointing", self.activation_checkpointing, ("none", "full", "every_k"))
         check_positive("parallel.activation_checkpointing_every", self.activation_checkpointing_every)
         if self.dp_replicate is not None:

@@ -9,6 +9,11 @@ Readers report every problem through one ``BadRecords`` per load, with the place
 With ``error`` (the default) the first problem raises ``BadRecordError``; with ``skip`` the record (or line,
 or file) is left out, counted, and the first few are logged with their place, then a total. The count
 reaches ``DatasetStats.dropped_bad`` so the run's log and summary show it. Nothing is dropped silently.
+
+A record larger than ``data.max_record_bytes`` (``record_bytes``: its text in UTF-8, token ids at 4 bytes) is
+not bad, only too big to tokenize (one 200 MB line once grew a rank past 11 GB in the tokenizer's training):
+it is always skipped before it is tokenized or sampled for the tokenizer, counted
+(``DatasetStats.dropped_oversize``) and logged with its place (``BadRecords.oversize``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,8 @@ class BadRecords:
         self.mode, self.source = mode, source
         self.skipped = 0
         self.reasons: dict[str, int] = {}
+        self.oversized = 0
+        """Records over ``data.max_record_bytes`` reported here (``oversize``; counted in the stats by outcome)."""
 
     def bad(self, where: str, reason: str, kind: str = "record") -> None:
         """Report one bad record at ``where``: raise (``error``) or count and log it (``skip``)."""
@@ -55,6 +62,12 @@ class BadRecords:
         if self.skipped <= LOGGED_SKIPS:
             log.warning("skipped bad %s at %s: %s", kind, where, reason)
 
+    def oversize(self, where: str, reason: str) -> None:
+        """A record over ``data.max_record_bytes`` at ``where``: always skipped; the first few are logged."""
+        self.oversized += 1
+        if self.oversized <= LOGGED_SKIPS:
+            log.warning("skipped record at %s: %s", where, reason)
+
     def finish(self, records: list) -> RecordList:
         """``records`` as a ``RecordList`` carrying the skip count; logs the total once."""
         out = RecordList(records)
@@ -62,6 +75,8 @@ class BadRecords:
         if self.skipped:
             parts = ", ".join(f"{n} {k}(s)" for k, n in sorted(self.reasons.items()))
             log.warning("data %s: skipped %d bad input(s): %s (data.on_bad_record=skip)", self.source, self.skipped, parts)
+        if self.oversized:
+            log.warning("data %s: skipped %d record(s) over data.max_record_bytes", self.source, self.oversized)
         return out
 
 
@@ -85,6 +100,22 @@ def parse_json(text: str) -> Any:
         return json.loads(text)
     except RecursionError:
         raise ValueError("JSON nested too deeply to read") from None
+
+
+def record_bytes(value: Any) -> int:
+    """A record's size as ``data.max_record_bytes`` counts it: the UTF-8 bytes of every string in it (keys
+    included) and 4 bytes per number (a token id), however deeply nested."""
+    if isinstance(value, str):
+        return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+    if isinstance(value, dict):
+        return sum(record_bytes(k) + record_bytes(v) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return sum(record_bytes(v) for v in value)
+    return 4
+
+
+def oversize_reason(size: int, limit: int) -> str:
+    return f"{size:,} bytes, over data.max_record_bytes={limit:,} (skipped before tokenizing; raise it to keep such records)"
 
 
 def check_not_empty(path: Path, rows_in_file: int, bad: BadRecords) -> None:

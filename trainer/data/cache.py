@@ -33,7 +33,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
 from trainer.data.arrays import ArrayWriter, open_arrays
-from trainer.data.bad_records import BadRecords
+from trainer.data.bad_records import BadRecordError, BadRecords
 from trainer.data.cache_integrity import build_errors, build_lock, seal, verified
 from trainer.data.examples import TokenizedDataset
 from trainer.data.parts import Places, is_table, source_parts
@@ -99,10 +99,8 @@ def open_cache(folder: Path, cfg: DataConfig) -> TokenizedDataset:
     ds = open_arrays(folder)
     if len(ds) == 0:
         s = ds.stats
-        raise ValueError(
-            f"data.source={cfg.source}: no usable example ({s.records} records, {s.dropped_empty} empty, "
-            f"{s.dropped_overlong} over-long, {s.dropped_no_labels} without labels)"
-        )
+        raise BadRecordError(f"data.source={cfg.source}: no usable example ({s.records} records read; left out: "
+                             f"{s.left_out()})")
     return ds
 
 
@@ -160,6 +158,8 @@ def write_arrow(
         reasons = batch.column("reason")
         for i in np.flatnonzero(status == Outcome.BAD):  # skipped (an error was raised in the worker)
             bad.bad(places.lazy(start + int(i)), reasons[int(i)].as_py())
+        for i in np.flatnonzero(status == Outcome.OVERSIZE):
+            bad.oversize(places.lazy(start + int(i)), reasons[int(i)].as_py())
         start += len(batch)
     for f in mapped.cache_files:  # the arrays now hold it all; the map's Arrow copy would double the disk
         Path(f["filename"]).unlink(missing_ok=True)

@@ -26,7 +26,10 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass
 
+from jinja2.exceptions import SecurityError, TemplateSyntaxError
 from transformers import PreTrainedTokenizerBase
+
+from trainer.errors import ConfigError
 
 # The built-in fallback for tokenizers without a template: plain text role headers, each message closed
 # by EOS (the tokenizer's end-of-sequence token, which every tokenizer packfsdp accepts has).
@@ -54,8 +57,9 @@ BUILTIN_TEMPLATES = {"default": DEFAULT_CHAT_TEMPLATE, "chatml": CHATML_TEMPLATE
 ASSISTANT = "assistant"
 
 
-class ChatTemplateError(ValueError):
-    """A chat template cannot be split into prompt and reply pieces."""
+class ChatTemplateError(ConfigError):
+    """A chat template cannot be used: it is not valid Jinja, the sandbox blocked it, or it cannot be split into
+    prompt and reply pieces (a setting to change, so one line and exit code 2)."""
 
 
 @dataclass
@@ -171,7 +175,16 @@ def chat_segments_batch(
 ) -> list[list[Segment]]:
     """``chat_segments`` of many conversations: each rendered once, all tokenized in one batched call. With a
     fast tokenizer the segments hold token ids; with a slow one (no offsets) text pieces, tokenized apart."""
-    texts_and_spans = loss_spans_batch(conversations, tokenizer, template, loss_on)
+    try:
+        texts_and_spans = loss_spans_batch(conversations, tokenizer, template, loss_on)
+    except SecurityError as e:  # transformers renders templates in an ImmutableSandboxedEnvironment
+        raise ChatTemplateError(
+            f"the chat template was blocked by the Jinja sandbox transformers renders it in ({e}); nothing unsafe "
+            "ran. Fix the template (model.chat_template, or the tokenizer's own) or set model.chat_template=chatml"
+        ) from None
+    except TemplateSyntaxError as e:
+        raise ChatTemplateError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message}); fix it, "
+                                "or set model.chat_template=chatml") from None
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is None:
         return [_text_segments(text, spans) for text, spans in texts_and_spans]

@@ -39,9 +39,17 @@ class DatasetStats:
     """Malformed lines/records/files left out under ``data.on_bad_record=skip``."""
     tokens: int = 0
     label_tokens: int = 0
+    dropped_oversize: int = 0
+    """Records over ``data.max_record_bytes``, left out before tokenizing (``trainer.data.bad_records``)."""
 
     def skipped(self) -> int:
-        return self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
+        return (self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
+                + self.dropped_oversize)
+
+    def left_out(self) -> str:
+        """Every reason a record was left out, with its count (the one wording of logs and errors)."""
+        return (f"{self.dropped_empty} empty, {self.dropped_overlong} over-long, {self.dropped_no_labels} with no "
+                f"label token, {self.dropped_bad} bad, {self.dropped_oversize} over data.max_record_bytes")
 
     def add(self, other: DatasetStats) -> None:
         """Add ``other``'s counts to these (chunks of one source, sources of a mixture)."""
@@ -221,8 +229,4 @@ def log_dataset_stats(name: str, stats: DatasetStats) -> None:
         name, stats.records, stats.examples, stats.tokens, stats.label_tokens,
     )
     if stats.skipped() or stats.truncated:
-        log.warning(
-            "data %s: skipped %d empty, %d over-long, %d with no label token, %d bad; truncated %d over-long",
-            name, stats.dropped_empty, stats.dropped_overlong, stats.dropped_no_labels, stats.dropped_bad,
-            stats.truncated,
-        )
+        log.warning("data %s: skipped %s; truncated %d over-long", name, stats.left_out(), stats.truncated)

@@ -3,8 +3,11 @@
 ``source_parts`` opens ``data.source`` as ``Part``s, each a table of rows or a list of records:
 
 - a shipped table source (``jsonl`` / ``parquet`` / ``csv``, ``trainer.data.tables.FORMATS``): one part per
-  file, read by ``datasets`` (into memory-mapped Arrow, or streamed); a file ``datasets`` refuses is read by
-  the format's line reader instead (the fallback, which names the bad line) and comes back as records;
+  file, read by ``datasets`` (into memory-mapped Arrow, or streamed); a file ``datasets`` refuses, or whose
+  strings are not UTF-8 (pyarrow's JSON reader keeps such bytes, and reading the row later fails), is read by
+  the format's line reader instead (the fallback, which names the bad line) and comes back as records.
+  Consecutive small files (under ``SMALL_FILE_BYTES``) are one part, read by the line reader in one pass (up
+  to ``GROUP_BYTES``): a ``datasets`` load costs tens of milliseconds whatever the file's size;
 - ``hf``: the dataset ``data.path`` names (a hub id, a local dataset folder), ranks streaming it get
   disjoint shards (``split_by_node``);
 - every other source, as registered (``trainer.data.sources.SOURCES``, plugins included: a plugin that
@@ -25,10 +28,15 @@ from pathlib import Path
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.sources import check_hf_path, check_source, open_hf_dataset, shipped
-from trainer.data.tables import FORMATS, TableFormat, detect_columns, rows_to_records, table_files
+from trainer.data.tables import FORMATS, TableFormat, detect_columns, mapped_columns_only, rows_to_records, table_files
 from trainer.errors import library_load
 
 log = logging.getLogger(__name__)
+
+SMALL_FILE_BYTES = 1 << 20
+"""Files under this size are read together, by the line reader (see the module docstring)."""
+GROUP_BYTES = 16 << 20
+"""The most bytes of small files in one part (its records are held in memory together)."""
 
 
 @dataclass(frozen=True)
@@ -109,8 +117,11 @@ def source_parts(cfg: DataConfig, bad: BadRecords, streaming: bool = False) -> l
     name = shipped(cfg)
     if name in FORMATS:
         fmt = FORMATS[name]
-        return [Part(Places(str(f), fmt.lines), functools.partial(_open_file, fmt, f, cfg, bad, streaming))
-                for f in table_files(cfg, fmt.suffixes)]
+        return [Part(Places(str(files[0]), fmt.lines), functools.partial(_open_file, fmt, files[0], cfg, bad, streaming))
+                if len(files) == 1 else
+                Part(Places(f"{files[0]} .. {files[-1]} ({len(files)} files)"),
+                     functools.partial(_read_lines, fmt, files, cfg, bad))
+                for files in small_files_together(table_files(cfg, fmt.suffixes))]
     if name == "hf":
         check_hf_path(cfg)
         return [Part(Places(f"data.path={cfg.path}"), functools.partial(_open_hf, cfg, streaming), split_by_node=True)]
@@ -119,8 +130,33 @@ def source_parts(cfg: DataConfig, bad: BadRecords, streaming: bool = False) -> l
                  split_by_node=True)]
 
 
+def small_files_together(files: list[Path]) -> list[list[Path]]:
+    """``files`` in order, as parts: a file of ``SMALL_FILE_BYTES`` or more alone, consecutive smaller ones
+    together up to ``GROUP_BYTES``."""
+    parts: list[list[Path]] = []
+    small: list[Path] = []
+    size = 0
+    for f in files:
+        n = f.stat().st_size
+        if small and (n >= SMALL_FILE_BYTES or size + n > GROUP_BYTES):
+            parts.append(small)
+            small, size = [], 0
+        if n >= SMALL_FILE_BYTES:
+            parts.append([f])
+        else:
+            small.append(f)
+            size += n
+    return parts + ([small] if small else [])
+
+
+def _read_lines(fmt: TableFormat, files: list[Path], cfg: DataConfig, bad: BadRecords) -> list:
+    """Small files read by the format's line reader in one pass; each record keeps its ``file:line``."""
+    return rows_to_records(fmt.read(files, bad), cfg, bad)
+
+
 def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, streaming: bool):
     import datasets
+    import pyarrow as pa
 
     if streaming:
         with library_load(f"data.path={file}"):
@@ -132,6 +168,11 @@ def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, s
                                    **reader_options(fmt.builder, file))
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
         log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
+        return rows_to_records(fmt.read([file], bad), cfg, bad)
+    try:
+        mapped_columns_only(ds, cfg).data.table.validate(full=True)  # the UTF-8 of the strings read, ~3 GB/s
+    except pa.ArrowInvalid as e:
+        log.info("data %s: %s holds text that is not UTF-8 (%s); reading it line by line", cfg.source, file, str(e)[:200])
         return rows_to_records(fmt.read([file], bad), cfg, bad)
     if (column := _float_token_column(ds, cfg)) is not None:
         # One float in one row types the whole column float in Arrow: every row would then look bad (or be

@@ -5,7 +5,8 @@ assistant's replies by default) or a plain document (``text``); see ``record_seg
 aligned with ``input_ids`` (the model shifts), so a token's mask says "this token is predicted". The first
 token of an example never carries loss: nothing before it belongs to the same example.
 
-Each record comes out with its ``Outcome`` (kept, truncated, empty, over-long, no labels, bad), and
+Each record comes out with its ``Outcome`` (kept, truncated, empty, over-long, no labels, bad, over
+``data.max_record_bytes``: left out before anything is rendered), and
 ``stats_of`` is the one place outcomes become ``DatasetStats``: bad input is never dropped silently.
 ``render_outcomes`` renders a chunk of records; ``render_batch`` is the same chunk function for a batch of
 table rows, as ``datasets.map`` runs it (``trainer.data.cache``).
@@ -21,7 +22,7 @@ import numpy as np
 from transformers import PreTrainedTokenizerBase
 
 from trainer.config import DataConfig
-from trainer.data.bad_records import BadRecords
+from trainer.data.bad_records import BadRecords, oversize_reason, record_bytes
 from trainer.data.chat import (
     ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template, media_key, media_refusal,
 )
@@ -106,6 +107,7 @@ class Outcome(IntEnum):
     OVERLONG = 3
     NO_LABELS = 4
     BAD = 5
+    OVERSIZE = 6
 
 
 Rendered = tuple[list[int], list[bool], Outcome, int]
@@ -159,14 +161,16 @@ def stats_of(outcomes: np.ndarray) -> DatasetStats:
         records=len(outcomes), examples=int(n[Outcome.KEPT] + n[Outcome.TRUNCATED]), truncated=int(n[Outcome.TRUNCATED]),
         dropped_empty=int(n[Outcome.EMPTY]), dropped_overlong=int(n[Outcome.OVERLONG]),
         dropped_no_labels=int(n[Outcome.NO_LABELS]), dropped_bad=int(n[Outcome.BAD]),
+        dropped_oversize=int(n[Outcome.OVERSIZE]),
     )
 
 
 def _record_segments(
     records: list[Record], tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, bad: BadRecords
 ) -> list[list[Segment] | Outcome]:
-    """Every record's segments, or ``EMPTY`` (no content) or ``BAD`` (reported to ``bad``: an error naming
-    the record under ``on_bad_record=error``, a counted skip under ``skip``)."""
+    """Every record's segments, or ``EMPTY`` (no content), ``BAD`` (reported to ``bad``: an error naming
+    the record under ``on_bad_record=error``, a counted skip under ``skip``) or ``OVERSIZE`` (over
+    ``data.max_record_bytes``: skipped before it is rendered, reported to ``bad.oversize``)."""
     template = effective_template(tokenizer)
     per_record: list[list[Segment] | Outcome] = []
     for i, record in enumerate(records):
@@ -174,6 +178,10 @@ def _record_segments(
         if not isinstance(record, dict):
             bad.bad(where, f"a {type(record).__name__}, not a dict")
             per_record.append(Outcome.BAD)
+            continue
+        if (size := record_bytes(record)) > cfg.max_record_bytes:
+            bad.oversize(where, oversize_reason(size, cfg.max_record_bytes))
+            per_record.append(Outcome.OVERSIZE)
             continue
         try:
             segments = record_segments(record, tokenizer, cfg.loss_on, template, where)
@@ -248,6 +256,9 @@ class RowProblems(BadRecords):
         if self.mode == "error":
             super().bad(self.places.where(index), reason, kind)
         self.reasons[index] = reason
+
+    def oversize(self, where: str, reason: str) -> None:
+        self.reasons[int(str.__str__(where).removeprefix("#"))] = reason
 
 
 def render_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,

@@ -35,7 +35,7 @@ from transformers import PreTrainedTokenizerBase
 
 from trainer import distributed
 from trainer.config import DataConfig
-from trainer.data.bad_records import BadRecords
+from trainer.data.bad_records import BadRecordError, BadRecords
 from trainer.data.examples import (
     DatasetStats, Example, TokenizedDataset, count_kept, from_examples, log_dataset_stats,
 )
@@ -99,8 +99,8 @@ class RowStream:
 
 
 def _placed(value: object, where: str) -> object:
-    if not isinstance(value, dict):
-        return value  # the renderer reports it as a bad record
+    if not isinstance(value, dict) or getattr(value, "where", ""):
+        return value  # the renderer reports a non-dict as a bad record; a record read by lines keeps its place
     row = Row(value)
     row.where = where
     return row
@@ -145,10 +145,9 @@ class ExampleStream:
     def _end_pass(self) -> None:
         if self.pass_examples == 0:
             s = self.stats
-            raise ValueError(
+            raise BadRecordError(
                 f"data.source={self.cfg.source}: rank {self.rank}'s share of the stream holds no training example "
-                f"({s.records} records: {s.dropped_empty} empty, {s.dropped_overlong} over-long, {s.dropped_no_labels} "
-                f"without labels, {s.dropped_bad} bad, {self.held_out} held out for eval)"
+                f"({s.records} records read; left out: {s.left_out()}; {self.held_out} held out for eval)"
             )
         self.part, self.passes, self.pass_examples = 0, self.passes + 1, 0
         log_dataset_stats(f"{self.cfg.source} ({self.label} of rank {self.rank}, after pass {self.passes})", self.stats)

@@ -64,7 +64,7 @@ def read_jsonl(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
     bad = bad or BadRecords()
     rows = []
     for file in files:
-        before = len(rows)
+        before, skipped_before = len(rows), bad.skipped
         for n, line in utf8_lines(file, bad):
             if not line.strip():
                 continue
@@ -80,7 +80,7 @@ def read_jsonl(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
                 bad.bad(f"{file}:{n}", f"a JSON {type(value).__name__}, not an object", "line")
                 continue
             rows.append(_row(value, f"{file}:{n}"))
-        check_not_empty(file, len(rows) - before, bad)
+        check_not_empty(file, len(rows) - before + bad.skipped - skipped_before, bad)  # bad lines are not "empty"
     return rows
 
 

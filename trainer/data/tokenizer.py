@@ -20,7 +20,7 @@ import numpy as np
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
-from trainer.data.bad_records import BadRecords
+from trainer.data.bad_records import BadRecords, record_bytes
 from trainer.data.cache_integrity import build_lock, intact, seal_folder
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, apply_template_setting
 from trainer.data.mixture import mix_components
@@ -137,13 +137,19 @@ enough for a small vocabulary, and preparing 1M records never holds them all."""
 
 
 def bpe_sample(cfg: DataConfig) -> Iterator[dict]:
-    """The records the local BPE is trained on; pre-tokenized data is refused (see ``pretokenized_refused``)."""
-    records = sample_records(cfg, BPE_SAMPLE_RECORDS)
-    first = next(records, None)
-    if first is not None:
-        pretokenized_refused([first])
-        yield first
-        yield from records
+    """The records the local BPE is trained on; pre-tokenized data is refused (see ``pretokenized_refused``),
+    a record over ``data.max_record_bytes`` left out (counted in the log; the data cache counts it again)."""
+    oversized = 0
+    for k, record in enumerate(sample_records(cfg, BPE_SAMPLE_RECORDS)):
+        if k == 0:
+            pretokenized_refused([record])
+        if record_bytes(record) > cfg.max_record_bytes:
+            oversized += 1
+            continue
+        yield record
+    if oversized:
+        log.warning("data %s: %d record(s) over data.max_record_bytes=%d left out of the tokenizer's sample",
+                    cfg.source, oversized, cfg.max_record_bytes)
 
 
 def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTokenizerBase:

@@ -307,3 +307,47 @@ def flex_attention_backend(module, query, key, value, attention_mask, scaling=No
         out, aux = out
         out = rescale_by_sinks(out, aux.lse, sinks)  # lse: [1, heads, tokens]
     return out.transpose(1, 2).contiguous(), None
+
+
+# ------------------------------------------------------------------------------- query runs against their keys
+def flash_attn_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, dropout, window,
+                          softcap=None) -> torch.Tensor:
+    """flash-attn's varlen kernel with separate boundaries (``cu_q != cu_k``: each run of queries the last of
+    its keys, bottom-right causal). ``query`` ``[1, H, S, D]``, keys back to back ``[1, Hkv, K, D]``; returns
+    ``[1, S, H, D]``. A context-parallel shard's queries against the row's gathered keys."""
+    from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
+
+    q, k, v = _one_compute_dtype(query, key, value)
+    cq, ck = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
+    out = flash_attn_varlen_func(
+        _flat(q), _flat(k), _flat(v), cq, ck, max_q, max_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
+        window_size=_window_size(window), softcap=0.0 if softcap is None else float(softcap),
+    )
+    return out.unsqueeze(0)
+
+
+def torch_varlen_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, window) -> torch.Tensor:
+    """``varlen_attn`` with separate boundaries, as ``flash_attn_query_runs``."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    q, k, v = _one_compute_dtype(query, key, value)
+    cq, ck = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
+    (fq, fk, fv), options = varlen_attn_inputs(_flat(q), _flat(k), _flat(v), scaling, window)
+    return varlen_attn(fq, fk, fv, cq, ck, max_q, max_k, **options).unsqueeze(0)
+
+
+def flex_query_runs(query, key, value, doc_q, pos_q, doc_k, pos_k, scaling, window, softcap=None) -> torch.Tensor:
+    """FlexAttention on global (example, position): each query of ``query`` ``[1, H, S, D]`` against every key of
+    ``key``/``value`` ``[1, Hkv, K, D]`` its example and position allow (``allowed``). Returns ``[1, S, H, D]``."""
+    q, k, v = _one_compute_dtype(query, key, value)
+    dq, pq, dk, pk = (t.to(q.device) for t in (doc_q, pos_q, doc_k, pos_k))
+
+    def mask(b, h, q_idx, kv_idx):
+        return allowed(dq[q_idx], pq[q_idx], dk[kv_idx], pk[kv_idx], window)
+
+    block_mask = create_block_mask(mask, None, None, q.shape[2], k.shape[2], device=q.device)
+    out = _flex_fn(q.device)(
+        q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+        score_mod=None if softcap is None else softcap_score_mod(float(softcap)),
+    )
+    return out.transpose(1, 2).contiguous()

@@ -201,3 +201,35 @@ def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling
         )
 
     return _run_rects(query, key, value, plan, attend), None
+
+
+# ------------------------------------------------------------------------------- query runs against their keys
+def lower_right_mask(lq: int, lk: int, window: int | None, device) -> torch.Tensor:
+    """``[lq, lk]``: the causal (sliding-window) mask of ``lq`` queries that are the LAST ``lq`` of ``lk`` keys
+    (bottom-right aligned, as flash-attn aligns ``cu_seqlens_q != cu_seqlens_k``)."""
+    i = torch.arange(lq, device=device)[:, None] + (lk - lq)
+    j = torch.arange(lk, device=device)[None, :]
+    ok = j <= i
+    if window is not None:
+        ok = ok & (i - j < window)
+    return ok
+
+
+def sdpa_query_runs(query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, scaling, dropout, window,
+                    softcap=None) -> torch.Tensor:
+    """Each run of queries ``cu_q[n]:cu_q[n + 1]`` of ``query`` ``[1, H, S, D]`` against its keys
+    ``cu_k[n]:cu_k[n + 1]`` of ``key``/``value`` ``[1, Hkv, K, D]`` (runs back to back), the run's queries the last
+    of its keys, causal bottom-right (``lower_right_mask``: SDPA's ``is_causal`` is top-left on non-square
+    inputs). Returns ``[1, S, H, D]``. A context-parallel shard's queries against the row's gathered keys."""
+    if softcap is not None:
+        raise ValueError("packfsdp: sdpa_varlen cannot softcap attention logits under cp; use flash_attn or flex")
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    outs = []
+    for n in range(len(cq) - 1):
+        qs, qe, ks, ke = cq[n], cq[n + 1], ck[n], ck[n + 1]
+        mask = lower_right_mask(qe - qs, ke - ks, window, query.device)
+        outs.append(F.scaled_dot_product_attention(
+            query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, dropout_p=dropout, scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        ))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous()

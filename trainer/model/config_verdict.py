@@ -4,13 +4,17 @@ The family table (``trainer.model.families``) was probed on each family's *defau
 may add what that default lacks (short-convolution or linear-attention layers in ``layer_types``, a sliding
 window the family keeps in its mask, chunked attention, another rope type, MoE routing). Before training,
 ``verify_config`` builds ``replica_config(config)``: the same ``model_type`` and every setting that shapes how
-tokens mix, widths shrunk, one layer of each distinct per-layer pattern (``layer_types``, ``no_rope_layers``,
-...), windows / chunks / rope thresholds shrunk below the probe's longest example so that examples cross
-them. It runs a packed row of ``LENGTHS`` against the same examples alone through transformers' eager
-attention, in float64, and compares logits and every parameter's gradient. A mismatch raises
-``FamilyRefusedError`` in one line naming the family and the setting (found by switching each candidate
-setting off in turn). Verdicts are cached, keyed by everything they depend on and checksummed
-(``trainer.model.verdict_cache``: an entry that does not verify is judged again).
+tokens mix, widths shrunk keeping what the config's shape needs (``family_probe.shrunk_shapes``: KV heads =
+heads for multi-head latent attention, head-count ratios, equal head dims and vocabularies), one layer of each
+distinct per-layer pattern (``layer_types``, ``no_rope_layers``, ..., ``family_probe.shrunk_layers``), windows /
+chunks / rope thresholds shrunk below the probe's longest example so that examples cross them. It runs a
+packed row of ``LENGTHS`` against the same examples alone through transformers' eager attention, in float64
+(float32 where the model cannot run in float64), and compares logits and every parameter's gradient. A
+mismatch raises ``FamilyRefusedError`` in one line naming the family and the setting (found by switching each
+candidate setting off in turn); so does a NaN, saying where (the examples alone: the family's own; packed).
+A replica that cannot be built or run is no verdict on the user's model: the larger replica (the config's own
+widths, ``larger_replica``) is tried, then the startup self-check decides. Verdicts are cached, keyed by everything
+they depend on and checksummed (``trainer.model.verdict_cache``: an entry that does not verify is judged again).
 """
 
 from __future__ import annotations
@@ -23,9 +27,14 @@ import warnings
 import torch
 
 from trainer import distributed
+from trainer.errors import first_line
 from trainer.model.families import FamilyRefusedError
+from trainer.model.packed_layout import AttentionBackendError
 from trainer.model.prepare import prepare_model
-from trainer.model.family_probe import NO_DROPOUT, SHRINK, Diffs, differences, run_alone, run_packed
+from trainer.model.family_probe import (
+    NO_DROPOUT, SHRINK, Diffs, differences, not_finite, own_values, run_alone, run_packed, shrunk_layers,
+    shrunk_shapes,
+)
 from trainer.model import verdict_cache
 
 log = logging.getLogger(__name__)
@@ -46,10 +55,10 @@ ROPE_ORIGINAL = 16
 CONTEXT = 64
 TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (2e-5, 2e-5)}
 """(logits, gradients) per replica dtype; a leak between examples gives ~1e-4 and more (float32 steps inside
-transformers' float64 models, rope among them, leave ~1e-7). float32 only where a kernel refuses float64
-(grouped-GEMM MoE experts)."""
+transformers' float64 models, rope among them, leave ~1e-7). float32 only where the model cannot run in
+float64 (grouped-GEMM MoE experts; GPT-2's ``reorder_and_upcast_attn`` asserts float32 attention weights)."""
 MAX_LAYERS = 6
-VERSION = 3
+VERSION = 4
 """Bump to invalidate cached verdicts when the replica changes."""
 
 
@@ -57,37 +66,20 @@ class Unbuildable(RuntimeError):
     """transformers cannot build the tiny replica of this config: no verdict from it."""
 
 
-def _per_layer_fields(values: dict, layers: int) -> list[str]:
-    return [k for k, v in values.items() if isinstance(v, (list, tuple)) and len(v) == layers and layers > 1]
-
-
-def replica_config(config):
-    """A tiny config of ``config``'s family with its token-mixing settings (see the module docstring)."""
+def replica_config(config, own_shapes: bool = False):
+    """A tiny config of ``config``'s family with its token-mixing settings (see the module docstring); with
+    ``own_shapes``, the larger replica: the config's own widths, heads and vocabulary, only its layers,
+    windows and context shrunk."""
     from transformers import AutoConfig
 
-    values = config.to_dict()
+    values = own_values(config)
     model_type = values.get("model_type") or config.model_type
-    layers = int(values.get("num_hidden_layers") or values.get("n_layer") or 0)
-    per_layer = _per_layer_fields(values, layers)
-    # One layer of each distinct combination of per-layer settings, in order (at least two layers).
-    keep, seen = [], set()
-    for i in range(layers):
-        key = json.dumps([values[k][i] for k in per_layer], default=str)
-        if key not in seen:
-            seen.add(key)
-            keep.append(i)
-    keep = (keep + [i for i in range(layers) if i not in keep])[: max(2, min(len(keep), MAX_LAYERS))] if layers else []
-    keep.sort()
-    shrunk = {k: v for k, v in SHRINK.items() if k in values and k not in ("sliding_window",)}
+    # One layer of each distinct combination of per-layer settings, in order (at least two layers); shapes
+    # shrunk keeping what the config's shape needs (family_probe.shrunk_shapes: MLA's KV heads = heads, ...).
+    shapes = {} if own_shapes else shrunk_shapes(values)
+    shrunk = {k: v for k, v in shapes.items() if k not in ("sliding_window",)}
     shrunk.update({k: 0.0 for k in NO_DROPOUT if k in values})
-    if layers:
-        for name in ("num_hidden_layers", "n_layer", "num_layers"):
-            if name in values:
-                shrunk[name] = len(keep)
-        for name in per_layer:
-            shrunk[name] = [values[name][i] for i in keep]
-        if isinstance(values.get("max_window_layers"), int) and values["max_window_layers"] < layers:
-            shrunk["max_window_layers"] = sum(1 for i in keep if i < values["max_window_layers"])
+    shrunk.update(shrunk_layers(values, MAX_LAYERS, shrunk))
     context = values.get("max_position_embeddings") or values.get("n_positions")
     for name, small in SMALL.items():
         if isinstance(values.get(name), int) and values[name] > small:
@@ -103,10 +95,6 @@ def replica_config(config):
     for name in ("max_position_embeddings", "n_positions"):
         if name in values:
             shrunk[name] = CONTEXT
-    if "qk_rope_head_dim" in values:
-        shrunk["head_dim"] = SHRINK["qk_rope_head_dim"]
-    if "rotary_dim" in values:
-        shrunk["rotary_dim"] = 8
     values = {k: v for k, v in values.items() if k not in ("model_type", "transformers_version", "architectures")}
     return AutoConfig.for_model(model_type, **(values | shrunk))
 
@@ -124,25 +112,34 @@ def _examples(model) -> list[torch.Tensor]:
     return examples
 
 
-def _finite(run) -> bool:
-    return math.isfinite(run.loss) and all(bool(torch.isfinite(g).all()) for g in run.grads.values())
-
-
-NOT_FINITE = (
-    "its own gradients are not finite (NaN) on an input token whose embedding is zero (pad_token_id={pad}, "
-    "the embedding's padding_idx: the pads of padded batches, a rank's filler micro-batch): a step with it trains nothing"
+OWN_NAN = "{where} is not finite (NaN) with its examples run one by one, unpacked (the family's own, not packing's)"
+PAD_NAN = (
+    ": its first example starts with pad_token_id={pad}, whose embedding row is zero (the embedding's padding_idx; real "
+    "inputs hold it: the pads of padded batches, a rank's filler micro-batch); a step with it trains nothing"
 )
+PACKED_NAN = "packed, {where} is not finite (NaN) where its examples run one by one are finite"
+
+
+class ReplicaNaN(RuntimeError):
+    """The replica gives NaN: the family's own (its examples alone) or packing's (packed only)."""
 
 
 def compare(config) -> tuple[Diffs, torch.dtype]:
     """(max |logit|, |loss| and |grad diff|, dtype) of ``config`` packed vs one by one: float64, or float32
-    where the model cannot run in float64."""
+    where the model cannot run in float64 (grouped-GEMM MoE kernels; GPT-2's ``reorder_and_upcast_attn``
+    asserts float32 attention weights, exact at ~2e-7 in float32). Raises ``ReplicaNaN`` on a NaN, what
+    building or running the replica raises otherwise (the float64 error where float32 fails too)."""
     try:
         return _compare(config, torch.float64), torch.float64
-    except RuntimeError as e:
-        if "Double" not in str(e) and "double" not in str(e):
-            raise
-        return _compare(config, torch.float32), torch.float32
+    except (ReplicaNaN, FamilyRefusedError, AttentionBackendError):
+        raise
+    except Exception as e:  # noqa: BLE001 - a model that runs only in float32
+        try:
+            found = _compare(config, torch.float32), torch.float32
+        except Exception:  # noqa: BLE001 - not a float64 matter: the float64 error says what fails
+            raise e from None
+        log.info("config verdict: the float64 replica fails (%s): judged in float32", first_line(e))
+        return found
 
 
 def _compare(config, dtype: torch.dtype) -> Diffs:
@@ -163,11 +160,13 @@ def _compare(config, dtype: torch.dtype) -> Diffs:
     wrapped.eval()  # gradients still flow; no dropout, no sampled routing
     examples = _examples(wrapped)
     alone = run_alone(wrapped, examples)
-    if not _finite(alone):  # the model itself, one example at a time: no packing can fix it (Gemma 3n's AltUp)
-        family = getattr(config, "model_type", "the model")
-        reason = NOT_FINITE.format(pad=config.pad_token_id) if examples[0][0] == config.pad_token_id else "its own gradients are not finite (NaN)"
-        raise FamilyRefusedError(f"model family {family!r} cannot be trained with this config: {reason}")
-    return differences(run_packed(wrapped, examples), alone)
+    if where := not_finite(alone):  # the model itself, one example at a time: no packing can fix it
+        pad = config.pad_token_id if examples[0][0] == config.pad_token_id else None
+        raise ReplicaNaN(OWN_NAN.format(where=where) + (PAD_NAN.format(pad=pad) if pad is not None else ""))
+    packed = run_packed(wrapped, examples)
+    if where := not_finite(packed):
+        raise ReplicaNaN(PACKED_NAN.format(where=where))
+    return differences(packed, alone)
 
 
 def _exact(found: tuple[Diffs, torch.dtype]) -> bool:
@@ -211,9 +210,10 @@ def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
     return out
 
 
-def verify_config(config) -> str:
+def verify_config(config, self_check: bool = True) -> str:
     """Refuse ``config`` (``FamilyRefusedError``, one line) when its replica mixes packed examples; returns
-    ``exact``, ``unbuildable`` (no replica: the table and the self-check decide) or ``cached:...``.
+    ``exact``, ``unbuildable`` (no replica: the table and the self-check decide; refused when ``self_check``
+    is off, which would leave nothing to vouch for it) or ``cached:...``.
     Under torchrun only rank 0 reads the cache or judges (seconds on a miss); every rank gets its verdict
     (one broadcast), so N ranks do not each build the replica and no rank can decide otherwise."""
     found: list[tuple[str, str]] = []
@@ -221,6 +221,11 @@ def verify_config(config) -> str:
     outcome, line = distributed.broadcast_object(found[0] if found else None)
     if outcome == "refused":
         raise FamilyRefusedError(line)
+    if outcome.endswith("unbuildable") and not self_check:
+        raise FamilyRefusedError(
+            f"model family {getattr(config, 'model_type', 'the model')!r}: no replica of this config runs, so the "
+            "config verdict has none; keep model.self_check=true so the startup self-check can vouch for it"
+        )
     return outcome
 
 
@@ -237,37 +242,63 @@ def _verdict(config) -> tuple[str, str]:
     return outcome, line
 
 
-def _judge(config, family: str) -> tuple[str, str]:
-    from trainer.errors import first_line
-    from trainer.model.packed_layout import AttentionBackendError
+REPLICA_MAX_PARAMETERS = 20_000_000
+"""The larger replica (the config's own widths) runs only up to this many parameters (float64: 160 MB of
+weights, as much of gradients); beyond it there is no replica, and the startup self-check decides."""
 
+
+def larger_replica(config):
+    """The replica tried where the tiny one cannot be built or run: the config's own shapes, fewer layers
+    (``replica_config(config, own_shapes=True)``); ``Unbuildable`` past ``REPLICA_MAX_PARAMETERS``."""
+    from transformers import AutoModelForCausalLM
+
+    larger = replica_config(config, own_shapes=True)
+    with torch.device("meta"):
+        size = sum(p.numel() for p in AutoModelForCausalLM.from_config(larger).parameters())
+    if size > REPLICA_MAX_PARAMETERS:
+        raise Unbuildable(f"{size:,} parameters, over {REPLICA_MAX_PARAMETERS:,}")
+    return larger
+
+
+def _judge(config, family: str) -> tuple[str, str]:
+    """(outcome, refusal line): ``refused`` only on what a replica measures (packed examples that mix, a NaN,
+    a packing refusal); a replica that cannot be built or run gives no verdict: the next one (the tiny
+    replica, then the larger), then ``unbuildable`` (the startup self-check decides), said in one warning."""
+    failed = []
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        try:
-            replica = replica_config(config)
-            replica.use_cache = False
-        except Exception as e:  # noqa: BLE001 - transformers cannot build the replica: no verdict from it
-            log.warning("config verdict: no tiny replica of %s (%s): the family table and self-check decide", family, first_line(e))
-            return "unbuildable", ""
-        try:
-            diffs = compare(replica)
-        except AttentionBackendError as e:
-            if "softcapping" not in str(e):
+        for name, build in (("tiny replica", replica_config), ("larger replica", larger_replica)):
+            try:
+                replica = build(config)
+                replica.use_cache = False
+                diffs = _measure(replica)
+            except AttentionBackendError as e:
                 return "refused", f"model family {family!r} cannot be trained packed exactly with this config: {first_line(e)}"
-            replica.attn_logit_softcapping = None  # the kernel's softcap is the backend's check, not the config's
-            return _judge_diffs(replica, family, None, config)
-        except FamilyRefusedError as e:
-            return "refused", str(e)
-        except Unbuildable as e:
-            log.warning("config verdict: no tiny replica of %s (%s): the family table and self-check decide", family, first_line(e))
-            return "unbuildable", ""
-        except Exception as e:  # noqa: BLE001 - the replica crashes packed or alone
-            return "refused", f"model family {family!r} cannot be trained packed with this config: the tiny replica fails: {type(e).__name__}: {first_line(e)}"
-        return _judge_diffs(replica, family, diffs, config)
+            except ReplicaNaN as e:
+                return "refused", f"model family {family!r} cannot be trained with this config: {e}"
+            except FamilyRefusedError as e:
+                return "refused", str(e)
+            except Exception as e:  # noqa: BLE001 - the replica itself fails: no verdict from it
+                failed.append(f"{name}: {type(e).__name__}: {first_line(e)}")
+                continue
+            return _judge_diffs(replica, family, diffs, config)
+    log.warning("config verdict: no replica of %s runs (%s): the startup self-check decides", family, "; ".join(failed))
+    return "unbuildable", ""
 
 
-def _judge_diffs(replica, family: str, found, user=None) -> tuple[str, str]:
-    found = found if found is not None else compare(replica)
+def _measure(replica) -> tuple[Diffs, torch.dtype]:
+    """``compare(replica)``; where the CPU backend refuses its attention softcapping, with softcapping off (the
+    kernel's softcap is the backend's check at start, not the config's)."""
+    try:
+        return compare(replica)
+    except AttentionBackendError as e:
+        if "softcapping" not in str(e):
+            raise
+        replica.attn_logit_softcapping = None
+        return compare(replica)
+
+
+def _judge_diffs(replica, family: str, found: tuple[Diffs, torch.dtype], user=None) -> tuple[str, str]:
     diffs, dtype = found
     if _exact(found):
         log.info("config verdict: %s exact for this config (%s replica: |logit diff| %.1g, |grad diff| %.1g)", family, dtype, diffs.logits, diffs.grads)

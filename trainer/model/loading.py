@@ -47,7 +47,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
             log.info("%s: a multimodal %s; its language model is judged and trained as %s, the rest is kept aside",
                      cfg.name_or_path, whole.model_type, config.model_type)
         check_family(config, cfg.self_check)
-        verify_config(config)
+        verify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         load = dict(
             dtype=dtype,
@@ -63,7 +63,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     else:
         config = model_config(cfg, base=tokenizer_fields(tokenizer))
         check_family(config, cfg.self_check)
-        verify_config(config)
+        verify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)

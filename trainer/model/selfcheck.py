@@ -24,6 +24,10 @@ A router aux loss (``trainer.router_aux``) is a statistic of a micro-batch's tok
 the token check above runs without it, and ``router_aux_check`` compares it apart, the batch's value and
 gradient through the run's path against the same tokens' statistic from each example run alone.
 
+A NaN is never read as a leak: where the run's path (packed or padded) or the reference gives a logit or a
+gradient that is not finite, the check stops saying which and where (the reference's: the model's own, not
+packing's), never that examples mix.
+
 It runs on the unsharded model (before FSDP), in eval mode (no dropout), in the master dtype; backends whose kernels compute only in half precision run under autocast to the compute
 dtype, with a looser tolerance. The worst difference is agreed across ranks, so every rank stops or none.
 """
@@ -78,6 +82,12 @@ def grad_projections(model: torch.nn.Module, seed: int = PROJECTION_SEED) -> tor
     return out
 
 
+def non_finite_gradient(model: torch.nn.Module) -> str:
+    """"the gradient of NAME" for the first parameter (by name) whose gradient is not finite, else ""."""
+    grads = sorted((n, p.grad) for n, p in model.named_parameters() if p.grad is not None)
+    return next((f"the gradient of {name}" for name, grad in grads if not torch.isfinite(grad).all()), "")
+
+
 def _zero_grads(model: torch.nn.Module) -> None:
     for param in model.parameters():
         param.grad = None
@@ -118,6 +128,10 @@ class SelfCheckResult:
     aux_grad_gap: float | None = None
     """With a router aux loss and trainable parameters: its gradient's gap, as ``grad_gap``."""
     aux_grad_tolerance: float = float("inf")
+    packed_nan: str = ""
+    """What is not finite (NaN or inf) in the run's path: "the logits", "the gradient of NAME"; "" if none."""
+    alone_nan: str = ""
+    """What is not finite with the examples run one by one (the reference: the model's own, not packing's)."""
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -245,7 +259,7 @@ def self_check(
     ``starts``: first position of each segment (split pieces); ``None``: every segment starts at 0.
     ``route``: the way the run computes the batch when it is not ``model(**batch.model_inputs())`` -- an object
     with ``logits(batch)`` (the row's logits, this rank's part differentiable) and ``sum_over_ranks(t)`` (the
-    gradient projections summed over the ranks that share the row): ``trainer.context_parallel.CPRoute``.
+    gradient projections summed over the ranks that share the row): ``trainer.parallel.route.CPRoute``.
     ``loss``: the loss of the check (``TokenLossCheck``, the default; ``objective=dpo``: ``PairLossCheck``)."""
     check_positions(batch, starts)
     loss = loss or TokenLossCheck()
@@ -269,6 +283,7 @@ def self_check(
     was_training = model.training
     model.eval()
     _zero_grads(model)
+    nan = {"packed_nan": "", "alone_nan": ""}  # where a side is not finite (SelfCheckResult)
     try:
         with autocast, torch.set_grad_enabled(trains):
             full = packed_values = None  # the packed logits, once; the loss's per-sequence values
@@ -280,6 +295,7 @@ def self_check(
                 else:  # the run's own loss through its own path, over its own count, as a step takes it
                     value, packed_values = loss.packed(model, batch)
                 value.backward()
+                nan["packed_nan"] = non_finite_gradient(model)
                 packed = grad_projections(model)
                 packed = route.sum_over_ranks(packed) if route is not None else packed
                 _zero_grads(model)
@@ -288,6 +304,8 @@ def self_check(
                 with torch.no_grad():
                     full = (route.logits(batch) if route is not None else model(**batch.model_inputs())).float()
             full = full.detach()
+            if not torch.isfinite(full).all():
+                nan["packed_nan"] = "the logits"
             worst, worst_i, loss_diff, scale = 0.0, 0, 0.0, 1.0
             logps = []  # (|packed - alone| summed label log-prob, label tokens) per sequence
             for group in groups:  # one group's graph at a time: memory of one example (or pair) alone
@@ -298,6 +316,8 @@ def self_check(
                     labels.append(batch.labels[row, span])
                     token_losses.append(per_token(batch, i, alone, labels[-1]))
                     alone = alone.detach()
+                    if not nan["alone_nan"] and not torch.isfinite(alone).all():
+                        nan["alone_nan"] = f"the logits of example #{i}"
                     together = full[row, span]
                     diff = float((together - alone).abs().max())
                     scale = max(scale, float(alone.abs().max()))
@@ -313,6 +333,7 @@ def self_check(
                     loss.alone(batch, token_losses, labels).backward()
             found = {}  # the gradient's and the log-probs' figures, where compared
             if trains:
+                nan["alone_nan"] = nan["alone_nan"] or non_finite_gradient(model)
                 reference = grad_projections(model)
                 _zero_grads(model)
                 rms = max(float(reference.pow(2).mean().sqrt()), 1e-30)
@@ -324,7 +345,8 @@ def self_check(
                 found = dict(grad_gap=float((packed - reference).abs().max()) / rms, grad_noise=noise,
                              grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
             if getattr(model, "router_aux", None) is not None and route is None:  # cp > 1 refuses it
-                found |= router_aux_check(model, batch, spans, trains, dtype, found.get("grad_noise", 0.0))
+                found |= router_aux_check(model, batch, spans, trains, dtype, found.get("grad_noise", 0.0),
+                                          rms if trains else 0.0)
     finally:
         _zero_grads(model)
         model.train(was_training)
@@ -334,16 +356,21 @@ def self_check(
         found |= dict(logp_diff=logps[k][0], logp_tolerance=2 * logps[k][1] * tol, worst_sequence=k)
     return SelfCheckResult(
         "packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens, worst, loss_diff, tol,
-        worst_i, str(dtype).split(".")[-1], loss=loss.describe(), **found,
+        worst_i, str(dtype).split(".")[-1], loss=loss.describe(), **found, **nan,
     )
 
 
 def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int, slice]], trains: bool,
-                     dtype: torch.dtype, noise: float) -> dict:
+                     dtype: torch.dtype, noise: float, token_rms: float = 0.0) -> dict:
     """The router aux loss of ``batch`` through the run's path against the same tokens' statistic from each
     example run alone (their ``RouterStats`` merged); with trainable parameters its gradient too, the reference's
     taken one example at a time with the batch's counts (``RouterStats.with_counts_of``: the counts carry no
-    gradient; a count that differs shows in the value). ``SelfCheckResult``'s ``aux_*`` fields."""
+    gradient; a count that differs shows in the value). ``SelfCheckResult``'s ``aux_*`` fields.
+
+    The gradient gap is measured on the scale of what a step trains, ``token gradient + coef x aux gradient``:
+    relative to the larger of the aux gradient's own size and the token gradient's (``token_rms``) over
+    ``coef``. Near balanced routing the aux gradient alone is at float rounding (1e-8 in float32), where a
+    relative gap of its own would read rounding as a leak."""
     _, stats = model.token_loss(**batch.model_inputs(), labels=batch.labels, router=True)
     value = stats.balance_loss()
     if trains:
@@ -363,10 +390,23 @@ def router_aux_check(model: VarlenCausalLM, batch: Batch, spans: list[tuple[int,
     if trains:
         alone = grad_projections(model)
         _zero_grads(model)
-        rms = max(float(alone.pow(2).mean().sqrt()), 1e-30)
+        rms = max(float(alone.pow(2).mean().sqrt()), token_rms / model.router_aux.coef, 1e-30)
         found |= dict(aux_grad_gap=float((packed - alone).abs().max()) / rms,
                       aux_grad_tolerance=GRAD_NOISE_MULT * noise + GRAD_TOLERANCE.get(dtype, 1e-1))
     return found
+
+
+def nan_line(result: SelfCheckResult, alone: bool) -> str:
+    """The self-check's one line for a NaN (or inf): the model's own where the examples run one by one give it
+    (``alone``: on any rank), else the run's packed (or padded) path's; where, as this rank found it."""
+    if alone:
+        where = result.alone_nan or "(on another rank)"
+        return (f"startup self-check failed: {where} is not finite (NaN) with the check batch's examples run one by "
+                "one, unpacked: the model's own computation, not packing (e.g. an example that starts with a token "
+                "whose embedding is zero); a step would train nothing: stopping before step 1")
+    where = result.packed_nan or "(on another rank)"
+    return (f"startup self-check failed: {result.mode}, {where} is not finite (NaN) where the same examples run one "
+            "by one are finite: stopping before step 1 (model.self_check=false skips this check)")
 
 
 LADDER = (0.25, 0.5, 0.75, 0.9)
@@ -415,10 +455,18 @@ def run_startup_self_check(
     device = param.device
     result = self_check(model, batch.to(device), tolerance, compute_dtype, starts, route, loss)
     names, ratios = zip(*result.ratios.items())  # the same keys on every rank: the same loss of the check
-    # A NaN gap (NaN logits or gradients) must fail: max() and the all-reduce would let a NaN ratio pass.
-    excess = distributed.all_reduce_max([r if math.isfinite(r) else math.inf for r in ratios], device)
+    # A NaN gap (NaN logits or gradients) must fail: max() and the all-reduce would let a NaN ratio pass. Where
+    # a side is not finite (any rank's) is said as such, never as examples that mix.
+    nans = [float(bool(result.packed_nan)), float(bool(result.alone_nan))]
+    *excess, packed_nan, alone_nan = distributed.all_reduce_max(
+        [r if math.isfinite(r) else math.inf for r in ratios] + nans, device)
+    if alone_nan or packed_nan:
+        raise SelfCheckError(nan_line(result, bool(alone_nan)))
     if max(excess) > 1.0:
         what = names[max(range(len(excess)), key=excess.__getitem__)]
+        if math.isinf(max(excess)):  # a NaN figure from finite logits and gradients: not a measured leak
+            raise SelfCheckError(f"startup self-check failed: {result.line()}; worst rank's {what} is not finite "
+                                 "(NaN): stopping before step 1 (model.self_check=false skips this check)")
         raise SelfCheckError(
             f"startup self-check failed: {result.line()}; worst rank's {what} is {max(excess):.3g}x over "
             "tolerance. "

@@ -55,8 +55,8 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 
 class VarlenCausalLM(nn.Module):
-    """A transformers causal LM that runs packed rows, padded batches and (``cp_shard``) a rank's share of a
-    context-parallel row. Each pass is its own method, and an objective asks for the one it needs:
+    """A transformers causal LM that runs packed rows, padded batches and (``layout``) a rank's share of a row
+    laid over several ranks (context parallelism). Each pass is its own method, and an objective asks for the one it needs:
 
     - ``forward``: the logits ``[batch, seq, vocab]`` (the self-check's reference, tools);
     - ``token_loss``: the summed token cross-entropy (fp32 scalar), through the loss ``use_loss`` picked;
@@ -79,10 +79,6 @@ class VarlenCausalLM(nn.Module):
         self.padded_attention = padded_attention(model)
         self.loss = HeadLoss()
         """The loss ``token_loss`` runs: naive until ``use_loss`` picks one."""
-        self.cp_group = None
-        """Context parallel: the process group a sharded row's keys/values are gathered over."""
-        self.cp_gather = None
-        """Context parallel, one process (tests, GPU check): replaces the all-gather."""
         self.router_aux: RouterAux | None = None
         """The router aux loss the config asks for (``trainer.router_aux.use_router_aux``); ``None``: none."""
 
@@ -91,29 +87,29 @@ class VarlenCausalLM(nn.Module):
         return self.model.config
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, cp_shard=None) -> torch.Tensor:
+                max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, layout=None) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``."""
-        return self.model(**self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, cp_shard)).logits
+        return self.model(**self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, layout)).logits
 
     def token_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, cp_shard=None, *,
+                   max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, layout=None, *,
                    labels: torch.Tensor, router: bool = False):
         """The summed token loss (fp32 scalar) through the loss implementation ``use_loss`` picked; the trainer
         normalises it by the global label count. With ``router`` (``self.router_aux`` set), ``(that,
         RouterStats of the batch's real tokens)``, from the router logits the decoder records on the same pass."""
-        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, cp_shard)
+        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, layout)
         if self.router_aux is not None:  # recorded only where asked (not in eval, nor a reference's pass)
             inputs["output_router_logits"] = router
         if self.loss.impl == "naive":
             outputs = self.model(**inputs)
-            if cp_shard is not None:  # labels already shifted before the row was sharded
+            if layout is not None:  # labels already shifted before the row was laid over the ranks
                 loss = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
                                        reduction="sum")
             else:
                 loss = naive_summed_loss(outputs.logits, labels)
         else:
             outputs = decoder_of(self.model)(**inputs)
-            head = self.label_head(outputs.last_hidden_state, labels, shifted=cp_shard is not None)
+            head = self.label_head(outputs.last_hidden_state, labels, shifted=layout is not None)
             loss = self.loss(head.hidden, head.weight, head.bias, head.targets)
         if not router:
             return loss
@@ -136,13 +132,13 @@ class VarlenCausalLM(nn.Module):
         return out.index_add(0, sequence_of_labels(labels, cu_seqlens), token_logps)
 
     def label_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                     max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, cp_shard=None, *,
+                     max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, layout=None, *,
                      labels: torch.Tensor, fn: Callable[[LabelHidden], T]) -> T:
         """``fn`` of the hidden states that predict a label and the head that makes their logits (``LabelHidden``),
         run here, inside the forward window, so an objective's chunked loss reads the head's gathered weight.
         ``fn`` returns a tensor or a tuple of tensors (FSDP2 hooks the backward on them)."""
-        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, cp_shard)
-        return fn(self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels, shifted=cp_shard is not None))
+        inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, layout)
+        return fn(self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels, shifted=layout is not None))
 
     def router_statistics(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
                           max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None):
@@ -163,22 +159,15 @@ class VarlenCausalLM(nn.Module):
         return LabelHidden(hidden, targets, head.weight, head.bias, self.loss.transform,
                            chunk_tokens_for(head.weight.shape[0], self.loss.chunk_tokens))
 
-    def inputs(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, attention_mask=None, cp_shard=None) -> dict:
-        """The transformers call's keyword arguments for the batch's layout (packed, padded or a CP shard)."""
-        if cp_shard is not None:
-            return self.context_parallel_inputs(input_ids, position_ids, cp_shard)
+    def inputs(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, attention_mask=None, layout=None) -> dict:
+        """The transformers call's keyword arguments for the batch: a packed row (``cu_seqlens``), a padded batch
+        (``attention_mask``), or one rank's share of a row laid over several ranks (``layout``, the parallel stage's:
+        ``trainer.parallel.cp_layout.CPShard``; it names the attention that runs it and what that attention reads;
+        its labels are already shifted, each rank's first label predicted by the previous rank's last position)."""
+        if layout is not None:
+            self.model.config._attn_implementation = layout.implementation
+            return dict(input_ids=input_ids, position_ids=position_ids, use_cache=False, **layout.attention_kwargs())
         return self.attention_inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
-
-    def context_parallel_inputs(self, input_ids, position_ids, cp_shard) -> dict:
-        """A rank's shard of a context-parallel row (``trainer.context_parallel``): the CP attention all-gathers
-        keys/values over ``cp_group`` and runs the configured backend's kernel with separate q/k boundaries."""
-        from trainer.context_parallel import CP_ATTENTION
-
-        self.model.config._attn_implementation = CP_ATTENTION
-        return dict(
-            input_ids=input_ids, position_ids=position_ids, use_cache=False, cp_shard=cp_shard,
-            cp_group=self.cp_group, cp_gather=self.cp_gather, cp_kernel=self.backend.name,
-        )
 
     def attention_inputs(self, input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask) -> dict:
         """The transformers call's keyword arguments; selects the attention for a packed or padded batch."""

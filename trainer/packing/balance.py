@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from trainer.config.common import WORK_MEASURES
 from trainer.packing.bins import Bins
 from trainer.packing.strategies import item_lengths, item_sequences
 
@@ -36,17 +37,13 @@ class TokenCost:
         return self.per_token * sizes + self.per_pair * sizes * sizes
 
 
-WORK_MEASURES = ("flops", "tokens", "attention")
-"""What ranks can be balanced on (``packing.balance``): the work of each sequence from its length (a bin's
-work is the sum over its items' sequences, ``item_work``): model FLOPs (``TokenCost``), tokens, or attention
-(length^2). Every measure gives 0 work to a sequence of 0 tokens."""
-
 Measure = Callable[[np.ndarray], np.ndarray]
 
 
 def work_measure(balance: str | Measure, cost: TokenCost | None = None) -> Measure:
-    """``item lengths -> work`` for a ``packing.balance`` name (a callable is returned as is). ``flops``
-    needs the model's ``TokenCost``."""
+    """``item lengths -> work`` for a ``packing.balance`` name (``WORK_MEASURES``; a callable is returned as is):
+    a bin's work is the sum over its items' sequences (``item_work``), and every measure gives 0 work to a
+    sequence of 0 tokens. ``flops`` needs the model's ``TokenCost``."""
     if callable(balance):
         return balance
     if balance == "tokens":

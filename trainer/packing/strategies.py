@@ -42,6 +42,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from trainer.config.common import PACKING_STRATEGIES
 from trainer.packing.bins import Bins
 from trainer.packing.fit import best_fit_decreasing, first_fit_decreasing, group_by_bin
 
@@ -74,8 +75,8 @@ def padded_positions(bins: Bins, lengths: np.ndarray, pair_splits: np.ndarray | 
     """Positions each bin computes as a padded micro-batch (``collate_padded``): its rows x its widest row,
     where a row is an example, or each sequence of a preference pair (two rows, padded to the widest
     sequence of the micro-batch, not to the widest pair). ``pack``'s ``positions``, ``packfsdp analyze`` and
-    the trainer's padded counterfactual (``trainer.throughput.padded_equivalent_positions``, the same count
-    for one packed batch: its segments x its longest) agree on it."""
+    the trainer's padded counterfactual (``trainer.collate.sequence_counts``: a micro-batch's segments as one
+    bin) all take it from here."""
     bins = Bins.of(bins)
     sequences = item_sequences(bins.items, lengths, pair_splits)
     rows = bins.segment_sums((sequences > 0).sum(axis=1))
@@ -201,9 +202,13 @@ class Strategy:
 STRATEGIES: dict[str, Strategy] = {}
 
 
-def register_strategy(name: str, *, padded: bool = False, splits: bool = False, description: str = ""):
+def register_strategy(name: str, description: str = ""):
+    """Register ``fn`` as strategy ``name``, one of ``trainer.config.PACKING_STRATEGIES`` (what it packs: padded
+    rectangles, pieces of examples)."""
+    kind = PACKING_STRATEGIES[name]
+
     def wrap(fn: BuildFn) -> BuildFn:
-        STRATEGIES[name] = Strategy(name, fn, padded, splits, description or (fn.__doc__ or "").split("\n")[0])
+        STRATEGIES[name] = Strategy(name, fn, kind.padded, kind.splits, description or (fn.__doc__ or "").split("\n")[0])
         return fn
 
     return wrap
@@ -302,14 +307,14 @@ def _batches(order: np.ndarray, batch_size: int) -> Bins:
 
 
 # ------------------------------------------------------------------------------------------- the strategies
-@register_strategy("none", padded=True)
+@register_strategy("none")
 def build_padded(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """The padded baseline: shuffled examples, ``batch_size`` per micro-batch, padded to the longest."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
     return _batches(order, params.batch_size)
 
 
-@register_strategy("sorted", padded=True)
+@register_strategy("sorted")
 def build_length_grouped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Length-grouped padded batches: random mega-batches, sorted by length inside, cut into batches."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))
@@ -331,7 +336,7 @@ def build_best_fit(sizes: np.ndarray, params: PackParams, rng: np.random.Generat
     return group_by_bin(best_fit_decreasing(sizes, params.budget, params.max_examples_per_bin, rng))
 
 
-@register_strategy("bfd_split", splits=True)
+@register_strategy("bfd_split")
 def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Best-fit decreasing; an example longer than the budget is cut into pieces across bins."""
     budget, step = params.budget, params.budget - 1
@@ -352,7 +357,7 @@ def build_best_fit_split(sizes: np.ndarray, params: PackParams, rng: np.random.G
     return Bins.from_counts(np.concatenate([full_pieces, packed.items]), counts)
 
 
-@register_strategy("wrapped", splits=True)
+@register_strategy("wrapped")
 def build_wrapped(sizes: np.ndarray, params: PackParams, rng: np.random.Generator | None) -> Bins:
     """Concatenate the (shuffled) examples and cut the stream every ``budget`` tokens."""
     order = rng.permutation(len(sizes)) if rng is not None else np.arange(len(sizes))

@@ -37,6 +37,7 @@ from trainer.model.lora import is_lora_checkpoint, peft_model_with, rebuild_base
 from trainer.model.multimodal import carried_files, is_multimodal_checkpoint
 from trainer.model.multimodal import rebuild as rebuild_multimodal
 from trainer.tools.export_folder import check_out, replace, write_record
+from trainer.stop_signals import PREEMPTED_EXIT_CODE, Interrupted, exit_interrupted, signals_interrupt
 
 log = logging.getLogger("trainer.tools.export")
 
@@ -82,20 +83,24 @@ def export(
 
     final, out = out, out.with_name(f".{out.name}.export-{os.getpid()}")
     out.mkdir(parents=True)
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
-    for carried in carried_files(hf_dir):  # a multimodal model's processor files, where the export wrote none
-        if not (out / carried.name).exists():
-            shutil.copyfile(carried, out / carried.name)
-    state = json.loads((path / TRAINER_STATE).read_text())
-    write_record(out, {
-        "checkpoint": str(path.resolve()),
-        "step": state["step"],
-        "tokens_seen": state["tokens_seen"],
-        "format": format,
-        "dtype": str(torch_dtype).removeprefix("torch."),
-        "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
-    })
+    try:  # an error or a stop signal (Interrupted) leaves nothing half-written beside out
+        model.save_pretrained(out, safe_serialization=True)
+        AutoTokenizer.from_pretrained(hf_dir).save_pretrained(out)
+        for carried in carried_files(hf_dir):  # a multimodal model's processor files, where the export wrote none
+            if not (out / carried.name).exists():
+                shutil.copyfile(carried, out / carried.name)
+        state = json.loads((path / TRAINER_STATE).read_text())
+        write_record(out, {
+            "checkpoint": str(path.resolve()),
+            "step": state["step"],
+            "tokens_seen": state["tokens_seen"],
+            "format": format,
+            "dtype": str(torch_dtype).removeprefix("torch."),
+            "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
+        })
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     replace(final, out, overwrite)
     log.info("exported %s (step %d) to %s: %s, %s safetensors", path, state["step"], final, format, torch_dtype)
     return final
@@ -176,8 +181,12 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(levelname)s] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
-               args.get("format", "merged"), overwrite=args.get("overwrite") == "true")
+        with signals_interrupt(lambda name: f"packfsdp export: stopped by {name}; {args['out']} left as it was: "
+                                            f"run the export again (exit code {PREEMPTED_EXIT_CODE})"):
+            export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
+                   args.get("format", "merged"), overwrite=args.get("overwrite") == "true")
+    except Interrupted as e:
+        exit_interrupted(e.line)
     except CheckpointError as e:
         print(f"packfsdp export: {e}", file=sys.stderr)
         sys.exit(2)

@@ -91,9 +91,9 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
 
 
 def cp_view(batch: Batch, cp: int, split: str) -> list[str]:
-    """What each rank of a CP group holds of a packed row (``trainer.context_parallel.plan_shards``): per rank,
+    """What each rank of a CP group holds of a packed row (``trainer.parallel.cp_layout.plan_shards``): per rank,
     its query runs as ``example e: tokens a-b (positions p-q)`` in slot order, its pads and its attention pairs."""
-    from trainer.context_parallel import plan_shards
+    from trainer.parallel.cp_layout import plan_shards
 
     lines = [f"  context parallel: cp={cp}, {split} split, {plan_shards(batch.cu_seqlens.tolist(), cp, split)[0].slots} "
              "slots per rank"]
