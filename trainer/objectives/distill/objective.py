@@ -41,6 +41,12 @@ from trainer.throughput import StepCounts
 log = logging.getLogger("trainer")
 
 
+def local_bytes(param: torch.Tensor) -> int:
+    """The bytes of ``param`` this rank holds (its shard, for an FSDP2 ``DTensor``)."""
+    local = param.to_local() if hasattr(param, "to_local") else param
+    return local.numel() * local.element_size()
+
+
 class Distill(Objective):
     """Knowledge distillation from a frozen teacher (``distill`` section, ``trainer.config.distill``)."""
 
@@ -88,7 +94,7 @@ class Distill(Objective):
         self.train_dataset = run.datasets[0]
         if self.distill.teacher_logits == "live":
             self.teacher = teacher
-            params = sum(p.numel() * p.element_size() for p in teacher.parameters())
+            params = sum(local_bytes(p) for p in teacher.parameters())
             self.held = f"FSDP2-sharded, frozen, in {str(run.dtype).removeprefix('torch.')}: {params / 2**20:.1f} MiB per rank"
             return model
         vocab = teacher.model.get_output_embeddings().weight.shape[0]
