@@ -1,7 +1,7 @@
 """Distillation benchmark: packed vs padded (useful tokens/s) and the teacher's memory live vs precomputed, side by
 side in one run.
 
-    python benchmarks/distill.py [--student qwen2_2m] [--teacher qwen2_8m] [--steps 4] [--warmup 1] [--threads 2]
+    python benchmarks/distill.py [--student qwen2_2m] [--teacher qwen2_8m] [--steps 8] [--warmup 1] [--threads 2]
                                  [--budget 4096] [--records 1000] [--markdown FILE] [--json FILE]
 
 Each arm is ``trainer.train`` on one rank in its own process (its own threads and memory), one after the other,
@@ -72,7 +72,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--student", default="qwen2_2m", choices=list(SIZES))
     p.add_argument("--teacher", default="qwen2_8m", choices=list(SIZES))
-    p.add_argument("--steps", type=int, default=4, help="timed optimizer steps per arm")
+    p.add_argument("--steps", type=int, default=8, help="timed optimizer steps per arm")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps first")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for every arm")
     p.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch")
@@ -174,9 +174,9 @@ def worker(arm: str, args: argparse.Namespace) -> dict:
     }
 
 
-def table(results: dict[str, dict]) -> str:
+def table(results: dict[str, dict], heading: str) -> str:
     packed = {k.split("_", 1)[1]: r["useful_tokens_per_s"] for k, r in results.items() if k.startswith("packed_")}
-    rows = ["| arm | useful tokens/s | packed / padded | padding | ms/step | teacher held (MiB) | RSS while training "
+    rows = [heading, "", "| arm | useful tokens/s | packed / padded | padding | ms/step | teacher held (MiB) | RSS while training "
             "(GiB) | peak RSS (GiB) | top-k store (MiB) | setup (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, r in results.items():
         mode, teacher = arm.split("_", 1)
@@ -202,6 +202,7 @@ def main(argv=None) -> dict:
     flags = [f"--student={args.student}", f"--teacher={args.teacher}", f"--steps={args.steps}", f"--warmup={args.warmup}",
              f"--threads={args.threads}", f"--budget={args.budget}", f"--records={args.records}",
              f"--teacher-dir={args.teacher_dir}"]
+    store = None
     if any("precompute" in arm for arm in args.arms):  # the store first, in a process of its own
         store = run_worker(Path(__file__), "pass", flags, args.threads, "passive")
         if store is not None:
@@ -218,7 +219,9 @@ def main(argv=None) -> dict:
               f"{r['train_rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f}) | store {r['store_mib']:.1f} MiB | "
               f"setup {r['setup_s']:.1f} s", flush=True)
     print(f"load average at the end: {load_average()}")
-    md = table(results)
+    command = " ".join(["python benchmarks/distill.py", *(f for f in flags if not f.startswith("--teacher-dir"))])
+    md = table(results, f"`{command}`: {args.threads} thread(s) per arm, torch {torch.__version__}, "
+                        f"load average at the end {load_average()}" + (f"; precompute pass {store['pass_s']:.1f} s" if store else ""))
     print(md)
     if args.markdown:
         args.markdown.write_text(md + "\n")
