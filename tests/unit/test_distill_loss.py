@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer.config.distill import DistillConfig
-from trainer.objectives.distill.loss import HeadTeacher, TopKTeacher, chunked_distill_loss, naive_distill_loss
 from trainer.loss import LogitTransform
+from trainer.objectives.distill.loss import HeadTeacher, TopKTeacher, chunked_distill_loss, naive_distill_loss
 
 N, HIDDEN, TEACHER_HIDDEN, VOCAB = 23, 16, 24, 41
 

@@ -13,10 +13,10 @@ from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
 from trainer.config import DataConfig
 from trainer.data import load_dataset
 from trainer.data.holdout import split_holdout
-from trainer.objectives.distill import topk
-from trainer.objectives.distill.topk import STORE_PREFIX, precompute_top_k, top_k_rows
 from trainer.evaluate import eval_microbatches
 from trainer.loss import LogitTransform, label_positions
+from trainer.objectives.distill import topk
+from trainer.objectives.distill.topk import STORE_PREFIX, precompute_top_k, top_k_rows
 
 CPU = torch.device("cpu")
 K, VOCAB, WIDTH = 5, 64, 8

@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from trainer.config.distill import DistillConfig
 from trainer.collate import Batch
+from trainer.config.distill import DistillConfig
 from trainer.loss import LogitTransform, chunk_tokens_for, head_backward, label_positions
 
 LOG_FLOOR = -1.0e4
@@ -131,7 +131,9 @@ def _distill_pass(hidden, weight, bias, targets, teacher: Teacher, cfg, transfor
     sums = torch.zeros(len(TERMS), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
-    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_grads and bias is not None else None
+    grad_bias = None
+    if with_grads and bias is not None:
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
     for start in range(0, hidden.shape[0], chunk):
         end = min(start + chunk, hidden.shape[0])
         h = hidden[start:end]

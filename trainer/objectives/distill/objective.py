@@ -84,21 +84,26 @@ class Distill(Objective):
         (``live``) or run once over the data and dropped (``precompute``)."""
         model = run.shard(model)
         teacher, self.teacher = self.teacher, None
-        backend = teacher.backend.name
-        key = reference_fingerprint(teacher, str(run.dtype), backend, f"T={self.distill.temperature}", f"k={self.k}") \
-            if self.distill.teacher_logits == "precompute" else ""
+        self.train_dataset = run.datasets[0]
+        key = ""
+        if self.distill.teacher_logits == "precompute":  # of the weights as loaded, before the cast
+            key = reference_fingerprint(teacher, str(run.dtype), teacher.backend.name,
+                                        f"T={self.distill.temperature}", f"k={self.k}")
         for p in teacher.parameters():  # in place: one teacher in memory (buffers keep their dtype, as RoPE's)
             p.data = p.data.to(run.dtype)
         teacher = run.shard(teacher, frozen=True)
         teacher.set_reshard_after_forward(False, recurse=False)  # its head stays gathered for the student's loss
-        self.train_dataset = run.datasets[0]
         if self.distill.teacher_logits == "live":
             self.teacher = teacher
-            params = sum(local_bytes(p) for p in teacher.parameters())
-            self.held = f"FSDP2-sharded, frozen, in {str(run.dtype).removeprefix('torch.')}: {params / 2**20:.1f} MiB per rank"
-            return model
-        vocab = teacher.model.get_output_embeddings().weight.shape[0]
+            held = sum(local_bytes(p) for p in teacher.parameters()) / 2**20
+            self.held = f"FSDP2-sharded, frozen, in {str(run.dtype).removeprefix('torch.')}: {held:.1f} MiB per rank"
+        else:
+            self.store = self.precompute(teacher, key, run)
+        return model
 
+    def precompute(self, teacher: torch.nn.Module, key: str, run: RunSetup) -> TopKStore:
+        """The store of the teacher's top-k (``topk.precompute_top_k``): read, or made by one pass of ``teacher``
+        (as sharded for training) over this rank's eval-dealt micro-batches of every example."""
         def batches(lengths):
             return eval_microbatches(lengths, run.token_budget, distributed.rank(), distributed.world_size())
 
@@ -107,18 +112,18 @@ class Distill(Objective):
             reshard(teacher)
             return out
 
-        self.store = precompute_top_k(rows, run.datasets[0], key, self.k, vocab, batches, collate_packed, run.device,
-                                      run.pad_id)
-        del teacher
-        return model
+        vocab = teacher.model.get_output_embeddings().weight.shape[0]
+        return precompute_top_k(rows, run.datasets[0], key, self.k, vocab, batches, collate_packed, run.device,
+                                run.pad_id)
 
     def terms(self, model: torch.nn.Module, batch: Batch, dataset: TokenizedDataset | None) -> torch.Tensor:
         """``TERMS`` of one micro-batch of ``dataset`` through the student and the teacher's rows."""
         if self.store is not None:
-            return student_terms(model, batch, self.store.teacher(dataset, batch.to("cpu"), batch.input_ids.device),
-                                 self.distill)
+            rows = self.store.teacher(dataset, batch.to("cpu"), batch.input_ids.device)
+            return student_terms(model, batch, rows, self.distill)
         try:
-            return student_terms(model, batch, live_teacher(self.teacher, batch, self.distill.temperature), self.distill)
+            rows = live_teacher(self.teacher, batch, self.distill.temperature)
+            return student_terms(model, batch, rows, self.distill)
         finally:
             reshard(self.teacher)  # its root (head) was kept gathered through the student's loss
 
@@ -154,4 +159,5 @@ class Distill(Objective):
                 "distill": {"eval_cross_entropy": ce / n, "eval_divergence": div / n}}
 
     def check_loss(self) -> DistillLossCheck:
-        return DistillLossCheck(self.teacher, self.distill, self.k if self.distill.teacher_logits == "precompute" else None)
+        stored = self.distill.teacher_logits == "precompute"
+        return DistillLossCheck(self.teacher, self.distill, self.k if stored else None)

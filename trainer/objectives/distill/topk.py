@@ -37,10 +37,11 @@ from numpy.lib.format import open_memmap
 
 from trainer import distributed
 from trainer.collate import IGNORE_INDEX, Batch
+from trainer.config import ConfigError
 from trainer.data.cache_integrity import intact, seal_folder
 from trainer.data.examples import TokenizedDataset, label_counts
-from trainer.objectives.distill.loss import TopKTeacher
 from trainer.loss import sequence_of_labels
+from trainer.objectives.distill.loss import TopKTeacher
 
 log = logging.getLogger(__name__)
 
@@ -107,8 +108,9 @@ class TopKStore:
     def teacher(self, dataset: TokenizedDataset, batch: Batch, device: torch.device) -> TopKTeacher:
         """The teacher's rows of ``batch`` (on the host, before it moves to ``device``)."""
         rows = label_rows(dataset, batch, self.starts)
-        ids, log_probs, log_rest = (torch.from_numpy(np.ascontiguousarray(a[rows])) for a in (self.ids, self.log_probs, self.log_rest))
-        return TopKTeacher(ids.to(device).long(), log_probs.to(device), log_rest.to(device))
+        ids, log_probs, log_rest = (torch.from_numpy(np.ascontiguousarray(a[rows])).to(device)
+                                    for a in (self.ids, self.log_probs, self.log_rest))
+        return TopKTeacher(ids.long(), log_probs, log_rest)
 
 
 def store_problem(folder: Path, rows: int, k: int, vocab: int) -> str | None:
@@ -184,8 +186,9 @@ def _seal(tmp: Path, folder: Path) -> None:
     missing = int((ids[:, 0] < 0).sum()) if len(ids) else 0
     if missing:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise RuntimeError(f"distill.teacher_logits=precompute: {missing} of {len(ids)} rows of {tmp} were written by no "
-                           "rank; every rank must see the same data cache folder (data.cache_dir on a shared file system)")
+        raise ConfigError(f"distill.teacher_logits=precompute: {missing} of {len(ids)} rows of {tmp} were written by "
+                          "no rank; every rank must see the same data cache folder (data.cache_dir on a shared file "
+                          "system)")
     seal_folder(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
