@@ -31,7 +31,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded  # noqa: E402
+from trainer.collate import collate_packed, collate_padded  # noqa: E402
+from trainer.data.examples import IGNORE_INDEX  # noqa: E402
 from trainer.config import DataConfig, ModelConfig  # noqa: E402
 from trainer.data import load_dataset, load_tokenizer  # noqa: E402
 from trainer.model import BACKENDS, build_model, resolve_backend  # noqa: E402

@@ -12,7 +12,7 @@ mean, minus 1 -- the share of time ranks wait if time ~ FLOPs) and the worst sin
 Workloads:
 - ``cpu_long_context``: the recipe's own generated reasoning-trace corpus (tokenized as the trainer does),
   rows of ``cp x token_budget`` = 1024 tokens, with the recipe's GPT-2 (2 x 128) and with Qwen2.5-0.5B's sizes;
-- ``chat``: DailyDialog-like dialog lengths (``trainer.packing.workloads``), 2048-token bins;
+- ``chat``: DailyDialog-like dialog lengths (``trainer.data.synthetic``), 2048-token bins;
 - ``long_cot``: a heavy-tailed length mix (Pareto, scale 512, cap 32k) in 32k-token rows, the GPU recipe's
   regime (Qwen2.5-0.5B sizes).
 
@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from trainer.config import PackingConfig  # noqa: E402
 from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost, item_work  # noqa: E402
-from trainer.packing.workloads import (  # noqa: E402
+from trainer.data.synthetic import (  # noqa: E402
     dailydialog_like_lengths,
     heavy_tailed_lengths,
     ultrafeedback_like_pairs,

@@ -132,7 +132,7 @@ def stats_dict(stats) -> dict:
 def cached(cfg, tokenizer) -> dict:
     from trainer.config import PackingConfig
     from trainer.data import load_dataset
-    from trainer.evaluate import split_holdout
+    from trainer.data.holdout import split_holdout
     from trainer.packing import build_sampler
 
     ds = load_dataset(cfg, tokenizer, MAX_LENGTH)

@@ -50,7 +50,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.peer_hf import load_average, run_worker, timed_train  # noqa: E402
-from trainer.packing.workloads import ultrafeedback_like_pairs  # noqa: E402
+from trainer.data.synthetic import ultrafeedback_like_pairs  # noqa: E402
 
 SYSTEMS = ("packfsdp_packed", "packfsdp_padded", "trl_dpo", "packfsdp_precompute")
 ARMS = {"packfsdp_packed": [], "packfsdp_padded": ["packing=none"], "packfsdp_precompute": ["dpo.reference=precompute"]}

@@ -33,7 +33,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.collate import IGNORE_INDEX  # noqa: E402
+from trainer.data.examples import IGNORE_INDEX  # noqa: E402
 from trainer.config import PackingConfig  # noqa: E402
 from trainer.model import VarlenCausalLM, resolve_backend  # noqa: E402
 from trainer.packing import build_sampler  # noqa: E402

@@ -2,7 +2,7 @@
 
     python benchmarks/pack_speed.py [--n 1000000] [--budgets 1024,2048,4096] [--repeat 3] [--no-trl]
 
-For the DailyDialog-like and a heavy-tailed length distribution (``trainer.packing.workloads``) at each
+For the DailyDialog-like and a heavy-tailed length distribution (``trainer.data.synthetic``) at each
 budget, prints every strategy's seconds (best of ``--repeat``) for ``trainer.packing.pack`` (lengths ->
 bins, the whole job: bad-input checks, kernel, per-bin arrays, stats) and its fill against the lower bound
 ``ceil(total tokens / budget)``. Whole-example strategies get lengths truncated to the budget (as the
@@ -28,7 +28,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
 from trainer.packing import PackParams, pack
-from trainer.packing.workloads import WORKLOADS
+from trainer.data.synthetic import WORKLOADS
 
 STRATEGIES = ("none", "sorted", "ffd", "bfd", "bfd_split", "wrapped")
 

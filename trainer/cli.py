@@ -4,6 +4,8 @@ would make Hydra or the run import code nobody named on the command line is refu
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import sys
 
@@ -155,8 +157,5 @@ def hydra_builtin_objects() -> frozenset:
 
 def logging_objects() -> frozenset:
     """The handler, formatter and filter classes of the standard ``logging`` package."""
-    import logging
-    import logging.handlers
-
     return frozenset(obj for module in (logging, logging.handlers) for obj in vars(module).values()
                      if isinstance(obj, type) and issubclass(obj, (logging.Handler, logging.Formatter, logging.Filter)))

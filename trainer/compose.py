@@ -15,6 +15,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MissingMandatoryValue, OmegaConf
 
 from trainer.config import CODE_OPTIONS, ConfigError, JobConfig, retired_key
+from trainer.safety import check_targets
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -78,8 +79,6 @@ def to_job_config(cfg: Any) -> JobConfig:
     if os.environ.get(CODE_OPTIONS["model.trust_remote_code"], "") == "1":
         job.model.trust_remote_code = True
     job.validate()
-    from trainer.safety import check_targets  # late: safety's UnsafeTargetError is a ConfigError from here
-
     # The one _target_ check: the whole config, before anything is instantiated (UnsafeTargetError).
     check_targets(asdict(job))
     return job

@@ -1,22 +1,11 @@
-"""packfsdp's errors, a leaf every stage imports: ``ConfigError`` (a wrong setting), ``LoadError`` (what the
-config names cannot be loaded), and the words of the libraries we load through, brought to the user.
-
-packfsdp keeps transformers' and datasets' logging at ERROR (their chatter would drown the run's log), so
-what they say while loading what the config names would be lost: "weights newly initialised", a config
-field ignored, a file that cannot be parsed. ``library_load`` wraps such a load: the libraries' warnings are
-relayed to our log (rank 0, once each) and a failure becomes one ``LoadError`` line naming what was loaded
-and the library's own message, with the full traceback in the log.
+"""packfsdp's errors, a leaf every stage imports (the config too, so it imports no torch): ``ConfigError`` (a
+wrong setting), ``LoadError`` (what the config names cannot be loaded; ``trainer.library_log.library_load``
+raises it), ``AttentionBackendError`` (the attention backend cannot run here or cannot keep packed examples
+apart), ``SelfCheckError`` (a packed batch disagrees with its examples run one by one), and ``first_line``.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
-
-log = logging.getLogger(__name__)
-
-LIBRARY_LOGGERS = ("transformers", "datasets")
 MAX_MESSAGE = 400
 """Characters of the library's message kept in the one line (the log has all of it)."""
 
@@ -29,15 +18,12 @@ class LoadError(ConfigError):
     """A model, tokenizer or dataset named by the config cannot be loaded; the message is the library's own."""
 
 
-class _Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.WARNING)
-        self.messages: list[str] = []
+class AttentionBackendError(RuntimeError):
+    """The configured attention backend cannot run here, or cannot keep packed examples apart."""
 
-    def emit(self, record: logging.LogRecord) -> None:
-        message = record.getMessage().strip()
-        if message and message not in self.messages:
-            self.messages.append(message)
+
+class SelfCheckError(RuntimeError):
+    """The packed (or padded) micro-batch disagrees with its examples run one by one."""
 
 
 def first_line(exc: BaseException, limit: int | None = MAX_MESSAGE) -> str:
@@ -46,32 +32,3 @@ def first_line(exc: BaseException, limit: int | None = MAX_MESSAGE) -> str:
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
     text = lines[0] if lines else type(exc).__name__
     return text if limit is None or len(text) <= limit else text[: limit - 3] + "..."
-
-
-@contextmanager
-def library_load(what: str) -> Iterator[None]:
-    """Load ``what`` (e.g. ``model.name_or_path=/models/x``) with the libraries' warnings relayed to our
-    log and any failure raised as a one-line ``LoadError`` (our own ``ConfigError`` passes unchanged)."""
-    from trainer import distributed
-
-    collect = _Collect()
-    saved = []
-    for name in LIBRARY_LOGGERS:
-        lib = logging.getLogger(name)
-        saved.append((lib, lib.level, lib.handlers[:]))
-        lib.handlers = [collect]  # their own stderr handler would print unformatted, on every rank
-        lib.setLevel(logging.WARNING)
-    try:
-        yield
-    except ConfigError:
-        raise
-    except Exception as e:
-        log.error("loading %s failed; what the library said:\n%s", what, "\n".join(collect.messages) or "-", exc_info=e)
-        raise LoadError(f"cannot load {what}: {type(e).__name__}: {first_line(e)}") from e
-    finally:
-        for lib, level, handlers in saved:
-            lib.handlers = handlers
-            lib.setLevel(level)
-    if distributed.rank() == 0:
-        for message in collect.messages:
-            log.warning("%s says: %s", what, message)

@@ -23,7 +23,6 @@ from trainer import distributed
 from trainer.collate import Batch, collate_packed
 from trainer.parallel import Route
 from trainer.data.examples import TokenizedDataset
-from trainer.data.holdout import holdout_mask, split_holdout, subset  # noqa: F401 (the split's home is data)
 from trainer.loss import summed_token_loss
 from trainer.packing import deal_bins, even_out_bins, pack_best_fit_decreasing
 

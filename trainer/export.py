@@ -1,6 +1,6 @@
 """Alias kept for ``python -m trainer.export``: the tool lives in ``trainer.tools.export`` (``packfsdp export``)."""
 
-if __name__ == "__main__":
-    from trainer.tools.export import main
+from trainer.tools.export import main
 
+if __name__ == "__main__":
     main()

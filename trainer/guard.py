@@ -1,4 +1,4 @@
-"""The training loop's safety net: bad steps, failures that must end the job on every rank, fault injection.
+"""The training loop's safety net: bad steps and failures that must end the job on every rank.
 
 **Bad steps** (``StepGuard``). After the backward passes, one all-reduce carries the step's loss sum and one
 flag per rank (loss not finite: 1, gradient norm not finite: 2), so every rank reaches the same verdict:
@@ -14,37 +14,23 @@ collective broke because a peer died says which rank failed and why; a rank stuc
 after ``guard.collective_timeout_s``. An out-of-memory error says what to lower. The entry point then leaves
 with ``os._exit`` (no barrier, no process-group destructor that could wait on a dead peer), and torchrun
 tears the rest down and may restart the job.
-
-**Fault injection** (tests only). ``PACKFSDP_INJECT_FAULT="kind@step[:rank],..."`` makes the trainer misbehave
-on purpose at optimizer step ``step`` (1-based) on ``rank`` (all ranks when omitted). Kinds: ``nan_loss``
-(the micro-batch loss becomes NaN, gradients too), ``nan_grad`` (one gradient shard becomes NaN after
-backward), ``no_labels`` (every label of the step masked), ``oom`` (``torch.OutOfMemoryError`` before the
-forward), ``hang`` (the rank sleeps inside the step, holding up every collective). It is an environment
-variable, not a config key, so it never lands in a saved config or a recipe. The train loop calls
-``FaultInjector``'s hooks at fixed points of each step; what each fault does lives there.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import os
-import time
 from dataclasses import dataclass
 
 import torch
 
 from trainer import distributed
-from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import ConfigError, GuardConfig
 from trainer.data.bad_records import BadRecordError
-from trainer.errors import LoadError
+from trainer.errors import AttentionBackendError, LoadError, SelfCheckError
 from trainer.safety import UnsafeFileError, printable, redact
 
 log = logging.getLogger("trainer")
-
-FAULT_ENV = "PACKFSDP_INJECT_FAULT"
-FAULT_KINDS = ("nan_loss", "nan_grad", "no_labels", "oom", "hang")
 
 
 class TrainingHalted(RuntimeError):
@@ -122,8 +108,6 @@ _COLLECTIVE_SIGNS = ("timed out", "timeout", "connection closed", "connection re
 def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFailed:
     """Turn any exception raised on this rank into the one line the entry point prints, and record it in the
     shared store when it is this rank's own fault (so the others can name it)."""
-    from trainer.model import AttentionBackendError  # late: trainer.model is heavy and not needed above
-
     rank = distributed.rank()
     text = printable(redact(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__))
     if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):  # LoadError too
@@ -136,8 +120,6 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
         failure = _own(rank, f"{kind}: {text}", exit_code=2)
         failure.together = True
         return failure
-    from trainer.model.selfcheck import SelfCheckError
-
     if isinstance(exc, SelfCheckError):  # the attention backend disagrees with the reference: exit code 3
         failure = _own(rank, text, exit_code=3)
         failure.together = True
@@ -168,85 +150,3 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
 def _own(rank: int, message: str, exit_code: int = 1) -> JobFailed:
     distributed.record_failure(message.removeprefix(f"rank {rank}: "))
     return JobFailed(message, exit_code)
-
-
-# ----------------------------------------------------------------------------------------- fault injection
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    step: int
-    rank: int | None = None
-
-
-def parse_faults(spec: str) -> list[Fault]:
-    """``"nan_loss@3:1,hang@5"`` -> faults; a malformed spec is an error (a test that injects nothing passes
-    for the wrong reason)."""
-    faults = []
-    for item in filter(None, (s.strip() for s in spec.split(","))):
-        try:
-            kind, _, rest = item.partition("@")
-            step, _, rank = rest.partition(":")
-            fault = Fault(kind, int(step), int(rank) if rank else None)
-        except ValueError:
-            raise ValueError(f"{FAULT_ENV}: cannot read {item!r}; expected kind@step[:rank]") from None
-        if fault.kind not in FAULT_KINDS:
-            raise ValueError(f"{FAULT_ENV}: unknown fault {fault.kind!r}; choose one of: {', '.join(FAULT_KINDS)}")
-        faults.append(fault)
-    return faults
-
-
-class FaultInjector:
-    """The faults injected into this rank, behind the hooks the train loop calls at fixed points of a step.
-
-    ``before_step(step)`` opens a step (and hangs there for ``hang``); ``on_batch``, ``before_forward``,
-    ``on_loss`` and ``after_backward`` then inject that step's other faults. Without faults
-    (``PACKFSDP_INJECT_FAULT`` unset) each hook is one empty-set test.
-    """
-
-    def __init__(self, spec: str | None, rank: int) -> None:
-        faults = parse_faults(spec or "")
-        if faults:
-            log.warning("fault injection active: %s", spec)
-        self.rank = rank
-        self.faults = [f for f in faults if f.rank in (None, rank)]
-        """This rank's faults."""
-        self.now: frozenset[str] = frozenset()
-        """The kinds due at the current step."""
-
-    @classmethod
-    def from_env(cls, rank: int) -> FaultInjector:
-        return cls(os.environ.get(FAULT_ENV), rank)
-
-    def before_step(self, step: int) -> None:
-        """Start optimizer step ``step`` (1-based). ``hang``: this rank stops answering, so the others must
-        give up after the collective timeout."""
-        if not self.faults:
-            return
-        self.now = frozenset(f.kind for f in self.faults if f.step == step)
-        if "hang" in self.now:
-            time.sleep(1e6)
-
-    def on_batch(self, batch: Batch) -> None:
-        """``no_labels``: every label of the micro-batch is masked (before the label count is all-reduced)."""
-        if "no_labels" in self.now:
-            batch.labels.fill_(IGNORE_INDEX)
-            batch.num_label_tokens = 0
-
-    def before_forward(self) -> None:
-        """``oom``: the forward pass runs out of memory before it starts."""
-        if "oom" in self.now:
-            raise torch.OutOfMemoryError(f"injected out-of-memory ({__name__})")
-
-    def on_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
-        """``nan_loss``: the micro-batch's loss (so its gradients too) becomes NaN."""
-        return loss_sum * float("nan") if "nan_loss" in self.now else loss_sum
-
-    def after_backward(self, model: torch.nn.Module) -> None:
-        """``nan_grad``: this rank's shard of the first gradient becomes NaN."""
-        if "nan_grad" not in self.now:
-            return
-        for p in model.parameters():
-            if p.grad is not None:
-                grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                grad.fill_(float("nan"))
-                return

@@ -29,7 +29,7 @@ from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
 from trainer.data import load_tokenizer
 from trainer.data.examples import pair_splits_of
-from trainer.guard import FaultInjector, StepGuard
+from trainer.guard import StepGuard
 from trainer.metrics import (
     SUMMARY_FILE,
     EvalMetrics,
@@ -44,7 +44,7 @@ from trainer.metrics import (
 from trainer.model import DTYPES, build_model
 from trainer.model.lora import apply_peft
 from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
-from trainer.objectives import MicroLoss, RunSetup, build_objective
+from trainer.objectives import RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.packing import build_sampler
 from trainer.pipeline import balance_cost, build_training_data, resolve_attention
@@ -124,7 +124,6 @@ class Trainer:
         self.rank, self.world_size = distributed.rank(), distributed.world_size()
         setup_logging(self.rank)
         self.guard = StepGuard(cfg.guard, self.device)
-        self.faults = FaultInjector.from_env(self.rank)
         self.owner: RunDir = claim_run_dir(cfg)
         self.run_dir = self.owner.path
         self.checkpointer = Checkpointer(
@@ -202,8 +201,7 @@ class Trainer:
     def forward_backward(self, batch: Batch, counts: StepCounts) -> torch.Tensor:
         """The objective's summed loss of one micro-batch; backward of its share of the step's objective (over the
         step's global ``counts``: ``trainer.objectives.base``)."""
-        self.faults.before_forward()
-        loss = MicroLoss(*(self.faults.on_loss(t) for t in self.objective.loss(self.model, batch, counts)))
+        loss = self.objective.loss(self.model, batch, counts)
         loss.objective.backward()
         return loss.loss_sum.detach()
 
@@ -211,17 +209,13 @@ class Trainer:
         """One optimizer step over this rank's micro-batches (through the parallel route), applied or skipped on
         every rank together."""
         start = time.perf_counter()
-        self.faults.before_step(self.step + 1)
         distributed.note_step(self.step + 1)  # the heartbeat tells the other ranks which step this one is in
         with self.route.step(self.next_step_batches(), self.device) as batches:
-            for batch in batches:
-                self.faults.on_batch(batch)
             counts = StepCounts.of(batches, self.objective.units).all_reduced(self.device)
             loss_sum = torch.zeros((), device=self.device)
             for i, batch in enumerate(batches):
                 set_gradient_sync(self.model, i == len(batches) - 1)
                 loss_sum += self.forward_backward(batch, counts)
-        self.faults.after_backward(self.model)
         grad_norm = clip_grad_norm(self.model, self.cfg.optim.grad_clip)
         # Every rank reaches the same verdict (one all-reduce): apply, or skip on all ranks together.
         verdict = self.guard.check(self.step + 1, loss_sum.item(), grad_norm, counts.label_tokens)

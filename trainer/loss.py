@@ -27,7 +27,8 @@ from typing import Any, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
 
 CHUNK_LOGITS = 2**25
 """Default logits per chunk (128 MiB in fp32): ``chunk_tokens = CHUNK_LOGITS // vocab``. Smaller chunks save

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from trainer.errors import ConfigError, library_load
+from trainer.errors import ConfigError
+from trainer.library_log import library_load
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig

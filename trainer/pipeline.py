@@ -10,8 +10,6 @@ packed online instead (``streaming_training_data``). ``trainer.loop.Trainer``, `
 transformers config alone (no weights): its context length (``trainer.config.stated_context``, the same
 rule the trainer applies to its built model) and the attention backend, resolved once against the device,
 the compute dtype and what the model's attention needs (dropout, logit softcapping, sinks).
-
-Heavy imports (torch, transformers) happen inside the functions, so importing this module is cheap.
 """
 
 from __future__ import annotations
@@ -20,16 +18,23 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from trainer.config import JobConfig, ModelConfig, stated_context
+import torch
 
-if TYPE_CHECKING:
-    import torch
-
-    from trainer.data import TokenizedDataset
-    from trainer.model import AttentionBackend
-    from trainer.packing import MicroBatchSampler, TokenCost
+from trainer.collate import collate_packed, collate_padded
+from trainer.config import ConfigError, JobConfig, ModelConfig, stated_context
+from trainer.data import TokenizedDataset, load_dataset, load_tokenizer, source_fingerprint
+from trainer.data.examples import holds_pairs, pair_splits_of
+from trainer.data.holdout import split_holdout
+from trainer.data.stream import ExampleStream, head_sets
+from trainer.library_log import library_load
+from trainer.model import DTYPES, AttentionBackend, AttentionBackendError, AttentionNeeds, resolve_backend
+from trainer.model_config import model_config, tokenizer_fields
+from trainer.objectives import OBJECTIVE_TYPES
+from trainer.packing import MicroBatchSampler, TokenCost, build_sampler
+from trainer.packing.online import ServedExamples, StreamingSampler
+from trainer.throughput import config_flop_params, token_cost
 
 log = logging.getLogger(__name__)
 
@@ -72,12 +77,6 @@ def build_training_data(
         ConfigError: the token budget cannot hold one example of the longest allowed length (the same
             verdict on every rank, so no rank is left waiting).
     """
-    from trainer.collate import collate_packed, collate_padded
-    from trainer.data import load_dataset, load_tokenizer
-    from trainer.data.examples import holds_pairs, pair_splits_of
-    from trainer.evaluate import split_holdout
-    from trainer.packing import build_sampler
-
     world_size = cfg.parallel.cp if world_size is None else world_size
     if tokenizer is None:
         tokenizer = load_tokenizer(cfg.model, cfg.data)
@@ -101,25 +100,20 @@ def build_training_data(
 
 
 def check_objective_fits_data(cfg: JobConfig, pairs: bool) -> None:
-    """``objective=dpo`` trains on preference pairs and SFT on anything else: a mismatch is one line."""
-    from trainer.config import ConfigError
-
-    if pairs and cfg.objective != "dpo":
+    """The data holds what the objective's batches must carry (``Objective.pairs``): a mismatch is one line."""
+    wants_pairs = OBJECTIVE_TYPES[cfg.objective].pairs
+    if pairs and not wants_pairs:
+        on_pairs = " or ".join(f"objective={name}" for name, cls in OBJECTIVE_TYPES.items() if cls.pairs)
         raise ConfigError(f"data.source={cfg.data.source} holds preference pairs (prompt/chosen/rejected); train "
-                          "them with objective=dpo (SFT would learn the rejected replies too)")
-    if not pairs and cfg.objective == "dpo":
-        raise ConfigError(f"objective=dpo needs preference pairs (prompt/chosen/rejected columns); data.source="
-                          f"{cfg.data.source} holds none")
+                          f"them with {on_pairs} (objective={cfg.objective} would learn the rejected replies too)")
+    if not pairs and wants_pairs:
+        raise ConfigError(f"objective={cfg.objective} needs preference pairs (prompt/chosen/rejected columns); "
+                          f"data.source={cfg.data.source} holds none")
 
 
 def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int) -> TrainingData:
     """``data.stream.enabled=true``: this rank's share of the stream (``trainer.data.stream``), packed online
     (``trainer.packing.online``); the eval set and the self-check's examples come from the stream's head."""
-    from trainer.collate import collate_packed
-    from trainer.data import source_fingerprint
-    from trainer.data.stream import ExampleStream, head_sets
-    from trainer.packing.online import ServedExamples, StreamingSampler
-
     holdout = (cfg.eval.holdout_fraction, cfg.eval.holdout_seed)
     eval_dataset, probe = head_sets(cfg.data, tokenizer, max_length, holdout, cfg.eval.max_examples)
     stream = ExampleStream(cfg.data, tokenizer, max_length, rank, world_size, holdout)
@@ -136,10 +130,6 @@ def balance_cost(cfg: JobConfig, tokenizer: Any) -> TokenCost | None:
     With LoRA every base weight counts as frozen (4 FLOPs per parameter and token instead of 6)."""
     if cfg.packing.balance != "flops":
         return None
-    from trainer.errors import library_load
-    from trainer.model_config import model_config, tokenizer_fields
-    from trainer.throughput import config_flop_params, token_cost
-
     base = None if cfg.model.name_or_path else tokenizer_fields(tokenizer)
     what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
     with library_load(what):
@@ -153,8 +143,6 @@ def model_context(cfg: ModelConfig) -> int | None:
     """The model's context length from its config alone (no weights). ``None`` when the config states none
     or cannot be read (an unreachable hub id, say: the examples are then clamped to ``data.max_length``
     only, which is logged)."""
-    from trainer.model_config import model_config
-
     try:
         return stated_context(model_config(cfg))
     except (OSError, ValueError) as e:  # transformers raises these for missing or unreadable configs
@@ -168,11 +156,6 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     config, no weights: dropout, logit softcapping, sinks): a backend that cannot honour one is never given
     the model (``auto`` moves on, a named backend fails with one line naming the family and the argument).
     Resolved once, before any heavy work, so a backend that cannot run fails first."""
-    from trainer.model import DTYPES, AttentionBackendError, AttentionNeeds, resolve_backend
-    from trainer.model_config import model_config
-
-    from trainer.errors import library_load
-
     what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
     with library_load(what):  # a config transformers rejects (dbrx from a bare config): one line
         needs = AttentionNeeds.of(model_config(cfg.model))

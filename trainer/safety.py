@@ -71,7 +71,7 @@ def allowed_target_prefixes() -> list[str]:
 @functools.cache
 def builtin_targets() -> frozenset[Any]:
     """The objects a shipped config may instantiate: torch's optimizers and learning-rate schedulers."""
-    import torch.optim
+    import torch.optim  # lazy: the command line's checks import this module, and torch only when a target needs it
     from torch.optim import lr_scheduler
 
     bases = (torch.optim.Optimizer, lr_scheduler.LRScheduler)

@@ -1,6 +1,6 @@
 """Alias kept for ``python -m trainer.summarize``: the tool lives in ``trainer.tools.summarize`` (``packfsdp summarize``)."""
 
-if __name__ == "__main__":
-    from trainer.tools.summarize import main
+from trainer.tools.summarize import main
 
+if __name__ == "__main__":
     main()

@@ -21,6 +21,7 @@ from omegaconf import DictConfig
 
 from trainer.config import ConfigError, JobConfig
 
+from trainer.cli import check_code_sources, check_group_choices, check_overrides
 from trainer.compose import config_dir, open_mapping_overrides, register_configs, to_job_config
 from trainer.safety import printable, redact
 from trainer.stop_signals import PREEMPTED_EXIT_CODE, Interrupted, exit_interrupted, signals_interrupt, stop_with_launcher
@@ -37,6 +38,7 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     No teardown barrier after an error: the other ranks may be blocked in a collective this rank will never
     join, so a barrier would hang both until the timeout. Exiting lets torchrun stop the job (or restart
     it, with --max-restarts) at once."""
+    # Heavy (torch, transformers): imported here, after the command line's checks, which answer without them.
     from torch.distributed.checkpoint.api import CheckpointException
 
     from trainer import distributed
@@ -69,6 +71,7 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
 
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
 def hydra_main(raw: DictConfig) -> dict | None:
+    # Heavy (torch): imported once the command line is checked, as in ``run``.
     from trainer import distributed
     from trainer.guard import JobFailed
     from trainer.run_dir import multirun_job_tag, redact_sweep_file
@@ -108,7 +111,7 @@ def announce_preempted(result: dict) -> None:
     """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank. Written while the process
     group is up, before the teardown's barrier: the first rank to exit makes torchrun SIGTERM the others,
     which must have written theirs by then."""
-    from trainer import distributed
+    from trainer import distributed  # heavy (torch): loaded by then; the command line's checks never get here
 
     sys.stderr.write(
         f"packfsdp: rank {distributed.rank()}: preempted ({result['preempted']}) after step {result['step']}: "
@@ -158,8 +161,6 @@ def main() -> None:
         with signals_interrupt(setup_interrupted_line):  # from the first line, not from the Trainer's
             register_configs()
             sys.argv[1:] = open_mapping_overrides(sys.argv[1:])  # before Hydra reads them
-            from trainer.cli import check_code_sources, check_group_choices, check_overrides
-
             check_group_choices(sys.argv[1:])
             check_overrides(sys.argv[1:])
             check_code_sources(sys.argv[1:])  # before Hydra instantiates its callbacks, launcher and sweeper

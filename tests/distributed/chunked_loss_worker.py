@@ -19,7 +19,8 @@ from trainer import distributed
 from trainer.collate import collate_packed
 from trainer.config import DataConfig, ModelConfig, ParallelConfig
 from trainer.data import load_dataset, load_tokenizer
-from trainer.evaluate import evaluate, subset
+from trainer.data.holdout import subset
+from trainer.evaluate import evaluate
 from trainer.loss import summed_token_loss
 from trainer.model import build_model, resolve_backend
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync

@@ -27,12 +27,13 @@ SMALL_RUN = [
 @pytest.fixture(scope="module")
 def trainer(tmp_path_factory):
     """One Trainer shared by a module's tests (building one takes seconds); tests only read its state or
-    run steps and compare before/after, so sharing is safe."""
-    from trainer.loop import Trainer
+    run steps and compare before/after, so sharing is safe. A ``FaultyTrainer`` (``tests.faults.inject``): with
+    no fault injected, the Trainer itself."""
+    from tests.faults.inject import FaultyTrainer
 
     with one_rank_world():
         run_dir = tmp_path_factory.mktemp("inproc")
-        t = Trainer(compose_job([*SMALL_RUN, f"run_dir={run_dir}"]))
+        t = FaultyTrainer(compose_job([*SMALL_RUN, f"run_dir={run_dir}"]))
         t.model.train()
         yield t
         t.metrics.close()

@@ -20,8 +20,8 @@ pytestmark = pytest.mark.slow
 def _job(tmp_path, fault: str, *overrides: str, timeout: float = 180):
     start = time.monotonic()
     out = run_torchrun(
-        ["-m", "trainer.train", *SMALL_RUN, f"run_dir={tmp_path}", *overrides],
-        env={"PACKFSDP_INJECT_FAULT": fault}, timeout=timeout,
+        ["-m", "tests.faults.fault_entry", *SMALL_RUN, f"run_dir={tmp_path}", *overrides],
+        env={"PFTEST_FAULT": fault}, timeout=timeout,
     )
     return out, time.monotonic() - start
 

@@ -11,8 +11,9 @@ import math
 import pytest
 import torch
 
-from trainer.collate import IGNORE_INDEX
-from trainer.guard import FaultInjector, TrainingHalted, parse_faults
+from tests.faults.inject import Faults, inject, parse_faults
+from trainer.data.examples import IGNORE_INDEX
+from trainer.guard import TrainingHalted
 from trainer.throughput import StepCounts
 
 
@@ -29,10 +30,6 @@ def snapshot(trainer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 def assert_same(a, b) -> None:
     for x, y in zip(a[0] + a[1], b[0] + b[1], strict=True):
         assert torch.equal(x, y)
-
-
-def inject(trainer, spec: str) -> None:
-    trainer.faults = FaultInjector(spec.replace("NEXT", str(trainer.step + 1)), rank=0)
 
 
 def test_all_masked_microbatch_has_zero_loss_and_zero_gradient(trainer):
@@ -92,7 +89,7 @@ def test_too_many_nonfinite_steps_in_a_row_stop(trainer):
     trainer.guard.cfg.max_consecutive_skips = 2
     trainer.guard.consecutive_nonfinite = 0
     first = trainer.step + 1
-    trainer.faults = FaultInjector(f"nan_loss@{first},nan_loss@{first + 1}", rank=0)
+    trainer.faults = Faults(f"nan_loss@{first},nan_loss@{first + 1}", rank=0)
     trainer.train_step()
     with pytest.raises(TrainingHalted, match=rf"step {first + 1}: .*2 non-finite steps in a row"):
         trainer.train_step()
@@ -103,5 +100,5 @@ def test_too_many_nonfinite_steps_in_a_row_stop(trainer):
 def test_fault_specs_are_checked():
     assert [(f.kind, f.step, f.rank) for f in parse_faults("oom@3:1, hang@2")] == [("oom", 3, 1), ("hang", 2, None)]
     for bad in ("boom@1", "nan_loss@x", "nan_loss"):
-        with pytest.raises(ValueError, match="PACKFSDP_INJECT_FAULT"):
+        with pytest.raises(ValueError, match="PFTEST_FAULT"):
             parse_faults(bad)

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tests.unit.test_model_families import VOCAB, WINDOW, tiny_model
-from trainer.collate import IGNORE_INDEX
+from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ParallelConfig
 from trainer.model.attention import BACKENDS
 from trainer.parallel import apply_compile
@@ -152,7 +152,7 @@ def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torc
     loss.backward()
     policy.eval()
     with torch.no_grad():
-        evaluated = policy(**batch)
+        evaluated = policy.sequence_logps(**batch)
     policy.train()
     return loss.detach(), [p.grad.clone() for p in policy.parameters()], evaluated
 

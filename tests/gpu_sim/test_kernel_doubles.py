@@ -19,7 +19,8 @@ import torch
 from tests.gpu_sim import flash_attn_double
 from tests.unit.test_attention_backends import call, qkv, reference
 from tests.unit.test_model_families import FAMILIES, LENGTHS, assert_equivalent, examples, tiny_model
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
 from trainer.model import backends_cuda
 from trainer.model.attention import BACKENDS, AttentionBackendError, resolve_backend
 from trainer.model.selfcheck import run_startup_self_check

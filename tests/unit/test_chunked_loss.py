@@ -10,8 +10,10 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
-from trainer.evaluate import evaluate, subset
+from trainer.collate import collate_packed, collate_padded
+from trainer.data.examples import IGNORE_INDEX
+from trainer.data.holdout import subset
+from trainer.evaluate import evaluate
 from trainer.loss import LogitTransform, chunked_summed_loss, summed_token_loss
 from trainer.model import VarlenCausalLM, resolve_backend
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
+from trainer.collate import collate_packed, collate_padded
+from trainer.data.examples import IGNORE_INDEX
 from trainer.data.examples import TokenizedDataset
 
 

@@ -134,3 +134,13 @@ def test_each_seed_seeds_one_fact():
         assert load_records(other.data) == load_records(job.data)
     reseeded = replace(job.data, seed=job.data.seed + 1)
     assert source_fingerprint(reseeded) != key and load_records(reseeded) != load_records(job.data)
+
+
+def test_the_generated_sources_are_the_configs_list():
+    """``trainer.config.GENERATED_SOURCES`` is the one list: the data stage registers exactly those as generated."""
+    from trainer.config import GENERATED_SOURCES
+    from trainer.data import sources
+
+    assert sources.GENERATED == set(GENERATED_SOURCES) and all(name in sources.SOURCES for name in GENERATED_SOURCES)
+    with pytest.raises(ValueError, match="GENERATED_SOURCES"):
+        sources.generated_source("my_synthetic")

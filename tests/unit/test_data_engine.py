@@ -107,7 +107,7 @@ def mix_cfg(tmp_path, by="examples", seed=0) -> DataConfig:
 
 
 def test_mixture_shares_by_examples_and_tokens_deterministic_by_seed(tmp_path, tokenizer):
-    from trainer.evaluate import split_holdout
+    from trainer.data.holdout import split_holdout
 
     ds = load_dataset(mix_cfg(tmp_path), tokenizer, max_length=256)
     shares = ds.shares()
@@ -137,7 +137,7 @@ def test_analyze_reports_the_mixture(tmp_path, cache_dir):
 
 def test_held_out_draw_is_computed_once_per_cache(tmp_path, tokenizer, monkeypatch):
     import trainer.data.examples as dataset_module
-    from trainer.evaluate import holdout_mask
+    from trainer.data.holdout import holdout_mask
 
     cfg = DataConfig(num_records=60, cache_dir=str(tmp_path))
     ds = load_dataset(cfg, tokenizer, max_length=256)

@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import tiny_gpt2_config
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
+from trainer.collate import collate_packed, collate_padded
+from trainer.data.examples import IGNORE_INDEX
 from trainer.model import build_model, resolve_backend
 
 CPU = torch.device("cpu")

@@ -8,8 +8,10 @@ import torch
 import torch.nn.functional as F
 
 from tests.conftest import tiny_gpt2_config
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
-from trainer.evaluate import eval_microbatches, evaluate, holdout_mask, split_holdout, subset
+from trainer.collate import collate_packed, collate_padded
+from trainer.data.examples import IGNORE_INDEX
+from trainer.data.holdout import holdout_mask, split_holdout, subset
+from trainer.evaluate import eval_microbatches, evaluate
 from trainer.model import build_model, resolve_backend
 
 

@@ -155,9 +155,10 @@ def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch, broken):
 
 def test_the_probe_takes_an_optimizer_step(monkeypatch):
     """A step that leaves non-finite weights makes an exact family wrong: the probe runs the step."""
-    from trainer import optim
+    from trainer.model import family_probe
 
-    monkeypatch.setattr(optim, "build_optimizer", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan")))
+    monkeypatch.setattr(family_probe, "build_optimizer",
+                        lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan")))
     result = probe("llama")
     assert result.outcome == "wrong" and "after one optimizer step" in result.detail, result.line()
 

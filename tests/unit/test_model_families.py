@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.collate import IGNORE_INDEX
+from trainer.data.examples import IGNORE_INDEX
 from trainer.model import VarlenCausalLM, resolve_backend
 
 VOCAB = 97

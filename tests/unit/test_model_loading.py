@@ -9,7 +9,8 @@ import pytest
 
 from tests.conftest import compose_job
 from trainer.config import ConfigError, ModelConfig
-from trainer.errors import LoadError, library_load
+from trainer.errors import LoadError
+from trainer.library_log import library_load
 from trainer.model.loading import model_config
 
 

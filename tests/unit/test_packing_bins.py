@@ -9,7 +9,7 @@ from trainer.config import PackingConfig
 from trainer.packing import build_sampler
 from trainer.packing.balance import deal_grid, deal_order, even_out_bins
 from trainer.packing.bins import Bins
-from trainer.packing.workloads import dailydialog_like_lengths
+from trainer.data.synthetic import dailydialog_like_lengths
 
 
 def _same(a, b) -> bool:

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from tests.conftest import compose_job, tiny_gpt2_config
-from trainer.collate import IGNORE_INDEX, collate_packed
+from trainer.collate import collate_packed
+from trainer.data.examples import IGNORE_INDEX
 from trainer.packing import split_into_pieces
 
 

@@ -8,7 +8,7 @@ import pytest
 from trainer.config import ConfigError, PackingConfig
 from trainer.packing import MicroBatchSampler, PackParams, build_sampler, pack, split_into_pieces
 from trainer.packing.fit import _best_fit_decreasing_capped, best_fit_decreasing, first_fit_decreasing
-from trainer.packing.workloads import dailydialog_like_lengths, heavy_tailed_lengths
+from trainer.data.synthetic import dailydialog_like_lengths, heavy_tailed_lengths
 
 
 def naive_first_fit(sizes, budget, rng):

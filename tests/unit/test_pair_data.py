@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tests.conftest import compose_job
-from trainer.collate import IGNORE_INDEX, collate_packed
+from trainer.collate import collate_packed
+from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ConfigError, DataConfig
 from trainer.data import load_dataset
 from trainer.data.bad_records import BadRecordError

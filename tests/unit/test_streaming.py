@@ -13,7 +13,7 @@ from trainer.config import ConfigError, DataConfig, JobConfig, MixtureConfig, Pa
 from trainer.data.bad_records import BadRecordError
 from trainer.data import stream as streaming
 from trainer.data.stream import ExampleStream, head_sets
-from trainer.evaluate import holdout_mask
+from trainer.data.holdout import holdout_mask
 from trainer.packing.online import OnlineBestFit, StreamingSampler
 
 ON = StreamConfig(enabled=True)

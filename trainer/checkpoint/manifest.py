@@ -9,7 +9,8 @@ import os
 import time
 from pathlib import Path
 
-from trainer.checkpoint.discovery import FORMAT_VERSION, MANIFEST, CheckpointError
+from trainer.checkpoint.discovery import FORMAT_VERSION, MANIFEST, TRAINER_STATE, CheckpointError
+from trainer.checkpoint.safe_load import SafeFileSystemReader
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -71,9 +72,6 @@ def _check_complete(directory: Path, files: dict) -> None:
     """The manifest lists every file loading reads: DCP's ``.metadata``, each data file it names (every byte
     range inside the size the manifest records), the trainer state and every rank's RNG file; an empty or
     edited manifest would otherwise "verify" anything."""
-    from trainer.checkpoint.discovery import TRAINER_STATE
-    from trainer.checkpoint.safe_load import SafeFileSystemReader
-
     for rel in (".metadata", TRAINER_STATE):
         if rel not in files:
             raise CheckpointError(f"{directory}: the manifest does not list {rel}; the checkpoint is incomplete or damaged")

@@ -5,7 +5,9 @@ planner that refuses pickled entries)."""
 
 from __future__ import annotations
 
+import collections
 import io
+import pathlib
 import pickle
 import warnings
 from pathlib import Path
@@ -15,6 +17,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.serialization import _get_layout  # the name torch's own weights-only unpickler allows for a layout
 
 from trainer.checkpoint.discovery import CheckpointError, dcp_failure
 from trainer.safety import UnsafeFileError
@@ -57,11 +60,6 @@ def _metadata_classes() -> dict[tuple[str, str], Any]:
                  "contiguous_format", "channels_last", "preserve_format", "channels_last_3d", "Size"):
         if hasattr(torch, name):
             allowed[("torch", name)] = getattr(torch, name)
-    import collections
-    import pathlib
-
-    from torch.serialization import _get_layout
-
     # Harmless constructors: a layout looked up by name, the checkpoint's own path, an ordered dict.
     allowed[("torch.serialization", "_get_layout")] = _get_layout
     allowed[("pathlib", "PosixPath")] = pathlib.PosixPath

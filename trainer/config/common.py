@@ -4,6 +4,8 @@ error every bad value raises, and the two checks most fields use (``ConfigError`
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,8 +78,8 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 
 
 GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic", "reasoning_synthetic", "preference_synthetic")
-"""The sources ``trainer.data.sources`` generates offline (small: the local BPE may train on them even when
-they are streamed)."""
+"""The sources ``trainer.data.sources`` generates offline (``generated_source`` registers exactly these; small:
+the local BPE may train on them even when they are streamed)."""
 
 
 
@@ -141,9 +143,6 @@ def check_finite_settings(settings: Any, key: str = "") -> None:
     """Every number under a config (dataclass fields, and the dicts and lists inside them: optimizer kwargs,
     ``config_overrides``) is finite and at most ``MAX_SETTING`` in size; refused in one line naming the key.
     Generic on purpose: a new float field is covered without being listed."""
-    import dataclasses
-    import math
-
     if dataclasses.is_dataclass(settings) and not isinstance(settings, type):
         items = [(f.name, getattr(settings, f.name)) for f in dataclasses.fields(settings)]
     elif isinstance(settings, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from trainer.config.common import (
@@ -211,8 +212,6 @@ tensors (input ids, labels, positions, document ids) and the packer's per-token 
 def check_budget_fits_memory(token_budget: int) -> None:
     """A ``packing.token_budget`` whose micro-batch alone cannot fit this machine's memory is one line, not
     an allocation that wakes the kernel's OOM killer (which may take other processes with it)."""
-    import os
-
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):

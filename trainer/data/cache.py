@@ -28,6 +28,7 @@ import os
 import shutil
 from pathlib import Path
 
+import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
@@ -169,8 +170,6 @@ def write_arrow(
 def map_render(ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, key: str):
     """``ds`` rendered by a batched ``map`` over ``data.num_proc`` processes (its output cached by a
     fingerprint of ``ds`` and ``key``, everything rendering depends on)."""
-    import datasets
-
     ds = mapped_columns_only(ds, cfg)
     if len(ds):  # an undetectable or missing column mapping fails here, once, with the config's message
         rows_to_records([ds[0]], cfg, RowProblems("skip", places))

@@ -23,6 +23,8 @@ CRC-32 (zlib) reads the files at memory speed; the cost at 1M examples is in ``d
 
 from __future__ import annotations
 
+import errno
+import shutil
 import contextlib
 import fcntl
 import json
@@ -209,9 +211,6 @@ class CacheBuildError(RuntimeError):
 def build_errors(folder: Path) -> Iterator[None]:
     """An ``OSError`` while writing ``folder`` as one line naming it; numpy's "N requested and M written"
     (a full disk, without errno) says so."""
-    import errno
-    import shutil
-
     try:
         yield
     except OSError as e:

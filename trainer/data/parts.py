@@ -25,11 +25,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import datasets
+import pyarrow as pa
+
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty
 from trainer.data.sources import check_hf_path, check_source, open_hf_dataset, shipped
 from trainer.data.tables import FORMATS, TableFormat, detect_columns, mapped_columns_only, rows_to_records, table_files
-from trainer.errors import library_load
+from trainer.library_log import library_load
 
 log = logging.getLogger(__name__)
 
@@ -155,9 +158,6 @@ def _read_lines(fmt: TableFormat, files: list[Path], cfg: DataConfig, bad: BadRe
 
 
 def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, streaming: bool):
-    import datasets
-    import pyarrow as pa
-
     if streaming:
         with library_load(f"data.path={file}"):
             return datasets.load_dataset(fmt.builder, data_files=str(file), split="train", streaming=True,
@@ -185,8 +185,6 @@ def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, s
 
 def _float_token_column(ds, cfg: DataConfig) -> str | None:
     """A pre-tokenized id column (``input_ids``, ``labels``) that ``datasets`` typed as floats, if any."""
-    import datasets
-
     columns = dict(cfg.columns) or detect_columns(ds.column_names)
     for field in ("input_ids", "labels"):
         feature = ds.features.get(columns.get(field, ""))
@@ -197,8 +195,6 @@ def _float_token_column(ds, cfg: DataConfig) -> str | None:
 
 
 def _open_hf(cfg: DataConfig, streaming: bool):
-    import datasets
-
     with library_load(f"data.path={cfg.path}"):
         if not streaming:
             return open_hf_dataset(cfg)
@@ -210,8 +206,6 @@ def _open_hf(cfg: DataConfig, streaming: bool):
 def _registered(source: Callable, cfg: DataConfig, streaming: bool) -> object:
     """A registered source's result: a ``Dataset`` as it is (streaming: its ``to_iterable_dataset()``), an
     ``IterableDataset`` when streaming, else its records as a list."""
-    import datasets
-
     result = source(cfg)
     if isinstance(result, datasets.Dataset):
         return result.to_iterable_dataset() if streaming else result
@@ -230,8 +224,6 @@ def reader_options(builder: str, file: Path) -> dict:
     module reads them (pandas would infer numbers and NaN): every column of the header typed ``string``."""
     if builder != "csv":
         return {}
-    import datasets
-
     with open(file, newline="", encoding="utf-8-sig", errors="replace") as f:
         header = next(csv.reader(f), [])
     features = datasets.Features({name: datasets.Value("string") for name in header}) if header else None

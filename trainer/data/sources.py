@@ -12,7 +12,7 @@ registering one function, not touching the loop; a module of your own is importe
     def my_format(cfg: DataConfig) -> list[dict]:
         ...
 
-Shipped sources: ``dailydialog_synthetic``, ``chat_synthetic``, ``reasoning_synthetic`` and ``preference_synthetic`` (generated, offline), ``dailydialog``
+Shipped sources: the generated ones (offline, ``trainer.config.GENERATED_SOURCES``, ``generated_source``), ``dailydialog``
 (original text, parquet or hub), ``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
 (any hub dataset id, or a local dataset folder), the table sources with ``data.columns`` mapping.
 """
@@ -29,16 +29,20 @@ from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 
-from trainer.config import ConfigError, DataConfig
+import datasets
+
+from trainer.config import GENERATED_SOURCES, ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
 from trainer.data.synthetic import generate_chats, generate_dialogs, generate_preference_pairs, generate_reasoning_traces
-from trainer.errors import library_load
+from trainer.library_log import library_load
 
 log = logging.getLogger(__name__)
 
 Record = dict
 SourceFn = Callable[[DataConfig], list[Record]]
 SOURCES: dict[str, SourceFn] = {}
+GENERATED: set[str] = set()
+"""The registered sources generated offline (``generated_source``)."""
 
 
 def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
@@ -50,6 +54,15 @@ def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
         return fn
 
     return wrap
+
+
+def generated_source(name: str) -> Callable[[SourceFn], SourceFn]:
+    """``register_source`` for a source generated offline: one of ``GENERATED_SOURCES`` (the config reads that
+    list without importing the data stage: the local BPE may train on a generated source even when streamed)."""
+    if name not in GENERATED_SOURCES:
+        raise ValueError(f"{name!r} is not in trainer.config.GENERATED_SOURCES")
+    GENERATED.add(name)
+    return register_source(name)
 
 
 def check_source(cfg: DataConfig) -> SourceFn:
@@ -106,25 +119,25 @@ def plugin_path(plugin: str) -> Path:
     return Path(spec.origin)
 
 
-@register_source("dailydialog_synthetic")
+@generated_source("dailydialog_synthetic")
 def dailydialog_synthetic(cfg: DataConfig) -> list[Record]:
     """The generated DailyDialog-like corpus (offline; see ``trainer.data.synthetic``)."""
     return [{"turns": d} for d in generate_dialogs(cfg.num_records, cfg.seed)]
 
 
-@register_source("chat_synthetic")
+@generated_source("chat_synthetic")
 def chat_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated chat conversations (system / user / assistant; offline; see ``trainer.data.synthetic``)."""
     return [{"messages": m} for m in generate_chats(cfg.num_records, cfg.seed)]
 
 
-@register_source("reasoning_synthetic")
+@generated_source("reasoning_synthetic")
 def reasoning_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated long, long-tailed question + reasoning-trace pairs (offline; ``trainer.data.synthetic``)."""
     return [{"turns": t} for t in generate_reasoning_traces(cfg.num_records, cfg.seed)]
 
 
-@register_source("preference_synthetic")
+@generated_source("preference_synthetic")
 def preference_synthetic(cfg: DataConfig) -> list[Record]:
     """Generated preference pairs (prompt / chosen / rejected chats, long-tailed replies, a learnable
     preference; offline; see ``trainer.data.synthetic``)."""
@@ -177,8 +190,6 @@ def read_dialog_parquet(files: list[Path], bad: BadRecords | None = None) -> lis
 
 
 def _hub_dialogs(hub_id: str, split: str) -> list[list[str]]:
-    import datasets
-
     try:
         ds = datasets.load_dataset(hub_id, split=split)
     except Exception as e:  # a script-based hub dataset (datasets >= 4 no longer runs scripts)
@@ -239,8 +250,6 @@ def hf(cfg: DataConfig) -> list[Record]:
 def open_hf_dataset(cfg: DataConfig):
     """``data.path`` as a ``datasets.Dataset``: a ``save_to_disk`` folder (``load_from_disk``; the split of a
     saved ``DatasetDict``), ``.arrow`` files (a file or a folder of them), else ``load_dataset``."""
-    import datasets
-
     check_hf_path(cfg)
     path = Path(cfg.path).expanduser()
     if path.is_dir() and ((path / "state.json").is_file() or (path / "dataset_dict.json").is_file()):

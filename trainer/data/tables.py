@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+import pyarrow.parquet as pq
+
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, check_not_empty, parse_json, utf8_lines
 from trainer.data.chat import MEDIA_KEYS, media_key, media_part, media_refusal
@@ -85,8 +87,6 @@ def read_jsonl(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
 
 
 def read_parquet(files: list[Path], bad: BadRecords | None = None) -> list[dict]:
-    import pyarrow.parquet as pq
-
     bad = bad or BadRecords()
     rows = []
     for file in files:

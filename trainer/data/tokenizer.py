@@ -28,7 +28,7 @@ from trainer.data.parts import is_table, source_parts
 from trainer.data.sources import source_fingerprint
 from trainer.data.tables import Row, mapped_columns_only, rows_to_records
 from trainer.distributed import on_rank0_then_all
-from trainer.errors import library_load
+from trainer.library_log import library_load
 
 log = logging.getLogger(__name__)
 

@@ -25,9 +25,11 @@ import math
 import warnings
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from trainer import distributed
 from trainer.errors import first_line
+from trainer.model.attention import AttentionNeeds, resolve_backend
 from trainer.model.families import FamilyRefusedError
 from trainer.model.packed_layout import AttentionBackendError
 from trainer.model.prepare import prepare_model
@@ -35,7 +37,7 @@ from trainer.model.family_probe import (
     NO_DROPOUT, SHRINK, Diffs, differences, not_finite, own_values, run_alone, run_packed, shrunk_layers,
     shrunk_shapes,
 )
-from trainer.model import verdict_cache
+import trainer.model.verdict_cache as verdict_cache
 
 log = logging.getLogger(__name__)
 
@@ -143,10 +145,6 @@ def compare(config) -> tuple[Diffs, torch.dtype]:
 
 
 def _compare(config, dtype: torch.dtype) -> Diffs:
-    from transformers import AutoModelForCausalLM
-
-    from trainer.model.attention import AttentionNeeds, resolve_backend
-
     torch.manual_seed(0)
     try:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")

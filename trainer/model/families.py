@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
+import transformers
 from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
 
@@ -259,8 +260,6 @@ def has_causal_lm(config) -> bool:
 
 
 def _installed() -> str:
-    import transformers
-
     return transformers.__version__
 
 

@@ -26,9 +26,17 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from transformers import AttentionInterface, AutoModelForCausalLM
 
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.config import LossConfig, OptimConfig
+from trainer.data.examples import IGNORE_INDEX
 from trainer.loss import summed_token_loss
+from trainer.model.attention import AttentionNeeds, resolve_backend
+from trainer.model.families import FamilyRefusedError, selected_keys, text_family
+from trainer.model.packed_layout import AttentionBackendError
+from trainer.model.prepare import prepare_model
+from trainer.optim import build_optimizer
 
 LENGTHS = (9, 1, 14, 5, 11, 3)
 """Longer and shorter than the window, a 1-token example."""
@@ -392,9 +400,6 @@ def optimizer_step(model, examples: list[torch.Tensor]) -> Diffs:
     """One training step on the packed row as the trainer takes it (the run's loss over the label count,
     gradient clipping, the default optimizer of ``trainer.optim.build_optimizer``), then packed vs one by
     one again on the updated weights; all ``inf`` where a weight is no longer finite."""
-    from trainer.config import OptimConfig
-    from trainer.optim import build_optimizer
-
     cfg = OptimConfig()
     batch = packed_batch(examples)
     optimizer = build_optimizer(model, cfg)
@@ -411,13 +416,6 @@ def optimizer_step(model, examples: list[torch.Tensor]) -> Diffs:
 def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides):
     """The tiny model of ``model_type`` behind ``backend`` as ``build_model`` prepares it (``prepare_model``),
     without the family table's verdict (the probe is what makes it). Raises what building raises."""
-    from transformers import AutoModelForCausalLM
-
-    from trainer.config import LossConfig
-    from trainer.model.attention import AttentionNeeds, resolve_backend
-    from trainer.model.families import FamilyRefusedError, selected_keys
-    from trainer.model.prepare import prepare_model
-
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = tiny_config(model_type, **overrides)
@@ -433,8 +431,6 @@ def build_probe_model(model_type: str, backend: str = "sdpa_varlen", **overrides
 def counted(backend):
     """``backend`` registered under its own name with a call counter (``backend.calls[0]``): a packed run
     that never calls it bypasses transformers' attention interface."""
-    from transformers import AttentionInterface
-
     calls = [0]
 
     def fn(*args, **kwargs):
@@ -452,9 +448,6 @@ def probe(model_type: str, backend: str = "sdpa_varlen", **overrides) -> ProbeRe
     (a multimodal family: its language model's text family, ``families.text_family``). A family whose
     attention softcapping the CPU backends refuse is probed with softcapping off (the backends that honour
     it, flash_attn and flex, are checked in tests/unit/test_attention_softcap.py)."""
-    from trainer.model.families import text_family
-    from trainer.model.packed_layout import AttentionBackendError
-
     if text := text_family(model_type):  # what packfsdp trains of a multimodal family: its language model
         result = probe(text, backend, **overrides)
         return dataclasses.replace(result, family=model_type, detail=f"as {text}: {result.detail}")

@@ -9,10 +9,10 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
 from trainer.config import DTYPE_NAMES, ModelConfig
 from trainer.model_config import folder_config, model_config, tokenizer_fields, trained_config
-from trainer.errors import library_load
+from trainer.library_log import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.config_verdict import verify_config
-from trainer.model import multimodal
+import trainer.model.multimodal as multimodal
 from trainer.model.families import check_family
 from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM

@@ -24,8 +24,10 @@ from pathlib import Path
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.config import ConfigError, ModelConfig, PeftConfig
+from trainer.model.loading import DTYPES
 from trainer.model.multimodal import MULTIMODAL_DIR, is_multimodal_checkpoint
 from trainer.model.multimodal import load as load_multimodal
 from trainer.model.wrapper import VarlenCausalLM
@@ -160,10 +162,6 @@ def is_lora_checkpoint(hf_dir: Path) -> bool:
 
 def rebuild_base(hf_dir: Path, attn_implementation: str | None = None) -> nn.Module:
     """The frozen base model of a LoRA checkpoint, verified against its recorded SHA-256."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from trainer.model.loading import DTYPES
-
     base = LoraBase(**json.loads((hf_dir / LORA_BASE).read_text()))
     config = AutoConfig.from_pretrained(hf_dir)
     torch.manual_seed(base.seed)  # as build_model: the random init (and any resized rows) follow the seed

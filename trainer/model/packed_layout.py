@@ -26,9 +26,7 @@ from typing import ClassVar
 
 import torch
 
-
-class AttentionBackendError(RuntimeError):
-    """The configured attention backend cannot run here, or cannot keep packed examples apart."""
+from trainer.errors import AttentionBackendError
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 
 from trainer import distributed
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
+from trainer.errors import SelfCheckError
 from trainer.loss import summed_token_loss
 from trainer.model.wrapper import VarlenCausalLM
 from trainer.packing import piece_starts
@@ -91,10 +93,6 @@ def non_finite_gradient(model: torch.nn.Module) -> str:
 def _zero_grads(model: torch.nn.Module) -> None:
     for param in model.parameters():
         param.grad = None
-
-
-class SelfCheckError(RuntimeError):
-    """The packed (or padded) micro-batch disagrees with its examples run one by one."""
 
 
 @dataclass

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainer.collate import IGNORE_INDEX
+from trainer.data.examples import IGNORE_INDEX
 from trainer.loss import (
     HeadLoss, LabelHidden, LogitTransform, chunk_tokens_for, chunked_token_logps, head_matches_logits, label_positions,
     liger_available, naive_summed_loss, naive_token_logps, sequence_of_labels,

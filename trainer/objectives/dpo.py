@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 
 from trainer import distributed
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
 from trainer.config import DPOConfig
 from trainer.data.examples import TokenizedDataset
 from trainer.evaluate import eval_batches

@@ -41,7 +41,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
+from trainer.data.examples import IGNORE_INDEX
 from trainer.config import CP_SPLITS
 from trainer.parallel.cp_attention import CP_ATTENTION
 

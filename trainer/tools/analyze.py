@@ -25,8 +25,10 @@ import numpy as np
 
 from trainer.config import ConfigError, JobConfig
 
+from trainer.cli import check_group_choices
 from trainer.compose import compose_job_config, register_configs
 from trainer.data.examples import pair_splits_of
+from trainer.metrics import setup_logging
 from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_size, pack, pack_params
 
 
@@ -52,7 +54,7 @@ def text_histogram(lengths: np.ndarray, buckets: int = 16, width: int = 50) -> l
 
 
 def draw_histogram(lengths: np.ndarray, budget: int, title: str, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # heavy, for the histogram only: after the command line's checks
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -168,8 +170,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, list[int]]:
 
 def run(argv: list[str]) -> dict:
     """Print the report on the examples training sees (the eval hold-out removed); return its figures."""
-    from trainer.metrics import setup_logging
-    from trainer.pipeline import build_training_data
+    from trainer.pipeline import build_training_data  # heavy (torch, transformers): the command line is checked
 
     overrides, png, worlds = parse_args(argv)
     setup_logging(0)
@@ -189,8 +190,6 @@ def run(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from trainer.cli import check_group_choices
-
     argv = sys.argv[1:] if argv is None else argv
     register_configs()
     check_group_choices(argv)

@@ -112,7 +112,7 @@ def load_summary(run_dir: Path) -> dict:
 
 
 def versions() -> dict[str, str]:
-    import torch
+    import torch  # heavy: compare and summarize read records without torch; the report's versions need it
     import transformers
 
     try:
@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> dict:
         run_both(overrides, args.nproc, out)
     report = write_report(out, overrides, args.nproc)
     if args.variability:
-        from trainer.tools import variability
+        from trainer.tools import variability  # heavy (torch, a model): only with --variability
 
         variability.main(["--out", str(out)])
     if args.publish:

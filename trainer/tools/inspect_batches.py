@@ -23,7 +23,9 @@ import numpy as np
 
 from trainer.config import ConfigError
 
+from trainer.cli import check_group_choices
 from trainer.compose import compose_job_config, register_configs
+from trainer.data.examples import IGNORE_INDEX
 from trainer.packing import piece_starts
 from trainer.safety import printable
 
@@ -62,8 +64,7 @@ def positions_summary(pos: np.ndarray, start: int = 0) -> str:
 
 def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] | None = None) -> list[str]:
     """Lines describing one micro-batch and each of its examples."""
-    from trainer.collate import IGNORE_INDEX
-    from trainer.model.selfcheck import example_spans
+    from trainer.model.selfcheck import example_spans  # heavy (torch, transformers): after the command line's checks
 
     labels = batch.labels.numpy()
     slots = [(row, span.start, span.stop) for row, span in example_spans(batch)]
@@ -93,7 +94,7 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
 def cp_view(batch: Batch, cp: int, split: str) -> list[str]:
     """What each rank of a CP group holds of a packed row (``trainer.parallel.cp_layout.plan_shards``): per rank,
     its query runs as ``example e: tokens a-b (positions p-q)`` in slot order, its pads and its attention pairs."""
-    from trainer.parallel.cp_layout import plan_shards
+    from trainer.parallel.cp_layout import plan_shards  # heavy (torch): after the command line's checks
 
     lines = [f"  context parallel: cp={cp}, {split} split, {plan_shards(batch.cu_seqlens.tolist(), cp, split)[0].slots} "
              "slots per rank"]
@@ -128,8 +129,6 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     extra, overrides = parse_args(argv)
     register_configs()
-    from trainer.cli import check_group_choices
-
     check_group_choices(overrides)
     try:
         cfg = compose_job_config(overrides)
@@ -143,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         sys.exit(f"packfsdp: config error: {e}")
 
-    from trainer.pipeline import build_training_data
+    from trainer.pipeline import build_training_data  # heavy (torch, transformers): the command line is checked
 
     data = build_training_data(cfg, extra["rank"], extra["world_size"])  # the examples trainer.train sees
     dataset, sampler, tokenizer = data.dataset, data.sampler, data.tokenizer
