@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trainer.collate import IGNORE_INDEX, collate_packed, collate_padded
+from trainer.collate import collate_packed, collate_padded
 from trainer.config import DataConfig
 from trainer.data import load_dataset
+from trainer.data.examples import IGNORE_INDEX
 from trainer.data.holdout import split_holdout
 from trainer.evaluate import eval_microbatches
 from trainer.loss import LogitTransform, label_positions

@@ -218,7 +218,10 @@ class TokenLossCheck:
 
     A loss of the check (``CheckLoss``: this class, or ``trainer.objectives.dpo.PairLossCheck``) says how the
     packed batch's loss runs through the run's own path (``packed``) and how the same loss is made from
-    its sequences run alone, ``group`` consecutive sequences at a time (``alone``)."""
+    its sequences run alone, ``group`` consecutive sequences at a time (``alone``), from each one's per-token
+    losses: the token cross-entropy of its logits alone, unless the loss of the check has
+    ``token_losses(batch, index, logits, labels)`` (``trainer.objectives.distill.check``: against the teacher run
+    alone on the sequence)."""
 
     group = 1
     """Consecutive sequences whose loss comes together (a preference pair: 2): one backward per group."""
@@ -270,8 +273,6 @@ def self_check(
     spans = example_spans(batch)
     groups = [range(g, min(g + loss.group, len(spans))) for g in range(0, len(spans), loss.group)]
 
-    # A loss of the check may say what one sequence alone gives per token (distillation: against the teacher run
-    # alone on it); the token cross-entropy otherwise.
     per_token = getattr(loss, "token_losses", lambda batch, i, logits, labels: _token_losses(logits, labels))
 
     def alone_losses(group: range) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
 from trainer.config.distill import DistillConfig
+from trainer.data.examples import IGNORE_INDEX
 from trainer.loss import sequence_of_labels
 from trainer.model.selfcheck import example_spans
 from trainer.objectives.distill.loss import TopKTeacher, blend, student_terms, token_terms

@@ -17,7 +17,6 @@ DPO reference. What is refused:
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 
@@ -27,12 +26,12 @@ from transformers import PreTrainedTokenizerBase
 from trainer.collate import Batch
 from trainer.config import LOCAL_PATH_PREFIXES, ConfigError, JobConfig, ModelConfig, stated_context
 from trainer.data.tokenizer import pretrained_tokenizer
-from trainer.errors import library_load
-from trainer.model import build_model
+from trainer.library_log import library_load
+from trainer.model import DTYPES, AttentionNeeds, build_model, resolve_backend
 from trainer.model.wrapper import VarlenCausalLM
+from trainer.model_config import model_config
 from trainer.objectives.distill.loss import HeadTeacher
 from trainer.objectives.distill.topk import top_k_rows
-from trainer.pipeline import resolve_attention
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +67,11 @@ def load_teacher(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: Va
         raise ConfigError(f"distill.teacher={name}: no such folder; train and export the teacher first (a recipe "
                           "that names one gives the command on its first line; docs/distill.md)")
     check_same_vocabulary(tokenizer, name, cfg.model.trust_remote_code)
-    teacher_cfg = dataclasses.replace(cfg, model=teacher_model_config(cfg))
-    backend = resolve_attention(teacher_cfg, device)
-    teacher = build_model(teacher_cfg.model, tokenizer, backend, cfg.seed).to(device)
+    model_cfg = teacher_model_config(cfg)
+    with library_load(f"distill.teacher={name}"):  # what its attention needs: the backend for it (as the student's)
+        needs = AttentionNeeds.of(model_config(model_cfg))
+    backend = resolve_backend(model_cfg.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
+    teacher = build_model(model_cfg, tokenizer, backend, cfg.seed).to(device)
     what = f"distill.teacher={name}"
     rows, student_rows = (m.model.get_output_embeddings().weight.shape[0] for m in (teacher, student))
     if rows != student_rows:

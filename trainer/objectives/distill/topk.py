@@ -36,10 +36,10 @@ import torch.nn.functional as F
 from numpy.lib.format import open_memmap
 
 from trainer import distributed
-from trainer.collate import IGNORE_INDEX, Batch
+from trainer.collate import Batch
 from trainer.config import ConfigError
 from trainer.data.cache_integrity import intact, seal_folder
-from trainer.data.examples import TokenizedDataset, label_counts
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset, label_counts
 from trainer.loss import sequence_of_labels
 from trainer.objectives.distill.loss import TopKTeacher
 
