@@ -134,11 +134,11 @@ def _chunked_pass(
         # d loss / d logits = softmax - one_hot(y), built in place of the logits (one [chunk, vocab] buffer).
         grad = logits.sub_(lse[:, None]).exp_()
         grad[torch.arange(len(y), device=y.device), y] -= 1.0
-        grad_hidden[start : start + chunk] = _head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
+        grad_hidden[start : start + chunk] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
     return loss, grad_hidden, grad_weight, grad_bias
 
 
-def _head_backward(grad, softcap_slope, transform: LogitTransform, h, weight, grad_weight, grad_bias) -> torch.Tensor:
+def head_backward(grad, softcap_slope, transform: LogitTransform, h, weight, grad_weight, grad_bias) -> torch.Tensor:
     """From a chunk's gradient w.r.t. its transformed logits (fp32, changed in place): the head's share of
     the weight and bias gradients, accumulated in fp32, and the chunk's hidden-state gradient, returned."""
     if softcap_slope is not None:
@@ -266,7 +266,7 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad = torch.softmax(logits, dim=-1).neg_()
             grad[torch.arange(len(y), device=y.device), y] += 1.0
             grad.mul_(grad_out[start : start + ctx.chunk, None].float())
-            grad_hidden[start : start + ctx.chunk] = _head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
+            grad_hidden[start : start + ctx.chunk] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
         grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
         return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
 

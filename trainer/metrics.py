@@ -79,7 +79,7 @@ class JsonRecord:
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
-        for key in ("preference", "cp_skew", "token_loss", "aux_loss"):  # the records keep the keys they always had
+        for key in ("preference", "distill", "cp_skew", "token_loss", "aux_loss"):  # the records keep the keys they always had
             if record.get(key, ...) is None:
                 del record[key]
         return record
@@ -156,6 +156,9 @@ class StepMetrics(JsonRecord):
     """``objective=dpo``: the step's TRL-named metrics over all ranks (``rewards/chosen``, ``rewards/rejected``,
     ``rewards/margins``, ``rewards/accuracies``, ``logps/chosen``, ``logps/rejected``; ``trainer.objectives.dpo``);
     ``loss`` is then the mean pair loss."""
+    distill: dict[str, float] | None = None
+    """``objective=distill``: the parts of the step's loss, each a mean over the label tokens: ``cross_entropy``
+    (the SFT loss of the same tokens) and ``divergence`` (``trainer.objectives.distill``)."""
 
     def __post_init__(self) -> None:
         self.useful_tokens_per_s = self.useful_tokens / self.step_time_s
@@ -201,6 +204,8 @@ class EvalMetrics(JsonRecord):
     preference: dict[str, float] | None = None
     """``objective=dpo``: the held-out pairs' TRL-named metrics (``eval_rewards/accuracies``, ...);
     ``eval_loss`` is then the mean pair loss."""
+    distill: dict[str, float] | None = None
+    """``objective=distill``: ``eval_cross_entropy`` and ``eval_divergence`` of the held-out label tokens."""
 
 
 def setup_logging(rank: int) -> None:
@@ -279,11 +284,14 @@ class RunSummary:
         } | self.preference_result()
 
     def preference_result(self) -> dict[str, Any]:
-        """``objective=dpo``: the last step's and the last eval's TRL-named metrics (``final_`` prefixed)."""
-        last = self.steps[-1].preference if self.steps else None
-        last_eval = self.evals[-1].preference if self.evals else None
-        out = {f"final_{k}": v for k, v in (last or {}).items()}
-        return out | {f"final_{k}": v for k, v in (last_eval or {}).items()}
+        """The objective's own metrics of the last step and the last eval (``final_`` prefixed): ``objective=dpo``'s
+        TRL-named ones, ``objective=distill``'s parts of the loss."""
+        out = {}
+        for key in ("preference", "distill"):
+            last = getattr(self.steps[-1], key) if self.steps else None
+            last_eval = getattr(self.evals[-1], key) if self.evals else None
+            out |= {f"final_{k}": v for k, v in (last or {}).items()} | {f"final_{k}": v for k, v in (last_eval or {}).items()}
+        return out
 
 
 def model_flops_utilization(model_tflops_per_s: float, peak_tflops_total: float) -> float:
@@ -345,7 +353,8 @@ class MetricsLogger:
             metrics.step, metrics.eval_loss, metrics.eval_tokens, metrics.eval_time_s,
             "" if not metrics.preference else " | {} pairs, reward acc {:.3f} margin {:.4f}".format(
                 metrics.preference["eval_pairs"], metrics.preference["eval_rewards/accuracies"],
-                metrics.preference["eval_rewards/margins"]),
+                metrics.preference["eval_rewards/margins"])
+            + ("" if not metrics.distill else " | ce {eval_cross_entropy:.4f} div {eval_divergence:.4f}".format(**metrics.distill)),
         )
 
     def wall_clock(self) -> dict[str, Any]:
@@ -459,4 +468,5 @@ def format_step(m: StepMetrics) -> str:
         + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
         + (" | reward acc {:.3f} margin {:.4f}".format(m.preference["rewards/accuracies"], m.preference["rewards/margins"])
            if m.preference else "")
+        + (" | ce {cross_entropy:.4f} div {divergence:.4f}".format(**m.distill) if m.distill else "")
     )

@@ -29,7 +29,7 @@ def test_bad_values_raise_config_errors(override, message):
     "arg, expected",
     [
         ("recipe=nope",
-         "packfsdp: unknown recipe 'nope'; choose one of: cpu_chat_lora, cpu_chat_sft, cpu_dailydialog, cpu_dpo, cpu_long_context, gpt2_dailydialog, gpu_dpo_qwen, qwen_chat_lora, qwen_chat_sft, qwen_long_cot"),
+         "packfsdp: unknown recipe 'nope'; choose one of: cpu_chat_lora, cpu_chat_sft, cpu_dailydialog, cpu_distill, cpu_distill_teacher, cpu_dpo, cpu_long_context, gpt2_dailydialog, gpu_distill_qwen, gpu_dpo_qwen, qwen_chat_lora, qwen_chat_sft, qwen_long_cot"),
         ("packing=foo", "packfsdp: unknown packing 'foo'; choose one of:"),
         ("packing.token_budget=-5", "packfsdp: config error: packing.token_budget must be a positive number"),
     ],

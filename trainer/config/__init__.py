@@ -28,6 +28,7 @@ from trainer.config.common import (
     retired_key,
     stated_context,
 )
+from trainer.config.distill import DistillConfig
 from trainer.config.job import JobConfig
 from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
@@ -49,6 +50,7 @@ __all__ = [
     "CheckpointConfig",
     "ConfigError",
     "DPOConfig",
+    "DistillConfig",
     "DataConfig",
     "EvalConfig",
     "GuardConfig",

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from trainer.config.common import (
     GENERATED_SOURCES, ConfigError, check_choice, check_finite_settings, check_positive, stated_context,
 )
+from trainer.config.distill import DistillConfig
 from trainer.config.sanity import check_sane_settings
 from trainer.config.sections import DataConfig, ModelConfig, PackingConfig, ParallelConfig
 from trainer.config.training import (
@@ -37,10 +38,12 @@ class JobConfig:
     guard: GuardConfig = field(default_factory=GuardConfig)
     peft: PeftConfig = field(default_factory=PeftConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     objective: str = "sft"
-    """``sft`` (the mean token cross-entropy of the labels) or ``dpo`` (a preference objective over pairs of
-    ``prompt``/``chosen``/``rejected`` data, set by the ``dpo`` section; ``trainer.objectives``)."""
+    """``sft`` (the mean token cross-entropy of the labels), ``dpo`` (a preference objective over pairs of
+    ``prompt``/``chosen``/``rejected`` data, set by the ``dpo`` section) or ``distill`` (distillation from a frozen
+    teacher, set by the ``distill`` section); ``trainer.objectives``."""
     name: str = "run"
     """Run name: the run directory is ``<output_root>/<name>/<timestamp>`` unless ``run_dir`` is set."""
     output_root: str = "outputs"
@@ -77,7 +80,7 @@ class JobConfig:
         check_finite_settings(self)  # nan/inf anywhere (optim.lr=inf, guard.collective_timeout_s=inf): one line
         for part in (
             self.model, self.data, self.packing, self.parallel, self.optim, self.loss, self.logger, self.eval,
-            self.checkpoint, self.guard, self.peft, self.dpo,
+            self.checkpoint, self.guard, self.peft, self.dpo, self.distill,
         ):
             part.validate()
         check_sane_settings(self)  # finite but meaningless (dpo.beta=1e12, optim.lr=100): one line
@@ -95,7 +98,10 @@ class JobConfig:
         self.validate_streaming()
 
     def validate_objective(self) -> None:
-        """``objective=dpo`` packs whole pairs on the cached data route, one data-parallel rank per row."""
+        """``objective=dpo`` packs whole pairs on the cached data route, one data-parallel rank per row;
+        ``objective=distill``: ``DistillConfig.check_job``."""
+        if self.objective == "distill":
+            self.distill.check_job(self)
         if self.objective != "dpo":
             return
         refused = {

@@ -90,7 +90,7 @@ class PeftConfig:
             raise ConfigError("peft.target_modules must name at least one module (or [all-linear])")
 
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "distill")
 DPO_LOSSES = ("sigmoid", "robust", "ipo", "simpo")
 DPO_REFERENCES = ("live", "precompute")
 

@@ -218,7 +218,10 @@ class TokenLossCheck:
 
     A loss of the check (``CheckLoss``: this class, or ``trainer.objectives.dpo.PairLossCheck``) says how the
     packed batch's loss runs through the run's own path (``packed``) and how the same loss is made from
-    its sequences run alone, ``group`` consecutive sequences at a time (``alone``)."""
+    its sequences run alone, ``group`` consecutive sequences at a time (``alone``), from each one's per-token
+    losses: the token cross-entropy of its logits alone, unless the loss of the check has
+    ``token_losses(batch, index, logits, labels)`` (``trainer.objectives.distill.check``: against the teacher run
+    alone on the sequence)."""
 
     group = 1
     """Consecutive sequences whose loss comes together (a preference pair: 2): one backward per group."""
@@ -270,9 +273,11 @@ def self_check(
     spans = example_spans(batch)
     groups = [range(g, min(g + loss.group, len(spans))) for g in range(0, len(spans), loss.group)]
 
+    per_token = getattr(loss, "token_losses", lambda batch, i, logits, labels: _token_losses(logits, labels))
+
     def alone_losses(group: range) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         labels = [batch.labels[spans[i][0], spans[i][1]] for i in group]
-        return [_token_losses(_alone(model, batch, *spans[i]), y) for i, y in zip(group, labels)], labels
+        return [per_token(batch, i, _alone(model, batch, *spans[i]), y) for i, y in zip(group, labels)], labels
 
     was_training = model.training
     model.eval()
@@ -308,7 +313,7 @@ def self_check(
                     row, span = spans[i]
                     alone = _alone(model, batch, row, span)
                     labels.append(batch.labels[row, span])
-                    token_losses.append(_token_losses(alone, labels[-1]))
+                    token_losses.append(per_token(batch, i, alone, labels[-1]))
                     alone = alone.detach()
                     if not nan["alone_nan"] and not torch.isfinite(alone).all():
                         nan["alone_nan"] = f"the logits of example #{i}"
@@ -318,7 +323,7 @@ def self_check(
                     if diff > worst:
                         worst, worst_i = diff, i
                     if len(labels[-1]) > 1:
-                        d = (_token_losses(together, labels[-1]) - token_losses[-1].detach()).abs().max()
+                        d = (_token_losses(together, labels[-1]) - _token_losses(alone, labels[-1])).abs().max()
                         loss_diff = max(loss_diff, float(d))
                     if packed_values is not None:
                         logps.append((abs(float(packed_values[i]) + float(token_losses[-1].detach().sum())),

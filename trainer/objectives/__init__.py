@@ -2,7 +2,8 @@
 
 - ``sft``: the mean token cross-entropy over the step's label tokens (with the router aux loss as an additive
   term where the model's config trains one);
-- ``dpo``: DPO and its variants over packed preference pairs (``reference``: the reference's log-probs).
+- ``dpo``: DPO and its variants over packed preference pairs (``reference``: the reference's log-probs);
+- ``distill``: knowledge distillation from a frozen teacher, chunk by chunk (the ``distill`` package).
 
 ``objective=NAME`` picks one from ``OBJECTIVE_TYPES`` (the names are ``trainer.config.OBJECTIVES``, checked when
 the config is validated); ``build_objective`` makes it for the built model. A new objective is one module
@@ -15,10 +16,11 @@ import torch
 
 from trainer.config import JobConfig
 from trainer.objectives.base import MicroLoss, Objective, RunSetup
+from trainer.objectives.distill import Distill
 from trainer.objectives.dpo import DPO
 from trainer.objectives.sft import SFT
 
-OBJECTIVE_TYPES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO)}
+OBJECTIVE_TYPES: dict[str, type[Objective]] = {cls.name: cls for cls in (SFT, DPO, Distill)}
 """Every objective, by its ``objective=`` name."""
 
 
@@ -27,4 +29,4 @@ def build_objective(cfg: JobConfig, model: torch.nn.Module) -> Objective:
     return OBJECTIVE_TYPES[cfg.objective](cfg, model)
 
 
-__all__ = ["OBJECTIVE_TYPES", "DPO", "SFT", "MicroLoss", "Objective", "RunSetup", "build_objective"]
+__all__ = ["OBJECTIVE_TYPES", "DPO", "Distill", "SFT", "MicroLoss", "Objective", "RunSetup", "build_objective"]

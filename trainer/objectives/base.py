@@ -34,7 +34,8 @@ What a third objective implements (``sft.py`` and ``dpo.py`` are the two worked 
   micro-batches dealt as in training (``trainer.evaluate.eval_batches``).
 - ``check_loss()``: the loss the startup self-check differentiates (``trainer.model.selfcheck``'s loss of the
   check: ``group``, ``describe``, ``packed``, ``alone``, as ``TokenLossCheck`` and ``dpo.PairLossCheck`` have
-  them), the same loss through the run's path and from each sequence alone;
+  them, and optionally ``token_losses``, as ``distill.DistillLossCheck``), the same loss through the run's path
+  and from each sequence alone;
   ``check_indices``: the self-check's batch from the worst-case indices (whole pairs for DPO).
 - ``setup(model, run)``: shard the policy (``run.shard``) and build what the objective holds beside it (a
   frozen reference or teacher, sharded like the policy: ``run.shard(copy, frozen=True)``; a pass over the
