@@ -13,8 +13,9 @@ registering one function, not touching the loop; a module of your own is importe
         ...
 
 Shipped sources: ``dailydialog_synthetic``, ``chat_synthetic``, ``reasoning_synthetic`` and ``preference_synthetic`` (generated, offline), ``dailydialog``
-(original text, parquet or hub), ``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
-(any hub dataset id, or a local dataset folder), the table sources with ``data.columns`` mapping.
+(original text, parquet or hub), ``chitchat`` (real human dialogues, from an installed package, offline),
+``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf`` (any hub dataset id, or a local dataset
+folder), the table sources with ``data.columns`` mapping.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 
 from trainer.config import ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
+from trainer.data.chitchat import chitchat_file, read_chitchat
 from trainer.data.synthetic import generate_chats, generate_dialogs, generate_preference_pairs, generate_reasoning_traces
 from trainer.errors import library_load
 
@@ -39,14 +41,22 @@ log = logging.getLogger(__name__)
 Record = dict
 SourceFn = Callable[[DataConfig], list[Record]]
 SOURCES: dict[str, SourceFn] = {}
+SOURCE_FILES: dict[str, Callable[[DataConfig], list[Path]]] = {}
+"""Per source, the files it reads besides ``data.path`` (``register_source(..., files=)``)."""
 
 
-def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
+def register_source(
+    name: str, files: Callable[[DataConfig], list[Path]] | None = None
+) -> Callable[[SourceFn], SourceFn]:
     """Register ``fn(cfg: DataConfig) -> list[dict]`` as ``data.source=name`` (a shipped name included: the
-    registered function is what every route reads)."""
+    registered function is what every route reads). ``files(cfg)``: the files it reads besides ``data.path``
+    (an installed package's data, say), whose size and modification time join the cache key."""
 
     def wrap(fn: SourceFn) -> SourceFn:
         SOURCES[name] = fn
+        SOURCE_FILES.pop(name, None)
+        if files is not None:
+            SOURCE_FILES[name] = files
         return fn
 
     return wrap
@@ -157,6 +167,14 @@ def dailydialog(cfg: DataConfig) -> list[Record]:
     if path.exists():
         raise ConfigError(f"data.path={cfg.path}: expected a .txt, a .parquet or a folder")
     return [{"turns": turns} for turns in _hub_dialogs(cfg.path, cfg.split)]
+
+
+@register_source("chitchat", files=lambda cfg: [] if cfg.path else [chitchat_file(None)])
+def chitchat(cfg: DataConfig) -> list[Record]:
+    """The BYU chit-chat challenge's human conversations, a dialog each (``trainer.data.chitchat``): the
+    ``chitchat-dataset`` package's JSON (the ``chitchat`` extra), or ``data.path`` naming a copy of it."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    return bad.finish([{"turns": turns} for turns in read_chitchat(chitchat_file(cfg.path), bad)])
 
 
 def read_dailydialog_text(path: Path, bad: BadRecords | None = None) -> list[list[str]]:
@@ -281,6 +299,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
     parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
     parts.pop("stream")  # how the records are read, not which: cached datasets keep their key
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
+    files += SOURCE_FILES[cfg.source](cfg) if cfg.source in SOURCE_FILES else []
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()
         files += sorted(p.rglob("*")) if p.is_dir() else [p]
