@@ -140,6 +140,23 @@ class TokenizedDataset:
         lo, hi = self.example_span(i)
         return self.tokens[lo:hi], self.loss_mask[lo:hi]
 
+    def label_token_counts(self, examples_per_chunk: int = 65536) -> np.ndarray:
+        """How often each token id is a label in these examples (an example's first token never is; an
+        example a view holds twice counts twice), read a chunk of examples at a time."""
+        base = len(self.offsets) - 1
+        copies = np.ones(base, np.int64) if self.rows is None else np.bincount(self.rows, minlength=base)
+        counts = np.zeros(0, np.int64)
+        for a in range(0, base, examples_per_chunk):
+            b = min(base, a + examples_per_chunk)
+            lo, hi = int(self.offsets[a]), int(self.offsets[b])
+            lengths = np.diff(self.offsets[a : b + 1])
+            weight = np.repeat(copies[a:b], lengths) * np.asarray(self.loss_mask[lo:hi], dtype=np.int64)
+            weight[self.offsets[a:b][lengths > 0] - lo] = 0  # the first token of each example
+            chunk = np.bincount(self.tokens[lo:hi], weights=weight).astype(np.int64)
+            counts = np.pad(counts, (0, max(0, len(chunk) - len(counts))))
+            counts[: len(chunk)] += chunk
+        return counts
+
     def select(self, indices: np.ndarray) -> TokenizedDataset:
         """The examples ``indices`` (in that order) as a view of the same arrays; stats carried over."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -173,6 +190,13 @@ def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.nda
         h.update(data[lo:hi])
         digests += h.digest()
     return np.frombuffer(bytes(digests), dtype="<u8").astype(np.uint64)
+
+
+def unigram_entropy(token_counts: np.ndarray) -> float:
+    """The entropy in nats of a token distribution given by its counts (``label_token_counts``): the loss of
+    the best model that predicts every token by its frequency alone, which any learning from context beats."""
+    p = token_counts[token_counts > 0] / token_counts.sum() if token_counts.sum() else np.zeros(0)
+    return float(-(p * np.log(p)).sum()) if len(p) else float("nan")
 
 
 def label_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
