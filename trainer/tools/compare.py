@@ -268,8 +268,9 @@ def learning_line(report: dict) -> list[str]:
     c, p, q = report["comparison"], report["runs"]["padded"], report["runs"]["packed"]
     if not _known(c.get("eval_loss_below_unigram")):
         return []
+    gap = c["eval_loss_below_unigram"]
     return [f"Held-out loss {_fmt(q.get('final_eval_loss'), '.3f')} packed, {_fmt(p.get('final_eval_loss'), '.3f')} "
-            f"padded: {_fmt(c['eval_loss_below_unigram'], '.2f')} nats below the unigram entropy of the training "
+            f"padded: {abs(gap):.2f} nats {'below' if gap >= 0 else 'above'} the unigram entropy of the training "
             f"tokens, {_fmt(c['unigram_entropy'], '.3f')} nats (the loss of predicting every token by its frequency "
             "alone; the dashed line of the loss plot)."]
 
