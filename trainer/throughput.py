@@ -147,5 +147,5 @@ def peak_tflops(device: torch.device, configured: float | None = None) -> tuple[
         for key, value in sorted(GPU_PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
             if key in name:
                 return value, f"datasheet bf16 dense peak of {name}"
-        return float("nan"), f"unknown GPU {name} (set logger.peak_tflops)"
-    return float("nan"), "no peak known for a CPU (set logger.peak_tflops)"
+        return float("nan"), f"unknown GPU {name}; logger.peak_tflops sets one"
+    return float("nan"), "no peak known for a CPU; logger.peak_tflops sets one"
