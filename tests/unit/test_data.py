@@ -151,3 +151,15 @@ def test_unigram_entropy_counts_each_label_token_of_the_examples_held():
     assert mixture.label_token_counts().tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 2]  # ds[1] and view[0] = ds[2]
     assert unigram_entropy(np.array([1, 1, 0, 2])) == pytest.approx(-2 * 0.25 * np.log(0.25) - 0.5 * np.log(0.5))
     assert np.isnan(unigram_entropy(np.zeros(3, np.int64)))
+
+
+def test_truncation_alone_is_logged_as_information_skips_as_warnings(caplog):
+    """``data.overlong=truncate`` truncating is what was asked for (the main job truncates 996 long dialogs):
+    counted in an INFO line; a skipped record still warns."""
+    from trainer.data.examples import DatasetStats, log_dataset_stats
+
+    with caplog.at_level(logging.INFO):
+        log_dataset_stats("x", DatasetStats(records=2, examples=2, truncated=1))
+        log_dataset_stats("y", DatasetStats(records=2, examples=1, truncated=1, dropped_empty=1))
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if "truncated" in r.getMessage()}
+    assert levels == {"data x": "INFO", "data y": "WARNING"}

@@ -231,13 +231,15 @@ def count_kept(stats: DatasetStats, examples: list) -> DatasetStats:
 
 
 def log_dataset_stats(name: str, stats: DatasetStats) -> None:
-    """Log what was kept and, loudly, what was skipped or truncated."""
+    """Log what was kept and what was skipped or truncated: loudly when records were skipped; truncation
+    alone, what ``data.overlong=truncate`` asks for, as information."""
     log.info(
         "data %s: %d records -> %d examples, %d tokens, %d label tokens",
         name, stats.records, stats.examples, stats.tokens, stats.label_tokens,
     )
     if stats.skipped() or stats.truncated:
-        log.warning(
+        log.log(
+            logging.WARNING if stats.skipped() else logging.INFO,
             "data %s: skipped %d empty, %d over-long, %d with no label token, %d bad; truncated %d over-long",
             name, stats.dropped_empty, stats.dropped_overlong, stats.dropped_no_labels, stats.dropped_bad,
             stats.truncated,
