@@ -116,7 +116,7 @@ def test_run_summary_ratios_agree_with_the_steps():
 
 
 def test_mfu_over_100_percent_is_not_reported():
-    """A peak measured on a busy machine can fall below what the run achieved: NaN, never 228%."""
+    """A configured peak below what the run achieved (a wrong logger.peak_tflops): NaN, never 228%."""
     from trainer.metrics import model_flops_utilization
 
     assert model_flops_utilization(0.5, 2.0) == 0.25
