@@ -52,8 +52,9 @@ COPY trainer ./trainer
 COPY configs ./configs
 COPY recipes ./recipes
 COPY launch ./launch
-# Plain `.`, not `.[flash]`: the extra would make pip compile flash-attn from the sdist here.
-RUN pip install .
+# Not `.[flash]`: that extra would make pip compile flash-attn from the sdist here. `chitchat`: the main job's
+# corpus (data.source=chitchat, an 8 MB wheel), so recipe=cpu_chitchat runs offline in the image too.
+RUN pip install ".[chitchat]"
 
 # Run directories (output_root=outputs, relative to the working directory) and the tokenized-data cache.
 # `docker run --rm` deletes anonymous volumes with the container: mount a host folder (-v) to keep them.

@@ -7,8 +7,9 @@ cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-# dev: pytest and peft; peer: trl (tests/peer/, the DPO check against TRL; ~9 s, pyproject.toml says so).
-EXTRAS=${EXTRAS:-dev,peer}
+# dev: pytest and peft; peer: trl (tests/peer/, the DPO check against TRL; ~9 s, pyproject.toml says so);
+# chitchat: the main job's corpus (data.source=chitchat; an 8 MB wheel).
+EXTRAS=${EXTRAS:-dev,peer,chitchat}
 
 stamp="$VENV/.packfsdp-installed"
 want="$(cat pyproject.toml | sha256sum | cut -c1-16) $TORCH_SPEC $EXTRAS"

@@ -28,6 +28,7 @@ from trainer.checkpoint import Checkpointer, TrainingState
 from trainer.collate import Batch
 from trainer.config import JobConfig, stated_context
 from trainer.data import load_tokenizer
+from trainer.data.examples import unigram_entropy
 from trainer.guard import StepGuard
 from trainer.metrics import (
     SUMMARY_FILE,
@@ -79,8 +80,7 @@ class Trainer:
         self.build_data(stated_context(model.config))
 
         self.flop_params = flop_params(model)
-        self.peak_tflops, self.peak_source = peak_tflops(
-            self.device, cfg.logger.peak_tflops, DTYPES[cfg.parallel.param_dtype])
+        self.peak_tflops, self.peak_source = peak_tflops(self.device, cfg.logger.peak_tflops)
         model = model.to(self.device)
         self.loss_impl = model.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
         log.info("loss: %s", self.loss_impl)
@@ -313,6 +313,8 @@ class Trainer:
             "train_examples": len(self.dataset),
             "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
             "dataset": asdict(self.dataset.stats),
+            "unigram_entropy": unigram_entropy(self.dataset.label_token_counts())  # a stream has no whole set
+            if hasattr(self.dataset, "label_token_counts") else float("nan"),
             "skipped_steps": dict(self.guard.skipped),
             "run_dir": str(self.run_dir),
         } | self.metrics.wall_clock()
@@ -320,12 +322,13 @@ class Trainer:
         self.owner.release()
         if self.rank == 0:
             (self.run_dir / SUMMARY_FILE).write_text(json.dumps(json_safe(result), indent=2))
+            mfu = f"MFU {100 * result['mfu']:.2f}% | " if math.isfinite(result["mfu"]) else ""  # no peak: no MFU
             log.info(
                 "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | eval loss %.4f | "
-                "MFU %.2f%% | %d steps on %d rank(s)",
+                "%s%d steps on %d rank(s)",
                 result["mode"], result["strategy"], result["useful_tokens_per_s"],
                 100 * result["padding_fraction"], result["final_loss"], result["final_eval_loss"],
-                100 * result["mfu"], result["steps"], self.world_size,
+                mfu, result["steps"], self.world_size,
             )
         return result
 

@@ -295,15 +295,15 @@ class RunSummary:
 
 
 def model_flops_utilization(model_tflops_per_s: float, peak_tflops_total: float) -> float:
-    """Achieved / peak model FLOPs; NaN when the peak is unknown, or below what the run achieved (a peak
-    measured on a busy machine: reporting more than 100% would be a wrong figure, not a fast run)."""
+    """Achieved / peak model FLOPs; NaN when the peak is unknown (a CPU), or below what the run achieved
+    (a wrong ``logger.peak_tflops``: reporting more than 100% would be a wrong figure, not a fast run)."""
     if not peak_tflops_total > 0:
         return float("nan")
     mfu = model_tflops_per_s / peak_tflops_total
     if mfu > 1.0:
         log.warning(
-            "MFU not reported: the run achieved %.3g model TFLOP/s but the peak is %.3g (the measured peak of a "
-            "busy machine? set logger.peak_tflops to the device's real peak)", model_tflops_per_s, peak_tflops_total,
+            "MFU not reported: the run achieved %.3g model TFLOP/s, more than the peak of %.3g (set "
+            "logger.peak_tflops to the device's real peak)", model_tflops_per_s, peak_tflops_total,
         )
         return float("nan")
     return mfu

@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable
 from dataclasses import astuple, dataclass
 from typing import NamedTuple
@@ -115,12 +114,10 @@ def config_flop_params(config, trust_remote_code: bool = False) -> FlopParams:
         return flop_params(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
 
 
-def peak_tflops(
-    device: torch.device, configured: float | None = None, dtype: torch.dtype = torch.bfloat16,
-) -> tuple[float, str]:
-    """Peak TFLOP/s of one device and where the number comes from. On CPU it is measured in ``dtype``, the
-    run's compute dtype: a CPU without native bf16 multiplies bf16 ~100x slower than fp32, so a bf16 peak
-    would put an fp32 run's MFU far above 100%."""
+def peak_tflops(device: torch.device, configured: float | None = None) -> tuple[float, str]:
+    """Peak TFLOP/s of one device and where the number comes from; NaN (no MFU) where none is known. A CPU
+    has none: vendors publish no peak a run could be held to (it moves with the ISA, the dtype, the cores a
+    process gets), and a rate measured on a shared machine can fall below what the run itself achieves."""
     if configured:
         return configured, "configured (logger.peak_tflops)"
     if device.type == "cuda":
@@ -128,21 +125,5 @@ def peak_tflops(
         for key, value in sorted(GPU_PEAK_TFLOPS.items(), key=lambda kv: -len(kv[0])):
             if key in name:
                 return value, f"datasheet bf16 dense peak of {name}"
-        return float("nan"), f"unknown GPU {name} (set logger.peak_tflops)"
-    dtype_name = str(dtype).removeprefix("torch.")
-    return measured_matmul_tflops(device, dtype), f"measured {dtype_name} matmul rate of this CPU process"
-
-
-def measured_matmul_tflops(
-    device: torch.device, dtype: torch.dtype = torch.bfloat16, size: int = 512, repeats: int = 20,
-) -> float:
-    """The ``dtype`` matmul rate this process reaches (CPUs publish no peak usable here)."""
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
-    for _ in range(3):
-        a @ b
-    start = time.perf_counter()
-    for _ in range(repeats):
-        a @ b
-    elapsed = time.perf_counter() - start
-    return 2.0 * size**3 * repeats / elapsed / 1e12
+        return float("nan"), f"unknown GPU {name}; logger.peak_tflops sets one"
+    return float("nan"), "no peak known for a CPU; logger.peak_tflops sets one"

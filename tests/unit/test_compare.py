@@ -156,3 +156,29 @@ def test_compare_rejects_a_bad_packed_config_before_running_anything(tmp_path, c
         compare.main(["recipe=cpu_dailydialog", "packing.token_budget=512", "--out", str(tmp_path)])
     assert exc.value.code == 2
     assert "packing.token_budget=512 cannot hold one example" in capsys.readouterr().err
+
+
+def test_report_states_the_padding_limit_the_unigram_entropy_precision_and_attention(tmp_path, monkeypatch):
+    """Beside the ratio its padding limit; the held-out loss against the unigram entropy; which mixed precision
+    and attention ran and why; the CPU's flags; no MFU row where no peak is known (a CPU)."""
+    config = "parallel:\n  param_dtype: bfloat16\n  reduce_dtype: float32\nmodel:\n  attention: auto\n"
+    for mode, rate, positions, loss in (("padded", 1000.0, 2200, 4.50), ("packed", 1600.0, 1100, 4.52)):
+        _fake_run(tmp_path / mode, mode, rate, positions, loss, unigram_entropy=6.25, mfu=None)
+        (tmp_path / mode / "config.yaml").write_text(config)
+    facts = {"cpu": "Test CPU", "cores": 2, "cpu_flags": ["avx2", "avx512f"], "torch_cpu_capability": "AVX2",
+             "bf16_native": False, "isa_env": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+    monkeypatch.setattr(compare, "machine", lambda: facts)
+    report = compare.main(["--report-only", str(tmp_path), "recipe=x"])
+    c = report["comparison"]
+    assert c["padding_limit"] == pytest.approx(2200 / 1100)  # positions per token, padded over packed
+    assert c["unigram_entropy"] == 6.25 and c["eval_loss_below_unigram"] == pytest.approx(6.25 - 4.52)
+    md = (tmp_path / "report.md").read_text()
+    assert "| padding limit (padded / packed positions per token) |  |  | 2.00x |" in md
+    assert "1.73 nats below the unigram entropy of the training tokens, 6.250 nats" in md
+    assert "compute in bfloat16, gradients reduced in float32" in md and "**This CPU has no native bf16" in md
+    assert "Attention: packed `sdpa_varlen` (`model.attention=auto` takes the first of flash_attn, torch_varlen" in md
+    assert "CPU: Test CPU, 2 cores, flags avx2 avx512f; torch CPU capability AVX2; native bf16 (oneDNN): False; " \
+           "ONEDNN_MAX_CPU_ISA=AVX2." in md
+    assert "MFU (estimated)" not in md and "MFU: not shown" in md
+    monkeypatch.setattr(compare, "machine", lambda: pytest.fail("a rebuilt report keeps the runs' machine"))
+    assert compare.main(["--report-only", str(tmp_path), "recipe=x"])["machine"] == facts

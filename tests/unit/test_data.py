@@ -144,3 +144,32 @@ def test_the_generated_sources_are_the_configs_list():
     assert sources.GENERATED == set(GENERATED_SOURCES) and all(name in sources.SOURCES for name in GENERATED_SOURCES)
     with pytest.raises(ValueError, match="GENERATED_SOURCES"):
         sources.generated_source("my_synthetic")
+
+
+def test_unigram_entropy_counts_each_label_token_of_the_examples_held():
+    """The reference a run's loss goes below: label tokens only (never an example's first), by the examples a
+    view or a mixture holds (twice if held twice), a chunk of examples at a time."""
+    from trainer.data.examples import from_examples, unigram_entropy
+    from trainer.data.mixture import MixtureDataset
+
+    examples = [([5, 1, 2, 2], [True, True, True, False]), ([7, 3], [False, True]), ([2, 9, 9], [True, True, True])]
+    ds = from_examples(examples)
+    assert ds.label_token_counts(examples_per_chunk=2).tolist() == [0, 1, 1, 1, 0, 0, 0, 0, 0, 2]
+    view = ds.select(np.array([2, 2, 1]))
+    assert view.label_token_counts().tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 4]
+    mixture = MixtureDataset([ds, view], np.array([0, 1]), np.array([1, 0]), ds.stats, ["a", "b"])
+    assert mixture.label_token_counts().tolist() == [0, 0, 0, 1, 0, 0, 0, 0, 0, 2]  # ds[1] and view[0] = ds[2]
+    assert unigram_entropy(np.array([1, 1, 0, 2])) == pytest.approx(-2 * 0.25 * np.log(0.25) - 0.5 * np.log(0.5))
+    assert np.isnan(unigram_entropy(np.zeros(3, np.int64)))
+
+
+def test_truncation_alone_is_logged_as_information_skips_as_warnings(caplog):
+    """``data.overlong=truncate`` truncating is what was asked for (the main job truncates 996 long dialogs):
+    counted in an INFO line; a skipped record still warns."""
+    from trainer.data.examples import DatasetStats, log_dataset_stats
+
+    with caplog.at_level(logging.INFO):
+        log_dataset_stats("x", DatasetStats(records=2, examples=2, truncated=1))
+        log_dataset_stats("y", DatasetStats(records=2, examples=1, truncated=1, dropped_empty=1))
+    levels = {r.getMessage().split(":")[0]: r.levelname for r in caplog.records if "truncated" in r.getMessage()}
+    assert levels == {"data x": "INFO", "data y": "WARNING"}

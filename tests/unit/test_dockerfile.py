@@ -73,7 +73,7 @@ def test_the_final_image_installs_only_the_built_wheel():
     assert "--from=flash-attn-wheels /wheels /wheels" in lines("final", "COPY")
     installs = " ".join(lines("final", "RUN"))
     # `.[flash]` or a bare flash-attn requirement would compile flash-attn from the sdist in this stage.
-    assert "[flash]" not in installs and "flash-attn" not in installs and "pip install ." in installs
+    assert "[flash]" not in installs and "flash-attn" not in installs and 'pip install ".[chitchat]"' in installs
 
 
 def test_outputs_are_a_volume_and_the_docs_mount_them():

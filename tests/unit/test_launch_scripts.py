@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import subprocess
 from pathlib import Path
@@ -66,3 +67,17 @@ def test_slurm_script_arguments(tmp_path):
     assert get_args_parser().parse_args(torchrun[1:]).nproc_per_node == "8"
     sbatch = Path(REPO / SCRIPTS[1]).read_text()
     assert "#SBATCH --ntasks-per-node=1" in sbatch and "#SBATCH --requeue" in sbatch
+
+
+def test_the_set_up_installs_the_main_jobs_corpus():
+    """The main job reads ``data.source=chitchat`` offline: the set-up (README, CI) and the image install its
+    extra, and the extras are part of the set-up's stamp (a new extra reinstalls)."""
+    from trainer.data.chitchat import EXTRA
+
+    assert re.search(rf'^{EXTRA} = \["chitchat-dataset==[0-9.]+"\]$', (REPO / "pyproject.toml").read_text(), re.M)
+    setup = (REPO / "launch/setup_env.sh").read_text()
+    default = re.search(r"^EXTRAS=\$\{EXTRAS:-([a-z,]+)\}$", setup, re.M).group(1)
+    assert EXTRA in default.split(",") and re.search(r'^want=".*\$EXTRAS"$', setup, re.M)  # extras in the stamp
+    assert f'pip install ".[{EXTRA}]"' in (REPO / "Dockerfile").read_text()
+    assert "RECIPE=${RECIPE:-cpu_chitchat}" in (REPO / "launch/run_default.sh").read_text()
+    assert compose_job(["recipe=cpu_chitchat"]).data.source == "chitchat"

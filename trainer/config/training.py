@@ -145,8 +145,8 @@ class LoggerConfig:
     """Show a progress bar (tqdm: useful tokens/s, loss, ETA) on rank 0 when stderr is a terminal; the
     console log lines and ``metrics.jsonl`` are written either way."""
     peak_tflops: float | None = None
-    """Peak dense bf16 TFLOP/s of one device, for the MFU estimate. ``None``: a table of known GPUs, or on
-    CPU the matmul rate measured in the run's compute dtype (``parallel.param_dtype``)."""
+    """Peak dense bf16 TFLOP/s of one device, for the MFU estimate. ``None``: a table of known GPUs; a CPU
+    has no known peak, so its runs show no MFU unless this is set."""
 
     def validate(self) -> None:
         check_positive("logger.log_every", self.log_every)

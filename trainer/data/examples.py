@@ -156,6 +156,23 @@ class TokenizedDataset:
         if self.folder is not None and self.opened:
             check_unchanged(self.folder, self.opened)
 
+    def label_token_counts(self, examples_per_chunk: int = 65536) -> np.ndarray:
+        """How often each token id is a label in these examples (an example's first token never is; an
+        example a view holds twice counts twice), read a chunk of examples at a time."""
+        base = len(self.offsets) - 1
+        copies = np.ones(base, np.int64) if self.rows is None else np.bincount(self.rows, minlength=base)
+        counts = np.zeros(0, np.int64)
+        for a in range(0, base, examples_per_chunk):
+            b = min(base, a + examples_per_chunk)
+            lo, hi = int(self.offsets[a]), int(self.offsets[b])
+            lengths = np.diff(self.offsets[a : b + 1])
+            weight = np.repeat(copies[a:b], lengths) * np.asarray(self.loss_mask[lo:hi], dtype=np.int64)
+            weight[self.offsets[a:b][lengths > 0] - lo] = 0  # the first token of each example
+            chunk = np.bincount(self.tokens[lo:hi], weights=weight).astype(np.int64)
+            counts = np.pad(counts, (0, max(0, len(chunk) - len(counts))))
+            counts[: len(chunk)] += chunk
+        return counts
+
     def select(self, indices: np.ndarray) -> TokenizedDataset:
         """The examples ``indices`` (in that order) as a view of the same arrays; stats carried over."""
         indices = np.asarray(indices, dtype=np.int64)
@@ -191,6 +208,13 @@ def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.nda
     return np.frombuffer(bytes(digests), dtype="<u8").astype(np.uint64)
 
 
+def unigram_entropy(token_counts: np.ndarray) -> float:
+    """The entropy in nats of a token distribution given by its counts (``label_token_counts``): the loss of
+    the best model that predicts every token by its frequency alone, which any learning from context beats."""
+    p = token_counts[token_counts > 0] / token_counts.sum() if token_counts.sum() else np.zeros(0)
+    return float(-(p * np.log(p)).sum()) if len(p) else float("nan")
+
+
 def label_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Per example of ``offsets``: its loss-carrying tokens, its first token left out."""
     cum = np.concatenate([[0], np.cumsum(loss_mask, dtype=np.int64)])
@@ -223,10 +247,14 @@ def count_kept(stats: DatasetStats, examples: list) -> DatasetStats:
 
 
 def log_dataset_stats(name: str, stats: DatasetStats) -> None:
-    """Log what was kept and, loudly, what was skipped or truncated."""
+    """Log what was kept and what was skipped or truncated: loudly when records were skipped; truncation
+    alone, what ``data.overlong=truncate`` asks for, as information."""
     log.info(
         "data %s: %d records -> %d examples, %d tokens, %d label tokens",
         name, stats.records, stats.examples, stats.tokens, stats.label_tokens,
     )
     if stats.skipped() or stats.truncated:
-        log.warning("data %s: skipped %s; truncated %d over-long", name, stats.left_out(), stats.truncated)
+        log.log(
+            logging.WARNING if stats.skipped() else logging.INFO,
+            "data %s: skipped %s; truncated %d over-long", name, stats.left_out(), stats.truncated,
+        )

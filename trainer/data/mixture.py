@@ -83,6 +83,14 @@ class MixtureDataset:
         for ds in self.parts:
             ds.check_unchanged()
 
+    def label_token_counts(self) -> np.ndarray:
+        """``TokenizedDataset.label_token_counts`` over the mixture's draws."""
+        per_part = [ds.select(self.row[self.part == p]).label_token_counts() for p, ds in enumerate(self.parts)]
+        counts = np.zeros(max(map(len, per_part), default=0), np.int64)
+        for c in per_part:
+            counts[: len(c)] += c
+        return counts
+
     def select(self, indices: np.ndarray) -> MixtureDataset:
         indices = np.asarray(indices, dtype=np.int64)
         return MixtureDataset(self.parts, self.part[indices], self.row[indices], self.stats, self.names)

@@ -13,7 +13,8 @@ registering one function, not touching the loop; a module of your own is importe
         ...
 
 Shipped sources: the generated ones (offline, ``trainer.config.GENERATED_SOURCES``, ``generated_source``), ``dailydialog``
-(original text, parquet or hub), ``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
+(original text, parquet or hub), ``chitchat`` (real human dialogues, from an installed package, offline),
+``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
 (any hub dataset id, or a local dataset folder), the table sources with ``data.columns`` mapping.
 """
 
@@ -33,6 +34,7 @@ import datasets
 
 from trainer.config import GENERATED_SOURCES, ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
+from trainer.data.chitchat import chitchat_file, read_chitchat
 from trainer.data.synthetic import generate_chats, generate_dialogs, generate_preference_pairs, generate_reasoning_traces
 from trainer.library_log import library_load
 
@@ -43,14 +45,22 @@ SourceFn = Callable[[DataConfig], list[Record]]
 SOURCES: dict[str, SourceFn] = {}
 GENERATED: set[str] = set()
 """The registered sources generated offline (``generated_source``)."""
+SOURCE_FILES: dict[str, Callable[[DataConfig], list[Path]]] = {}
+"""Per source, the files it reads besides ``data.path`` (``register_source(..., files=)``)."""
 
 
-def register_source(name: str) -> Callable[[SourceFn], SourceFn]:
+def register_source(
+    name: str, files: Callable[[DataConfig], list[Path]] | None = None
+) -> Callable[[SourceFn], SourceFn]:
     """Register ``fn(cfg: DataConfig) -> list[dict]`` as ``data.source=name`` (a shipped name included: the
-    registered function is what every route reads)."""
+    registered function is what every route reads). ``files(cfg)``: the files it reads besides ``data.path``
+    (an installed package's data, say), whose size and modification time join the cache key."""
 
     def wrap(fn: SourceFn) -> SourceFn:
         SOURCES[name] = fn
+        SOURCE_FILES.pop(name, None)
+        if files is not None:
+            SOURCE_FILES[name] = files
         return fn
 
     return wrap
@@ -172,6 +182,14 @@ def dailydialog(cfg: DataConfig) -> list[Record]:
     return [{"turns": turns} for turns in _hub_dialogs(cfg.path, cfg.split)]
 
 
+@register_source("chitchat", files=lambda cfg: [] if cfg.path else [chitchat_file(None)])
+def chitchat(cfg: DataConfig) -> list[Record]:
+    """The BYU chit-chat challenge's human conversations, a dialog each (``trainer.data.chitchat``): the
+    ``chitchat-dataset`` package's JSON (the ``chitchat`` extra), or ``data.path`` naming a copy of it."""
+    bad = BadRecords(cfg.on_bad_record, cfg.source)
+    return bad.finish([{"turns": turns} for turns in read_chitchat(chitchat_file(cfg.path), bad)])
+
+
 def read_dailydialog_text(path: Path, bad: BadRecords | None = None) -> list[list[str]]:
     """The original format: one dialog per line, each utterance followed by ``__eou__``. A line that is not
     UTF-8 is an error naming it (or a counted skip with ``bad`` in skip mode)."""
@@ -290,6 +308,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
     parts = asdict(cfg) | {"cache_dir": None, "num_proc": None}  # neither changes the records
     parts.pop("stream")  # how the records are read, not which: cached datasets keep their key
     files: list[Path] = [plugin_path(p) for p in cfg.plugins]
+    files += SOURCE_FILES[cfg.source](cfg) if cfg.source in SOURCE_FILES else []
     if cfg.path and Path(cfg.path).expanduser().exists():
         p = Path(cfg.path).expanduser()
         files += sorted(p.rglob("*")) if p.is_dir() else [p]

@@ -10,8 +10,9 @@ micro-batch as a packed micro-batch holds on average), then writes into the comp
   memory, final train and eval loss and their difference (an MoE run with a router aux loss: the train token
   loss and the aux loss apart too), model TFLOP/s and MFU, attention backend, loss
   implementation and compile mode (the same in both runs, so the ratio measures packing alone), world size,
-  versions;
-- ``loss.png`` (both runs' train and eval loss on one axis) and ``throughput.png`` (useful tokens/s).
+  the CPU (its flags, whether it multiplies bf16 natively), versions;
+- ``loss.png`` (both runs' train and eval loss on one axis, the unigram entropy as a line) and
+  ``throughput.png`` (useful tokens/s).
 
 ``--variability`` also runs ``packfsdp variability`` (speedup against the spread of example
 lengths) into the same directory; ``--report-only DIR`` rebuilds the report and plots of an existing
@@ -32,8 +33,11 @@ import sys
 from datetime import datetime
 from pathlib import Path
 
+import yaml
+
 from trainer.cli import check_overrides
 from trainer.compose import open_mapping_overrides, register_configs
+from trainer.config import ATTENTION_BACKENDS
 from trainer.metrics import SUMMARY_FILE, read_evals, read_metrics
 from trainer.packing import STRATEGIES
 from trainer.tools.plots import plot_loss, plot_throughput
@@ -47,6 +51,10 @@ DPO_LOSS_PARITY_TOLERANCE = 0.02  # objective=dpo: "final held-out DPO loss of t
 HELD_OUT_ACCURACY = "final_eval_rewards/accuracies"
 """objective=dpo: the summary key of the held-out reward accuracy (``trainer.objectives.dpo``)."""
 REPO = Path(__file__).resolve().parents[1]
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+"""The CPU flags that decide the matmul rates: fp32 (AVX2, AVX-512) and native bf16 (AVX-512 BF16, AMX)."""
+ISA_ENV = ("ONEDNN_MAX_CPU_ISA", "ATEN_CPU_CAPABILITY")
+"""Settings that cap the instructions oneDNN and ATen use (``ONEDNN_MAX_CPU_ISA=AVX2``: no native bf16)."""
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
@@ -104,11 +112,41 @@ def run_both(overrides: list[str], nproc: int, out: Path) -> None:
 
 
 def load_summary(run_dir: Path) -> dict:
-    """The ``summary.json`` a finished run wrote."""
+    """The ``summary.json`` a finished run wrote, with its ``setup``: the mixed precision and the attention
+    asked for, from the run's ``config.yaml``."""
     summary_path = run_dir / SUMMARY_FILE
     if not summary_path.is_file():
         raise FileNotFoundError(f"{summary_path} not found: did the run finish?")
-    return json.loads(summary_path.read_text())
+    config_path = run_dir / "config.yaml"
+    config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
+    parallel, model = config.get("parallel") or {}, config.get("model") or {}
+    setup = {"param_dtype": parallel.get("param_dtype"), "reduce_dtype": parallel.get("reduce_dtype"),
+             "attention": model.get("attention")}
+    return json.loads(summary_path.read_text()) | {"setup": setup}
+
+
+def machine() -> dict:
+    """The CPU the runs ran on and what torch makes of it: its model, the ``CPU_FLAGS`` it has, torch's CPU
+    capability, whether oneDNN multiplies bf16 natively, and the ``ISA_ENV`` settings that cap both."""
+    try:
+        cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        cpuinfo = []
+
+    def field(name: str) -> str:
+        return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith(name)), "")
+
+    import torch  # heavy: compare and summarize read records without torch; the CPU facts need it
+
+    try:
+        native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        native_bf16 = None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # this process's
+    return {"cpu": field("model name") or platform.processor() or "unknown", "cores": cores,
+            "cpu_flags": [f for f in CPU_FLAGS if f in field("flags").split()],
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_native": native_bf16,
+            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ}}
 
 
 def versions() -> dict[str, str]:
@@ -138,7 +176,18 @@ def _diff(a: float | None, b: float | None) -> float | None:
     return a - b if a is not None and b is not None else None
 
 
-def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -> dict:
+def padding_limit(packed: dict, padded: dict) -> float | None:
+    """Positions per real token of the padded run over the packed run's: the ratio of useful tokens/s if a
+    step's time followed the positions it computes (attention, quadratic in a row's width, and fixed costs
+    per step move the measured ratio off it)."""
+    if packed.get("padding_fraction") is None or padded.get("padding_fraction") is None:
+        return None
+    return _ratio(1.0 - packed["padding_fraction"], 1.0 - padded["padding_fraction"])
+
+
+def build_report(
+    summaries: dict[str, dict], overrides: list[str], nproc: int, machine_facts: dict | None = None
+) -> dict:
     packed, padded = summaries["packed"], summaries["padded"]
     eval_diff = _diff(packed.get("final_eval_loss"), padded.get("final_eval_loss"))
     tolerance = DPO_LOSS_PARITY_TOLERANCE if packed.get("objective") == "dpo" else LOSS_PARITY_TOLERANCE
@@ -150,11 +199,13 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
         "attention": {"packed": packed.get("attention"), "padded": padded.get("attention")},
         **{key: {"packed": packed.get(key), "padded": padded.get(key)} for key in PER_TOKEN_SETUP},
         "runs": summaries,
+        "machine": machine_facts or machine(),
         "comparison": {
             # Splitting strategies keep examples longer than the budget that the padded run truncates.
             "same_data": packed.get("dataset") == padded.get("dataset")
             and packed.get("train_examples") == padded.get("train_examples"),
             "useful_tokens_per_s_ratio": _ratio(packed.get("useful_tokens_per_s"), padded.get("useful_tokens_per_s")),
+            "padding_limit": padding_limit(packed, padded),
             # The ratio measures packing alone only when both runs compute each token the same way.
             "same_per_token_setup": all(packed.get(key) == padded.get(key) for key in PER_TOKEN_SETUP),
             "step_time_ratio": _ratio(packed.get("mean_step_time_s"), padded.get("mean_step_time_s")),
@@ -165,6 +216,9 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
             "final_eval_loss_diff": eval_diff,
             "loss_parity_tolerance": tolerance,
             "eval_loss_within_tolerance": None if eval_diff is None else abs(eval_diff) <= tolerance,
+            # The loss of predicting every token by its frequency in the training set: learning goes below it.
+            "unigram_entropy": packed.get("unigram_entropy"),
+            "eval_loss_below_unigram": _diff(packed.get("unigram_entropy"), packed.get("final_eval_loss")),
             "held_out_reward_accuracy": {"packed": packed.get(HELD_OUT_ACCURACY), "padded": padded.get(HELD_OUT_ACCURACY)},
         },
         "versions": versions(),
@@ -172,8 +226,12 @@ def build_report(summaries: dict[str, dict], overrides: list[str], nproc: int) -
     }
 
 
+def _known(value) -> bool:
+    return value is not None and not (isinstance(value, float) and not math.isfinite(value))
+
+
 def _fmt(value, spec: str, scale: float = 1.0, suffix: str = "") -> str:
-    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+    if not _known(value):
         return "n/a"
     return f"{value * scale:{spec}}{suffix}"
 
@@ -185,6 +243,8 @@ def comparison_table(report: dict) -> str:
     rows = [
         ("useful tokens/s", _fmt(p["useful_tokens_per_s"], ",.0f"), _fmt(q["useful_tokens_per_s"], ",.0f"),
          _fmt(c["useful_tokens_per_s_ratio"], ".2f", suffix="x")),
+        ("padding limit (padded / packed positions per token)", "", "",
+         _fmt(c.get("padding_limit"), ".2f", suffix="x")),
         ("padding fraction", _fmt(p["padding_fraction"], ".1f", 100, "%"), _fmt(q["padding_fraction"], ".1f", 100, "%"), ""),
         ("positions saved vs padding the same examples", _fmt(p.get("padding_saved_fraction"), ".1f", 100, "%"),
          _fmt(q.get("padding_saved_fraction"), ".1f", 100, "%"), ""),
@@ -201,7 +261,8 @@ def comparison_table(report: dict) -> str:
         *([("held-out reward accuracy (dpo)", _fmt(p.get(HELD_OUT_ACCURACY), ".3f"), _fmt(q.get(HELD_OUT_ACCURACY), ".3f"), "")]
           if q.get(HELD_OUT_ACCURACY) is not None else []),
         ("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), ""),
-        ("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), ""),
+        *([("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), "")]
+          if _known(p.get("mfu")) or _known(q.get("mfu")) else []),  # no known peak (a CPU): not shown
         ("attention", f"`{p['attention']}`", f"`{q['attention']}`", ""),
         ("loss implementation", f"`{p.get('loss_impl', 'n/a')}`", f"`{q.get('loss_impl', 'n/a')}`", ""),
         ("compile", f"`{p.get('compile', 'n/a')}`", f"`{q.get('compile', 'n/a')}`", ""),
@@ -209,6 +270,44 @@ def comparison_table(report: dict) -> str:
     lines = ["| | padded | packed | packed vs padded |", "|---|---:|---:|---:|"]
     lines += [f"| {name} | {a} | {b} | {r} |" for name, a, b, r in rows]
     return "\n".join(lines)
+
+
+def learning_line(report: dict) -> list[str]:
+    """The held-out losses against the unigram entropy of the training tokens (nothing without either)."""
+    c, p, q = report["comparison"], report["runs"]["padded"], report["runs"]["packed"]
+    if not _known(c.get("eval_loss_below_unigram")):
+        return []
+    gap = c["eval_loss_below_unigram"]
+    return [f"Held-out loss {_fmt(q.get('final_eval_loss'), '.3f')} packed, {_fmt(p.get('final_eval_loss'), '.3f')} "
+            f"padded: {abs(gap):.2f} nats {'below' if gap >= 0 else 'above'} the unigram entropy of the training "
+            f"tokens, {_fmt(c['unigram_entropy'], '.3f')} nats (the loss of predicting every token by its frequency "
+            "alone; the dashed line of the loss plot)."]
+
+
+def setup_lines(report: dict) -> list[str]:
+    """Which mixed precision and attention ran and why, and the CPU they ran on."""
+    q, p, m = report["runs"]["packed"], report["runs"]["padded"], report.get("machine") or {}
+    setup = q.get("setup") or {}
+    compute, device = setup.get("param_dtype"), q.get("device")
+    precision = (f"Mixed precision (FSDP2): compute in {compute}, gradients reduced in {setup.get('reduce_dtype')} "
+                 "(`parallel.param_dtype`, `parallel.reduce_dtype`).")
+    if device == "cpu" and compute == "bfloat16" and m.get("bf16_native") is False:
+        precision += (" **This CPU has no native bf16: its bf16 matmuls are emulated, tens of times slower than "
+                      "float32** (`parallel=fsdp_fp32` computes in float32).")
+    elif device == "cpu":
+        native = {True: "has", False: "lacks"}.get(m.get("bf16_native"), "may lack")
+        precision += (f" On a CPU, bf16 matmuls are native only with AVX-512 BF16 or AMX, which this one {native}; "
+                      "why a recipe picks its policy: docs/measuring.md, mixed precision on a CPU.")
+    requested = setup.get("attention")
+    why = (f"`model.attention=auto` takes the first of {', '.join(ATTENTION_BACKENDS)} that can run on {device} "
+           f"in {compute} for this model" if requested == "auto" else f"named by `model.attention={requested}`")
+    attention = (f"Attention: packed `{q.get('attention')}` ({why}); padded `{p.get('attention')}` (SDPA with a "
+                 "padding mask).")
+    flags = " ".join(m.get("cpu_flags") or []) or "none of " + " ".join(CPU_FLAGS)
+    caps = "".join(f"; {k}={v}" for k, v in (m.get("isa_env") or {}).items())
+    cpu = (f"CPU: {m.get('cpu', 'unknown')}, {m.get('cores')} cores, flags {flags}; torch CPU capability "
+           f"{m.get('torch_cpu_capability')}; native bf16 (oneDNN): {m.get('bf16_native')}{caps}.")
+    return [precision, attention, cpu]
 
 
 def render_markdown(report: dict) -> str:
@@ -225,15 +324,23 @@ def render_markdown(report: dict) -> str:
         "",
         comparison_table(report),
         "",
+        f"Packed makes {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x the useful tokens/s of the padded baseline; the "
+        f"padding limit on these lengths is {_fmt(c.get('padding_limit'), '.2f')}x (the padded run computes that many "
+        "positions per real token for each the packed run computes).",
+        "",
+        *learning_line(report),
         f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
+        "",
         *([] if c.get("same_per_token_setup", True) else [
             "**Warning: the two runs used a different loss implementation or compile mode**, so the ratio "
-            "measures more than packing."]),
+            "measures more than packing.", ""]),
         *([] if c.get("same_data", True) else [
             "**Warning: the two runs did not train on the same examples** (dataset statistics differ: a "
-            "splitting strategy keeps examples the padded run truncated to the token budget)."]),
-        f"MFU: model FLOPs on real tokens (6N per token + causal attention) over {q.get('peak_tflops_source')} "
-        f"({_fmt(q.get('peak_tflops_per_device'), '.3f')} TFLOP/s per device).",
+            "splitting strategy keeps examples the padded run truncated to the token budget).", ""]),
+        *(f"- {line}" for line in setup_lines(report)),
+        f"- MFU: model FLOPs on real tokens (6N per token + causal attention) over {q.get('peak_tflops_source')} "
+        f"({_fmt(q.get('peak_tflops_per_device'), '.3f')} TFLOP/s per device)." if _known(q.get("mfu"))
+        else f"- MFU: not shown ({q.get('peak_tflops_source')}).",
         "",
         "![loss](loss.png)",
         "![useful tokens/s](throughput.png)",
@@ -244,14 +351,15 @@ def render_markdown(report: dict) -> str:
     ])
 
 
-def write_report(out: Path, overrides: list[str], nproc: int) -> dict:
+def write_report(out: Path, overrides: list[str], nproc: int, machine_facts: dict | None = None) -> dict:
     summaries = {name: load_summary(out / name) for name in RUNS}
-    report = build_report(summaries, overrides, nproc)
+    report = build_report(summaries, overrides, nproc, machine_facts)
     (out / "report.json").write_text(json.dumps(report, indent=2))
     (out / "report.md").write_text(render_markdown(report))
     plotted = ("packed", "padded")
     steps = {name: read_metrics(out / name) for name in plotted}
-    plot_loss(steps, {name: read_evals(out / name) for name in plotted}, out / "loss.png")
+    plot_loss(steps, {name: read_evals(out / name) for name in plotted}, out / "loss.png",
+              unigram_entropy=report["comparison"]["unigram_entropy"])
     plot_throughput(steps, out / "throughput.png", summaries)
     return report
 
@@ -263,16 +371,19 @@ def default_out(overrides: list[str]) -> Path:
 
 def main(argv: list[str] | None = None) -> dict:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    machine_facts = None
     if args.report_only:
         out = args.report_only
         saved = out / "report.json"
+        if saved.is_file():  # the CPU the runs ran on, not the one rebuilding the report
+            machine_facts = json.loads(saved.read_text()).get("machine")
         if saved.is_file() and not overrides:
             overrides = json.loads(saved.read_text()).get("overrides", [])
     else:
         out = args.out or default_out(overrides)
         out.mkdir(parents=True, exist_ok=True)
         run_both(overrides, args.nproc, out)
-    report = write_report(out, overrides, args.nproc)
+    report = write_report(out, overrides, args.nproc, machine_facts)
     if args.variability:
         from trainer.tools import variability  # heavy (torch, a model): only with --variability
 
@@ -284,8 +395,11 @@ def main(argv: list[str] | None = None) -> dict:
                 shutil.copy2(out / name, args.publish / name)
     print(f"\n{comparison_table(report)}\n")
     c = report["comparison"]
-    print(f"packing speedup (useful tokens/s): {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x | "
-          f"eval loss diff {_fmt(c['final_eval_loss_diff'], '+.4f')} | report: {out / 'report.md'}")
+    print(f"packing speedup (useful tokens/s): {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x "
+          f"(padding limit {_fmt(c['padding_limit'], '.2f')}x) | "
+          f"eval loss diff {_fmt(c['final_eval_loss_diff'], '+.4f')} "
+          f"| held-out loss {_fmt(report['runs']['packed'].get('final_eval_loss'), '.3f')} vs unigram entropy "
+          f"{_fmt(c['unigram_entropy'], '.3f')} | report: {out / 'report.md'}")
     return report
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -18,8 +19,9 @@ _FIGSIZE, _DPI = (6.4, 3.6), 100  # small PNGs (~30-50 kB) that still read well 
 
 
 def plot_loss(steps: dict[str, list[StepMetrics]], evals: dict[str, list[EvalMetrics]], path: Path,
-              title: str = "") -> Path:
-    """Train loss per step (lines) and held-out eval loss (markers) of every run on one axis."""
+              title: str = "", unigram_entropy: float | None = None) -> Path:
+    """Train loss per step (lines) and held-out eval loss (markers) of every run on one axis; the unigram
+    entropy of the training tokens, when given, as a dashed line (what learning from context goes below)."""
     fig, ax = plt.subplots(figsize=_FIGSIZE, dpi=_DPI)
     for name, records in steps.items():
         color = COLORS.get(name)
@@ -27,6 +29,8 @@ def plot_loss(steps: dict[str, list[StepMetrics]], evals: dict[str, list[EvalMet
         if run_evals := evals.get(name):
             ax.plot([e.step for e in run_evals], [e.eval_loss for e in run_evals], "o--", label=f"{name} eval",
                     color=color, ms=4, lw=0.8)
+    if unigram_entropy is not None and math.isfinite(unigram_entropy):
+        ax.axhline(unigram_entropy, color="gray", ls="--", lw=1, label=f"unigram entropy {unigram_entropy:.2f}")
     ax.set(xlabel="optimizer step", ylabel="loss (mean token cross-entropy)", title=title or "Loss: packed vs padded")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
