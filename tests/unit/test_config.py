@@ -5,6 +5,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+from pathlib import Path
+
 import pytest
 
 from tests.conftest import REPO, compose_job, exit_line
@@ -28,8 +30,9 @@ def test_bad_values_raise_config_errors(override, message):
 @pytest.mark.parametrize(
     "arg, expected",
     [
-        ("recipe=nope",
-         "packfsdp: unknown recipe 'nope'; choose one of: cpu_chat_lora, cpu_chat_sft, cpu_dailydialog, cpu_distill, cpu_distill_teacher, cpu_dpo, cpu_long_context, gpt2_dailydialog, gpu_distill_qwen, gpu_dpo_qwen, qwen_chat_lora, qwen_chat_sft, qwen_long_cot"),
+        ("recipe=nope",  # every recipe the folder holds, by name
+         "packfsdp: unknown recipe 'nope'; choose one of: "
+         + ", ".join(sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml")))),
         ("packing=foo", "packfsdp: unknown packing 'foo'; choose one of:"),
         ("packing.token_budget=-5", "packfsdp: config error: packing.token_budget must be a positive number"),
     ],
