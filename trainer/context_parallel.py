@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from trainer.collate import IGNORE_INDEX, Batch
+from trainer.model.mixers import find_token_mixers
 
 CP_SPLITS = ("contiguous", "balanced")
 
@@ -333,7 +334,8 @@ register_cp_attention()
 # ------------------------------------------------------------------------------------------- the group
 def refuse_unshardable(model: torch.nn.Module, cp: int) -> None:
     """A model that cannot be made exact under cp > 1, refused in one line: length-dependent rope types
-    (``dynamic``, ``longrope``) need each example's *global* length, which one rank's shard does not show."""
+    (``dynamic``, ``longrope``) need each example's *global* length, which one rank's shard does not show;
+    token mixers outside attention (``trainer.model.mixers``) need the state of the tokens before the shard."""
     from trainer.config import ConfigError
     from trainer.model.rope import length_dependent_rope_modules
 
@@ -341,6 +343,12 @@ def refuse_unshardable(model: torch.nn.Module, cp: int) -> None:
         raise ConfigError(
             f"parallel.cp={cp}: {type(model).__name__}'s rotary embedding {found[0][0]!r} depends on each example's "
             "whole length (dynamic/longrope rope), which a context-parallel shard does not see; use parallel.cp=1"
+        )
+    if cp > 1 and (mixers := find_token_mixers(model)):
+        raise ConfigError(
+            f"parallel.cp={cp}: {type(model).__name__}'s {type(mixers[0].module).__name__} ({mixers[0].name}) mixes "
+            f"tokens outside attention ({' + '.join(mixers[0].traits)}): its state would have to pass from rank to "
+            "rank along the row, which packfsdp does not do; use parallel.cp=1"
         )
 
 

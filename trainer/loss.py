@@ -60,14 +60,17 @@ class LogitTransform:
     scale: float = 1.0
     """Multiplies the logits: Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``."""
     softcap: float | None = None
-    """``softcap * tanh(logits / softcap)``, after the scale: Gemma2's ``final_logit_softcapping``."""
+    """``softcap * tanh(logits / softcap)``, after the scale: Gemma2's ``final_logit_softcapping``,
+    RecurrentGemma's ``logits_soft_cap``."""
 
     @classmethod
     def of(cls, config: Any) -> LogitTransform:
         scale = float(getattr(config, "logit_scale", None) or 1.0)
         if getattr(config, "logits_scaling", None):
             scale /= float(config.logits_scaling)
-        return cls(scale=scale, softcap=getattr(config, "final_logit_softcapping", None) or None)
+        # RecurrentGemma names its final softcap logits_soft_cap
+        softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+        return cls(scale=scale, softcap=softcap or None)
 
     def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The transformed logits and, with a softcap, ``d softcap(z) / dz`` (``1 - tanh^2``)."""

@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 LENGTHS = (21, 1, 14, 5, 11, 3, 9)
 """Every shrunk threshold (``SMALL``) is crossed by examples side by side; a 1-token example."""
-SMALL = {"sliding_window": 6, "attention_chunk_size": 8, "window_size": 6, "chunk_size": 8}
+SMALL = {"sliding_window": 6, "attention_chunk_size": 8, "window_size": 6, "chunk_size": 8, "mamba_chunk_size": 8}
 """Window / chunk sizes of the replica (the user's are far longer than any probe example)."""
 ROPE_ORIGINAL = 16
 """The replica's rope threshold (``original_max_position_embeddings``): below the longest example."""

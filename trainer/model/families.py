@@ -35,12 +35,14 @@ class FamilyRefusedError(ConfigError):
 # Reasons, one per kind of failure the matrix found.
 NO_INTERFACE = "its attention does not go through transformers' attention interface, so the example boundaries never reach it"
 DROPS_KWARGS = "its layers call the attention without the keyword arguments that carry the example boundaries"
-RECURRENT = "a recurrent / state-space layer carries its state across the examples of a packed row"
-LINEAR_ATTENTION = (
-    "its gated delta-rule (linear attention) layers keep packed examples apart only through flash-linear-attention, "
-    "untested here"
+HUB_KERNEL = (
+    "on a GPU transformers builds its WKV attention by fetching a kernel from the Hugging Face Hub "
+    "(kernels-community/rwkv), code packfsdp does not run"
 )
-CONVOLUTION = "a short causal convolution runs across the example boundaries of a packed row"
+ROW_POSITIONS = (
+    "its attention adds learned relative-position logits and log-scaling computed from positions over the whole "
+    "row (not position_ids), which the packed attention backends do not apply"
+)
 OWN_MASK = "its attention adds a learned dynamic mask through the attention mask, which packed attention has not"
 SINKS = "attention sinks (s_aux): no packed backend implements them"
 NOT_CAUSAL = "a bidirectional encoder: causal only as an encoder-decoder's decoder, not a decoder-only causal LM"
@@ -74,7 +76,11 @@ EXACT: frozenset[str] = frozenset(
         "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
         "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
         "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "whisper",
-        "youtu"
+        "youtu",
+        # token mixers outside attention, kept per example (trainer.model.mixers)
+        "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
+        "lara_mini", "lfm2_moe", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid",
+        "qwen3_5_moe_text", "qwen3_5_text", "qwen3_next", "recurrent_gemma", "xlstm", "zamba", "zamba2", "zaya",
     }
 )
 """Probed exact (transformers ``TESTED_WITH``): the trainer's step on a tiny default config. Some only for
@@ -85,10 +91,6 @@ EXACT_IF: dict[str, str] = {
     "llama4_text": (
         "while no chunked-attention layer's chunk binds (attention_chunk_size at least the context): its "
         "default config and the released checkpoints (chunks of 8192) are refused, the chunks stay in the mask"
-    ),
-    "lfm2": (
-        "on configs of attention layers only (its default); short-convolution layers ('conv' in layer_types, "
-        "as the released LFM2 checkpoints have) are refused by the config verdict"
     ),
     "phimoe": "while its sliding window is at least its context (its attention does not pass a shorter window on: refused)",
     "qwen2_moe": (
@@ -116,12 +118,8 @@ def _reasons(reason: str, *families: str) -> dict[str, str]:
 REFUSED: dict[str, str] = {
     **_reasons(NO_INTERFACE, "bloom", "cpmant", "falcon", "gpt_neox_japanese", "mpt", "openai-gpt", "xglm"),
     **_reasons(DROPS_KWARGS, "inkling2_text", "inkling2_loop_text"),
-    **_reasons(
-        RECURRENT, "bamba", "falcon_h1", "falcon_mamba", "jamba", "mamba", "minimax", "nemotron_h", "recurrent_gemma",
-        "rwkv", "xlstm", "zamba",
-    ),
-    **_reasons(LINEAR_ATTENTION, "lara_mini", "olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"),
-    **_reasons(CONVOLUTION, "inkling_text", "lfm3"),
+    **_reasons(HUB_KERNEL, "rwkv"),
+    **_reasons(ROW_POSITIONS, "inkling_text"),
     **_reasons(OWN_MASK, "doge"),
     **_reasons(SINKS, *SINK_FAMILIES),
 }
@@ -146,9 +144,9 @@ SKIPPED: dict[str, str] = {
 
 NOT_PROBED = frozenset(
     {
-        "axk2", "bailing_hybrid", "blt", "cohere_compass_text", "dbrx", "deepseek_v32", "dots3_note_text",
+        "axk2", "blt", "cohere_compass_text", "dbrx", "deepseek_v32", "dots3_note_text",
         "gemma3n_text", "gemma4_assistant", "gemma4_unified_assistant", "glm_moe_dsa", "gpt_neo",
-        "granitemoehybrid", "kimi_linear", "lfm2_moe", "longcat_flash", "mamba2", "qwen4_exp_text", "zamba2", "zaya",
+        "longcat_flash", "qwen4_exp_text",
     }
 )
 """Families of ``TESTED_WITH`` the tiny probe could not build (sub-configs it does not shrink, head-dim rules,

@@ -55,6 +55,10 @@ SHRINK = {
     "linear_head_dim": 16, "linear_num_heads": 4, "num_expert_group": 1, "attention_hidden_size": 128,
     "attention_head_dim": 32, "mamba_dt_rank": 8, "model_max_length": 64, "vocab_size_per_layer_input": VOCAB,
     "hidden_size_per_layer_input": 16,
+    # state-space / linear-attention mixers (trainer.model.mixers): heads x head dim = expand x hidden
+    "num_experts_per_token": 2, "expand": 1, "state_size": 16, "n_groups": 1, "mamba_n_heads": 8,
+    "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128, "mamba_n_groups": 1, "mamba_chunk_size": 8,
+    "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_mamba_heads": 8, "mamba_headdim": 16,
 }
 """Tiny values for the config fields a family has (a field the family lacks is left out)."""
 NO_DROPOUT = (
