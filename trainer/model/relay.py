@@ -65,12 +65,14 @@ class BoundaryRelay:
     def layer_starts(self, _module, args, kwargs) -> None:
         found = boundary_kwargs(kwargs)
         hidden = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
-        if self.depth:
+        if self.depth:  # the model's forward: remember this input's boundaries (none for a padded call)
             found = found or self.call
-            if isinstance(hidden, torch.Tensor) and found:
+            if isinstance(hidden, torch.Tensor):
                 self.by_input[hidden] = found
         elif not found and isinstance(hidden, torch.Tensor):
-            found = self.by_input.get(hidden, {})
+            if hidden not in self.by_input:
+                return  # a module nested in a recomputed layer, its input recomputed: the layer's boundaries hold
+            found = self.by_input[hidden]
         self.layer = found
 
     def current(self) -> dict:
