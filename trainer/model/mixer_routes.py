@@ -12,7 +12,8 @@ forward bound to ``module``, ``boundaries`` the packed call's ``cu_seq_lens_q`` 
   ``[1, channels, T]``) is cut the same way; the boundary kwargs are dropped; the outputs laid out along
   the tokens are put back in row order, other outputs (a final recurrent state, which a training forward
   discards) come back as ``None``.
-- ``VarlenKernels`` (``trainer.model.mixer_kernels``): CUDA, with the kernels installed.
+- ``VarlenKernels`` (``trainer.model.mixer_kernels``): CUDA, with flash-linear-attention / causal-conv1d /
+  mamba_ssm installed: the mixer's own forward over the whole row, its kernels handed the boundaries.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Protocol
 
 import torch
 
+from trainer.model.mixer_kernels import VarlenKernels, kernels_run_on, varlen_names
 from trainer.model.packed_layout import PackedLayout, SlotPlan
 from trainer.model.relay import BOUNDARY_KWARGS
 
@@ -125,8 +127,13 @@ class PerExample:
 
     name = "per_example"
 
+    def __init__(self, why: str = "") -> None:
+        self.why = why
+        """Why not the varlen kernels (on CUDA), for the log."""
+
     def describe(self) -> str:
-        return "per_example (the mixer's own forward on each example alone; examples of one length batched)"
+        why = f"; varlen kernels not used: {self.why}" if self.why else ""
+        return f"per_example (the mixer's own forward on each example alone; examples of one length batched{why})"
 
     def run(self, module, forward, boundaries: dict, args: tuple, kwargs: dict):
         return _per_example(forward, boundaries, args, kwargs)
@@ -154,8 +161,12 @@ def _per_example(forward, boundaries: dict, args: tuple, kwargs: dict):
 
 
 def choose_route(module, device: torch.device | None) -> MixerRoute:
-    """The route of ``module``'s class on ``device``: the varlen kernels where they run, else per example."""
-    return PerExample()
+    """The route of ``module``'s class on ``device``: the varlen kernels where they run, else per example
+    (``PerExample.why`` says why not the kernels, for the log)."""
+    if not kernels_run_on(device):
+        return PerExample()
+    names, why_not = varlen_names(module)
+    return VarlenKernels(names) if why_not is None else PerExample(why_not)
 
 
 __all__ = ["MixerError", "MixerRoute", "PerExample", "choose_route", "equal_length_groups"]
