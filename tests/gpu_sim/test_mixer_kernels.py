@@ -8,15 +8,13 @@ example through the bare transformers model alone (transformers' torch fallbacks
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 
 from tests.gpu_sim import mixer_kernel_doubles as doubles
 from tests.unit.test_mixers import CONFIGS, LENGTHS, TOLERANCE, alone, build, examples, gap, packed
 from trainer.model import mixer_routes
-from trainer.model.mixers import find_token_mixers
+from trainer.model.mixers import describe, find_token_mixers
 
 KIMI = ("kimi_linear", dict(
     layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, num_experts=4, num_experts_per_token=2,
@@ -71,11 +69,10 @@ def test_the_comparison_sees_a_kernel_that_drops_the_boundaries(kernels, monkeyp
     assert gap(packed(model, exs), alone(model, exs)) > 1e-3
 
 
-def test_without_a_varlen_kernel_the_mixer_runs_per_example_and_says_why(kernels, caplog):
+def test_without_a_varlen_kernel_the_mixer_runs_per_example_and_says_why(kernels):
     kernels(("causal_conv1d",))  # no fla: the delta rule has no varlen kernel here
-    with caplog.at_level(logging.INFO, logger="trainer.model.mixers"):
-        model = build(*CONFIGS["gated delta rule (qwen3_next)"])
-        mamba1 = build(*CONFIGS["state-space scan, Mamba-1 (falcon_mamba)"])  # mamba_ssm: no varlen selective scan
+    model = build(*CONFIGS["gated delta rule (qwen3_next)"])
+    mamba1 = build(*CONFIGS["state-space scan, Mamba-1 (falcon_mamba)"])  # mamba_ssm: no varlen selective scan
     assert routes(model) == routes(mamba1) == {"per_example"}
-    assert "varlen kernels not used: fla not installed" in caplog.text
-    assert "mamba_selective_scan has no varlen kernel" in caplog.text
+    assert "varlen kernels not used: fla not installed" in describe(model.token_mixers)[0]
+    assert "mamba_selective_scan has no varlen kernel" in describe(mamba1.token_mixers)[0]

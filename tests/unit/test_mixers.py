@@ -23,7 +23,9 @@ from trainer.context_parallel import refuse_unshardable
 from trainer.model import prepare
 from trainer.model.attention import AttentionNeeds, resolve_backend
 from trainer.model.mixers import PackedMixerForward, find_token_mixers
+from trainer.model.family_probe import packed_batch
 from trainer.model.prepare import prepare_model
+from trainer.model.selfcheck import self_check
 
 VOCAB = 96
 LENGTHS = (23, 1, 9, 9, 3)
@@ -184,3 +186,14 @@ def test_context_parallel_refuses_a_model_with_token_mixers():
     with pytest.raises(ConfigError, match=r"parallel.cp=2: .*Lfm2ShortConv .*short convolution.*use parallel.cp=1") as info:
         refuse_unshardable(model.model, 2)
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("kept", [True, False])
+def test_the_startup_self_check_sees_the_mixers(kept, monkeypatch):
+    """The run's own self-check (packed through the run's path vs each example alone) passes with the mixers
+    kept apart and fails with them left across the boundaries."""
+    if not kept:
+        monkeypatch.setattr(prepare, "keep_mixers_apart", lambda *args: [])
+    model = build(*CONFIGS["short convolution (lfm2)"], dtype=torch.float32)
+    result = self_check(model, packed_batch(examples(LENGTHS)))
+    assert result.ok is kept, result.line()

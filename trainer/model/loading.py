@@ -13,6 +13,7 @@ from trainer.errors import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.config_verdict import verify_config
 from trainer.model.families import check_family
+from trainer.model.mixers import describe as describe_mixers
 from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM
 
@@ -63,4 +64,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         "model %s: %s, %.2fM parameters, %s", cfg.name_or_path or cfg.family, model.config.model_type, n_params / 1e6,
         cfg.dtype,
     )
-    return prepare_model(model, backend)
+    prepared = prepare_model(model, backend)
+    for line in describe_mixers(prepared.token_mixers):
+        log.info("%s", line)
+    return prepared

@@ -104,14 +104,17 @@ def _kernel(name: str):
 
 
 class _Boundaries:
-    """``seq_idx`` (``[1, T]`` int32: each token's example) and ``cu_seqlens`` (int64) of one packed call."""
+    """``seq_idx`` (``[1, T]`` int32: each token's example) and ``cu_seqlens`` (int64) of one packed call,
+    made once per forward (kept with the layout every layer of the forward shares)."""
 
     def __init__(self, cu: torch.Tensor) -> None:
         layout = PackedLayout.of(cu)
-        lengths = torch.tensor(layout.lengths, device=cu.device)
-        self.cu_seqlens = cu.to(torch.long)
-        self.seq_idx = torch.repeat_interleave(torch.arange(len(layout.lengths), device=cu.device, dtype=torch.int32),
-                                               lengths, output_size=layout.total)[None]
+        if "mixer:boundaries" not in layout._plans:
+            lengths = torch.tensor(layout.lengths, device=cu.device)
+            examples = torch.arange(len(layout.lengths), device=cu.device, dtype=torch.int32)
+            layout._plans["mixer:boundaries"] = (
+                cu.to(torch.long), torch.repeat_interleave(examples, lengths, output_size=layout.total)[None])
+        self.cu_seqlens, self.seq_idx = layout._plans["mixer:boundaries"]
 
 
 def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:

@@ -27,7 +27,6 @@ keyword arguments or, for a mixer transformers calls without them, from ``traine
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from dataclasses import dataclass
 
@@ -36,8 +35,6 @@ from torch import nn
 
 from trainer.model.mixer_routes import MixerRoute, choose_route
 from trainer.model.relay import BoundaryRelay, boundary_kwargs
-
-log = logging.getLogger(__name__)
 
 RECURRENT_TENSORS = frozenset({"A_log", "dt_bias", "slope_rate", "time_decay", "time_first"})
 """Parameters / buffers that only a recurrence over the sequence has: the state-space (Mamba) and gated
@@ -105,7 +102,7 @@ class PackedMixerForward:
 
 def keep_mixers_apart(model: nn.Module, relay: BoundaryRelay, device: torch.device | None = None) -> list[TokenMixer]:
     """Route every token mixer of ``model`` (``find_token_mixers``) so that a packed call keeps its examples
-    apart; logs which mixers and which route (the route is chosen per mixer class for ``device``)."""
+    apart (the route chosen per mixer class for ``device``); returns them (``describe`` says which, for the log)."""
     mixers = find_token_mixers(model)
     routes: dict[type, MixerRoute] = {}
     for mixer in mixers:
@@ -113,12 +110,16 @@ def keep_mixers_apart(model: nn.Module, relay: BoundaryRelay, device: torch.devi
         if cls not in routes:
             routes[cls] = choose_route(mixer.module, device)
         mixer.module.forward = PackedMixerForward(mixer.module, relay, routes[cls])
-    counts = Counter(type(m.module) for m in mixers)
-    traits = {type(m.module): m.traits for m in mixers}
-    for cls, n in counts.items():
-        log.info("token mixer %s x%d (%s): packed rows through %s", cls.__name__, n, " + ".join(traits[cls]),
-                 routes[cls].describe())
     return mixers
 
 
-__all__ = ["KNOWN_MIXERS", "RECURRENT_TENSORS", "PackedMixerForward", "TokenMixer", "find_token_mixers", "keep_mixers_apart"]
+def describe(mixers: list[TokenMixer]) -> list[str]:
+    """One line per mixer class: how many, what makes them mixers, the route their packed calls take."""
+    counts = Counter(type(m.module) for m in mixers)
+    first = {type(m.module): m for m in reversed(mixers)}
+    return [f"token mixer {cls.__name__} x{n} ({' + '.join(first[cls].traits)}): packed rows through "
+            f"{first[cls].module.forward.route.describe()}" for cls, n in counts.items()]
+
+
+__all__ = ["KNOWN_MIXERS", "RECURRENT_TENSORS", "PackedMixerForward", "TokenMixer", "describe", "find_token_mixers",
+           "keep_mixers_apart"]

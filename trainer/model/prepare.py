@@ -28,7 +28,7 @@ def prepare_model(model: torch.nn.Module, backend: AttentionBackend) -> VarlenCa
         relay = BoundaryRelay().attach(model, decoder_of(model), wrapped.decoder_layers())
         if relays:
             relay_boundaries(model, relay)
-        keep_mixers_apart(model, relay, backend.device)
+        wrapped.token_mixers = keep_mixers_apart(model, relay, backend.device)
     return wrapped
 
 

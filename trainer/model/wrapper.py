@@ -60,6 +60,8 @@ class VarlenCausalLM(nn.Module):
         """Context parallel: the process group a sharded row's keys/values are gathered over."""
         self.cp_gather = None
         """Context parallel, one process (tests, GPU check): replaces the all-gather."""
+        self.token_mixers: list = []
+        """The modules that mix tokens outside attention, kept per example (``trainer.model.mixers``)."""
 
     @property
     def config(self):
