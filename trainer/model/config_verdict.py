@@ -43,7 +43,7 @@ TOLERANCE = {torch.float64: (1e-6, 1e-5), torch.float32: (2e-5, 2e-5)}
 transformers' float64 models, rope among them, leave ~1e-7). float32 only where a kernel refuses float64
 (grouped-GEMM MoE experts)."""
 MAX_LAYERS = 6
-VERSION = 3
+VERSION = 4
 """Bump to invalidate cached verdicts when the replica changes."""
 
 
@@ -99,6 +99,8 @@ def replica_config(config):
             shrunk[name] = CONTEXT
     if "qk_rope_head_dim" in values:
         shrunk["head_dim"] = SHRINK["qk_rope_head_dim"]
+    if values.get("num_key_value_heads") == values.get("num_attention_heads") and "num_attention_heads" in shrunk:
+        shrunk["num_key_value_heads"] = shrunk["num_attention_heads"]  # MHA stays MHA (Kimi's latent attention needs it)
     if "rotary_dim" in values:
         shrunk["rotary_dim"] = 8
     values = {k: v for k, v in values.items() if k not in ("model_type", "transformers_version", "architectures")}
