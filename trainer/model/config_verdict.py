@@ -82,6 +82,12 @@ def replica_config(config):
             shrunk[name] = [values[name][i] for i in keep]
         if isinstance(values.get("max_window_layers"), int) and values["max_window_layers"] < layers:
             shrunk["max_window_layers"] = sum(1 for i in keep if i < values["max_window_layers"])
+        for name, value in values.items():  # layer-index lists (Zamba2's hybrid_layer_ids): the kept layers' indices
+            if name.endswith(("_layer_ids", "_layer_indices", "_idxs")) and isinstance(value, list) and all(isinstance(i, int) for i in value):
+                shrunk[name] = [j for j, i in enumerate(keep) if i in value]
+        for name, value in values.items():  # a layer pattern by period (Jamba: attention every 8th layer from the 4th)
+            if name.endswith("_layer_period") and isinstance(value, int) and value > len(keep):
+                shrunk[name], shrunk[name.replace("_period", "_offset")] = 2, 1  # keeps both kinds of layer
     context = values.get("max_position_embeddings") or values.get("n_positions")
     for name, small in SMALL.items():
         if isinstance(values.get(name), int) and values[name] > small:
