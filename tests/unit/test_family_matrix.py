@@ -113,9 +113,10 @@ def test_representative_families_probe_as_the_table_says(family):
 
 
 def relay_on_the_causal_lm_only(monkeypatch):
-    """The relay's hooks on the causal LM (as before ``decoder_of``): the chunked loss, which calls the
-    decoder directly, bypasses them."""
+    """The relay's hooks on the causal LM only (as before ``decoder_of`` and the per-layer hooks): the chunked
+    loss, which calls the decoder directly, bypasses them."""
     monkeypatch.setattr("trainer.model.prepare.decoder_of", lambda model: model)
+    monkeypatch.setattr("trainer.model.relay.BoundaryRelay.layer_starts", lambda self, *args: None)
 
 
 def no_relay(monkeypatch):
