@@ -16,16 +16,11 @@ from tests.unit.test_mixers import CONFIGS, LENGTHS, TOLERANCE, alone, build, ex
 from trainer.model import mixer_routes
 from trainer.model.mixers import describe, find_token_mixers
 
-KIMI = ("kimi_linear", dict(
-    layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, num_experts=4, num_experts_per_token=2,
-    moe_intermediate_size=16, linear_num_heads=4, linear_head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8,
-    v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, mlp_layer_types=["dense", "dense"]), LENGTHS)
 ROUTED = {
     "gated delta rule (qwen3_next)": (CONFIGS["gated delta rule (qwen3_next)"],
                                       ["causal_conv1d_fn", "chunk_gated_delta_rule"]),
-    "KDA (kimi_linear)": (KIMI, ["causal_conv1d_fn", "chunk_kda"]),
-    "Mamba-2 scan (mamba2)": (CONFIGS["state-space scan, Mamba-2 (mamba2)"],
-                              ["causal_conv1d_fn", "mamba_chunk_scan_combined"]),
+    "KDA (kimi_linear)": (CONFIGS["KDA (kimi_linear)"], ["causal_conv1d_fn", "chunk_kda"]),
+    "Mamba-2 scan (nemotron_h)": (CONFIGS["Mamba-2 (nemotron_h)"], ["causal_conv1d_fn", "mamba_chunk_scan_combined"]),
     "short convolution (lfm2)": (CONFIGS["short convolution (lfm2)"], ["causal_conv1d_fn"]),
 }
 

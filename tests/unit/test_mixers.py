@@ -41,11 +41,25 @@ CONFIGS = {
     "gated delta rule (qwen3_next)": ("qwen3_next", dict(
         layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1], linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8), LONG),
-    "state-space scan, Mamba-2 (mamba2)": ("mamba2", dict(
-        num_heads=4, head_dim=16, expand=2, n_groups=1, state_size=8, chunk_size=16), LENGTHS),
     "state-space scan, Mamba-1 (falcon_mamba)": (
         "falcon_mamba", dict(state_size=8, expand=2, time_step_rank=4), LENGTHS),
+    "gated delta rule (qwen3_5_text)": ("qwen3_5_text", dict(
+        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8), LONG),
+    "KDA (kimi_linear)": ("kimi_linear", dict(
+        layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, num_experts=4,
+        num_experts_per_token=2, moe_intermediate_size=16, linear_num_heads=4, linear_head_dim=8, qk_rope_head_dim=8,
+        qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, mlp_layer_types=["dense", "dense"]), LENGTHS),
+    "Mamba-2 (nemotron_h)": ("nemotron_h", dict(
+        layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1,
+        chunk_size=16), LENGTHS),
+    "Mamba-2 (falcon_h1)": ("falcon_h1", dict(
+        mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16), LENGTHS),
+    "Mamba-2 (granitemoehybrid)": ("granitemoehybrid", dict(
+        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16,
+        num_local_experts=4, num_experts_per_tok=2), LENGTHS),
 }
+"""The families the issue names (the convolution, delta-rule / KDA and Mamba-1 / Mamba-2 kinds among them)."""
 
 
 def build(family: str, overrides: dict, lengths=LENGTHS, dtype=torch.float64):
@@ -53,7 +67,8 @@ def build(family: str, overrides: dict, lengths=LENGTHS, dtype=torch.float64):
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(family, **(SMALL | overrides))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager",
+                                                 experts_implementation="eager")  # grouped GEMM: no float64
     backend = resolve_backend("sdpa_varlen", torch.device("cpu"), dtype, AttentionNeeds.of(config))
     wrapped = prepare_model(model, backend)
     wrapped.padded_attention = "eager"
@@ -142,14 +157,7 @@ def test_mixers_are_found_from_the_built_modules():
     """The outermost module that owns a sequence convolution or a recurrence's decay is kept apart, once:
     Kimi's delta attention owns its convolutions and its forget gate (A_log, dt_bias), which is not wrapped
     again; attention and MLP modules are not mixers."""
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model("kimi_linear", **(SMALL | dict(
-            layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, num_experts=4,
-            num_experts_per_token=2, moe_intermediate_size=16, linear_num_heads=4, linear_head_dim=8,
-            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16)))
-        model = AutoModelForCausalLM.from_config(config)
-    found = find_token_mixers(model)
+    found = find_token_mixers(build(*CONFIGS["KDA (kimi_linear)"]).model)
     assert [(m.name, type(m.module).__name__, m.traits) for m in found] == [
         ("model.layers.0.self_attn", "KimiLinearDeltaAttention", ("short convolution",))]
 
