@@ -71,3 +71,6 @@ def test_without_a_varlen_kernel_the_mixer_runs_per_example_and_says_why(kernels
     assert routes(model) == routes(mamba1) == {"per_example"}
     assert "varlen kernels not used: fla not installed" in describe(model.token_mixers)[0]
     assert "mamba_selective_scan has no varlen kernel" in describe(mamba1.token_mixers)[0]
+    kernels()  # every package: MiniMax's lightning attention has no kernel that takes the boundaries
+    lightning = build("minimax", dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2))
+    assert "varlen kernels not used: its modeling file calls no" in describe(lightning.token_mixers)[0]

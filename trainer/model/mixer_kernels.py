@@ -18,12 +18,12 @@ adapters that call the packages' varlen kernels with the boundaries:
 | ``mamba2_split_conv1d_scan_combined`` | none: returns ``None``, so the mixer takes its unfused path (the two above) | |
 
 The packages are imported lazily (optional extras in pyproject.toml). The route applies to a mixer class
-only where every token-mixing kernel name of its modeling file has an installed varlen kernel and none
-without one is there (Mamba-1's ``mamba_selective_scan`` / ``mamba_inner_fn``: mamba_ssm has no varlen
+only where each kind of mixing it does has a varlen kernel among its modeling file's names, each installed,
+and no token-mixing kernel without one is there (Mamba-1's ``mamba_selective_scan`` / ``mamba_inner_fn``: mamba_ssm has no varlen
 selective scan): otherwise ``per_example`` runs, and the log says why. Single-step (cached decode) kernels
-raise if a packed call reaches them. After each call the route checks that every kind of kernel the
-modeling file has (convolution, recurrence) was called through an adapter: a mixer that mixed tokens some
-other way fails the step instead of training across the boundaries. The startup self-check runs this route
+raise if a packed call reaches them. After each call the route checks that every kind of mixing the mixer
+does (a convolution, a recurrence: ``trainer.model.mixers`` reads them from its modules) went through an
+adapter: a mixer that mixed tokens some other way fails the step instead of training across the boundaries. The startup self-check runs this route
 on the GPU against each example alone. CPU CI runs it through pure-torch doubles with the kernels'
 signatures (``tests/gpu_sim/mixer_kernel_doubles.py``).
 """
@@ -85,14 +85,17 @@ def _installed(package: str) -> bool:
         return False
 
 
-def varlen_names(module: torch.nn.Module) -> tuple[list[str], str | None]:
-    """(transformers' kernel names this route swaps for ``module``'s class, why the route cannot run or None)."""
+def varlen_names(module: torch.nn.Module, kinds: set[str]) -> tuple[list[str], str | None]:
+    """(transformers' kernel names this route swaps for ``module``'s class, why the route cannot run or None).
+    ``kinds``: what the mixer does (``convolution``, ``recurrence``), each of which needs a varlen kernel."""
     names = vars(sys.modules[type(module).__module__])
     found = [n for n in VARLEN_KERNELS if n in names]
     if blocked := sorted(n for n in NO_VARLEN if n in names):
         return found, f"{', '.join(blocked)} has no varlen kernel"
-    if not found:
+    if not found or not kinds:  # nothing the route knows how to hand the boundaries (xLSTM, RWKV)
         return found, "its modeling file calls no kernel that takes the boundaries"
+    if uncovered := sorted(kinds - {VARLEN_KERNELS[n].kind for n in found}):
+        return found, f"its modeling file calls no varlen kernel for its {' and '.join(uncovered)}"
     if missing := sorted({VARLEN_KERNELS[n].package.split(".")[0] for n in found if not _installed(VARLEN_KERNELS[n].package)}):
         return found, f"{', '.join(missing)} not installed"
     return found + sorted((UNFUSED | SINGLE_STEP) & names.keys()), None
@@ -163,9 +166,10 @@ class VarlenKernels:
 
     name = "varlen_kernels"
 
-    def __init__(self, names: list[str]) -> None:
+    def __init__(self, names: list[str], kinds: set[str]) -> None:
         self.names = names
-        self.kinds = {VARLEN_KERNELS[n].kind for n in names if n in VARLEN_KERNELS}
+        self.kinds = kinds
+        """What each packed call must have run through an adapter (``convolution``, ``recurrence``)."""
 
     def describe(self) -> str:
         kernels = sorted({f"{VARLEN_KERNELS[n].package}.{VARLEN_KERNELS[n].function}" for n in self.names if n in VARLEN_KERNELS})

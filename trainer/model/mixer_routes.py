@@ -160,13 +160,14 @@ def _per_example(forward, boundaries: dict, args: tuple, kwargs: dict):
     return cutter.join(outputs)
 
 
-def choose_route(module, device: torch.device | None) -> MixerRoute:
-    """The route of ``module``'s class on ``device``: the varlen kernels where they run, else per example
-    (``PerExample.why`` says why not the kernels, for the log)."""
+def choose_route(module, device: torch.device | None, kinds: set[str]) -> MixerRoute:
+    """The route of ``module``'s class on ``device``: the varlen kernels where they run and cover ``kinds``
+    (what the mixer does: ``convolution``, ``recurrence``), else per example (``PerExample.why`` says why
+    not the kernels, for the log)."""
     if not kernels_run_on(device):
         return PerExample()
-    names, why_not = varlen_names(module)
-    return VarlenKernels(names) if why_not is None else PerExample(why_not)
+    names, why_not = varlen_names(module, kinds)
+    return VarlenKernels(names, kinds) if why_not is None else PerExample(why_not)
 
 
 __all__ = ["MixerError", "MixerRoute", "PerExample", "choose_route", "equal_length_groups"]

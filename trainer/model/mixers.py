@@ -71,6 +71,17 @@ def _traits(module: nn.Module, known: frozenset[str]) -> tuple[str, ...]:
     return tuple(found)
 
 
+def kinds_of(module: nn.Module) -> set[str]:
+    """What a mixer does, over all its modules (Kimi's recurrence sits in its forget gate): ``convolution``,
+    ``recurrence`` (the kinds of varlen kernel it needs)."""
+    kinds = set()
+    for m in module.modules():
+        traits = _traits(m, frozenset())
+        kinds |= {"convolution"} if "short convolution" in traits else set()
+        kinds |= {"recurrence"} if "recurrent state" in traits else set()
+    return kinds
+
+
 def find_token_mixers(model: nn.Module) -> list[TokenMixer]:
     """The outermost modules of ``model`` that mix tokens outside attention (see the module docstring)."""
     known = KNOWN_MIXERS.get(getattr(getattr(model, "config", None), "model_type", None), frozenset())
@@ -108,7 +119,7 @@ def keep_mixers_apart(model: nn.Module, relay: BoundaryRelay, device: torch.devi
     for mixer in mixers:
         cls = type(mixer.module)
         if cls not in routes:
-            routes[cls] = choose_route(mixer.module, device)
+            routes[cls] = choose_route(mixer.module, device, kinds_of(mixer.module))
         mixer.module.forward = PackedMixerForward(mixer.module, relay, routes[cls])
     return mixers
 
