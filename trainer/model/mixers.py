@@ -56,7 +56,8 @@ class TokenMixer:
     """The module's name in the model."""
     module: nn.Module
     traits: tuple[str, ...]
-    """What makes it one: ``short convolution``, ``recurrent state`` (or ``known <family> mixer``)."""
+    """What makes it one: ``short convolution``, ``recurrent state`` (or, from ``KNOWN_MIXERS``,
+    ``token shift / recurrence``)."""
 
 
 def _traits(module: nn.Module, known: frozenset[str]) -> tuple[str, ...]:
