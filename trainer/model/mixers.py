@@ -104,6 +104,7 @@ class PackedMixerForward:
         self.relay = relay
         self.route = route
 
+    @torch.compiler.disable  # reads the relay's state per call: a compiled block must not bake it in
     def __call__(self, *args, **kwargs):
         boundaries = boundary_kwargs(kwargs) or self.relay.current()
         forward = type(self.module).forward.__get__(self.module)
