@@ -2,9 +2,9 @@
 
     python benchmarks/hybrid_speed.py [--family qwen3_next|nemotron_h] [--budget 2048] [--bins 3] [--reps 3]
 
-The model is a ~30M Qwen3-Next-shaped config (8 layers: gated delta-rule linear attention and full attention
-3:1, dense MLPs, hidden 512, vocabulary 2048) or a Nemotron-H-shaped one (Mamba-2 and attention layers with
-MLPs), random weights, fp32. Its mixers run as ``build_model`` prepares them (``trainer.model.mixers``: the
+The model is a ~28M Qwen3-Next-shaped config (8 layers: gated delta-rule linear attention and full attention
+3:1, dense MLPs, hidden 512, vocabulary 2048) or a ~30M Nemotron-H-shaped one (8 blocks: 4 Mamba-2, 1
+attention, 3 MLP, hidden 768), random weights, fp32. Its mixers run as ``build_model`` prepares them (``trainer.model.mixers``: the
 ``per_example`` route on CPU).
 
 For each workload of ``trainer.packing.workloads`` (DailyDialog-like lengths; a heavy tail, capped at the
@@ -49,9 +49,9 @@ SHAPES = {
         linear_value_head_dim=64,
     ),
     "nemotron_h": dict(
-        hidden_size=512, intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+        hidden_size=768, intermediate_size=2304, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
         head_dim=64, layers_block_type=["mamba", "mlp", "mamba", "attention", "mamba", "mlp", "mamba", "mlp"],
-        mamba_num_heads=16, mamba_head_dim=64, ssm_state_size=64, n_groups=1, chunk_size=128,
+        mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=64, n_groups=1, chunk_size=128,
     ),
 }
 
