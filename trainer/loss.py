@@ -61,14 +61,17 @@ class LogitTransform:
     scale: float = 1.0
     """Multiplies the logits: Cohere's ``logit_scale``, Granite's ``1 / logits_scaling``."""
     softcap: float | None = None
-    """``softcap * tanh(logits / softcap)``, after the scale: Gemma2's ``final_logit_softcapping``."""
+    """``softcap * tanh(logits / softcap)``, after the scale: Gemma2's ``final_logit_softcapping``,
+    RecurrentGemma's ``logits_soft_cap``."""
 
     @classmethod
     def of(cls, config: Any) -> LogitTransform:
         scale = float(getattr(config, "logit_scale", None) or 1.0)
         if getattr(config, "logits_scaling", None):
             scale /= float(config.logits_scaling)
-        return cls(scale=scale, softcap=getattr(config, "final_logit_softcapping", None) or None)
+        # RecurrentGemma names its final softcap logits_soft_cap
+        softcap = getattr(config, "final_logit_softcapping", None) or getattr(config, "logits_soft_cap", None)
+        return cls(scale=scale, softcap=softcap or None)
 
     def apply(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The transformed logits and, with a softcap, ``d softcap(z) / dz`` (``1 - tanh^2``)."""
@@ -232,7 +235,9 @@ class HeadLoss:
 
     def __call__(self, hidden, weight, bias, targets) -> torch.Tensor:
         fn = liger_summed_loss if self.kernel == "liger" else chunked_summed_loss
-        return fn(hidden, weight, bias, targets, self.transform, self.chunk_tokens)
+        # The head reads the hidden states in its own dtype, as transformers' heads do (Mamba keeps its residual
+        # stream in fp32 and casts it to the bf16 head under mixed precision).
+        return fn(hidden.to(weight.dtype), weight, bias, targets, self.transform, self.chunk_tokens)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -276,8 +281,10 @@ def chunked_token_logps(
     transform: LogitTransform = LogitTransform(), chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Log-probability of each target ``[n]`` (fp32) under the LM head applied to ``hidden`` ``[n, hidden]``,
-    never holding more than one chunk's logits (the preference objective's building block)."""
-    return _ChunkedTokenLogprobs.apply(hidden, weight, bias, targets, transform, chunk_tokens_for(weight.shape[0], chunk_tokens))
+    never holding more than one chunk's logits (the preference objective's building block). The head reads
+    ``hidden`` in its own dtype (as ``HeadLoss``)."""
+    return _ChunkedTokenLogprobs.apply(hidden.to(weight.dtype), weight, bias, targets, transform,
+                                       chunk_tokens_for(weight.shape[0], chunk_tokens))
 
 
 def naive_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 import yaml
-from transformers import AutoConfig
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import REPO
 
@@ -16,14 +16,22 @@ from trainer.model.config_verdict import replica_config, verify_config
 from trainer.model.families import FamilyRefusedError
 
 
-def test_lfm2_conv_layers_are_refused_naming_the_setting(tmp_path, monkeypatch):
+def test_lfm2_conv_layers_bind_in_the_replica_and_are_kept_apart(tmp_path, monkeypatch):
+    """LFM2's short convolutions: with the token mixers left as transformers wrote them the replica sees them mix
+    examples and names the setting; kept per example (``trainer.model.mixers``) the config is exact."""
+    from trainer.model import prepare
+
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model("lfm2", layer_types=["conv", "full_attention", "conv", "conv"], num_hidden_layers=4)
-    with pytest.raises(FamilyRefusedError, match="'lfm2'.*layer_types contains 'conv'"):
-        verify_config(config)
-    with pytest.raises(FamilyRefusedError, match="'conv'"):  # the cached verdict refuses the same way
-        verify_config(config)
+    with monkeypatch.context() as patched:
+        patched.setattr(prepare, "keep_mixers_apart", lambda *args: [])
+        with pytest.raises(FamilyRefusedError, match="'lfm2'.*layer_types contains 'conv'"):
+            verify_config(config)
+        with pytest.raises(FamilyRefusedError, match="'conv'"):  # the cached verdict refuses the same way
+            verify_config(config)
     assert len(list((tmp_path / "verdicts").iterdir())) == 1
+    monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "kept"))
+    assert verify_config(config) == "exact"
 
 
 def test_plain_config_is_exact_and_cached(tmp_path, monkeypatch):
@@ -45,7 +53,6 @@ def test_chunked_loss_keeps_the_boundary_relay():
     """stablelm drops the boundaries in its layers; the chunked loss must go through the relay too."""
     from trainer.model.attention import resolve_backend
     from trainer.model.prepare import prepare_model
-    from transformers import AutoModelForCausalLM
 
     config = AutoConfig.for_model("stablelm", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
@@ -185,20 +192,24 @@ def test_gemma3n_nan_gradients_on_the_pad_token_are_refused(tmp_path, monkeypatc
     assert "\n" not in str(info.value)
 
 
-def test_lfm2_moe_with_conv_layers_is_refused_from_a_local_checkpoint_config(tmp_path, monkeypatch, tokenizer):
-    """``model.name_or_path`` at a local config (no weights needed: refused before loading them)."""
+def test_lfm2_moe_with_conv_layers_builds_from_a_local_checkpoint_config(tmp_path, monkeypatch, tokenizer):
+    """``model.name_or_path`` at a local config with short-convolution layers: judged exact, built, its
+    convolutions kept per example."""
     from trainer.config import ModelConfig
     from trainer.model import build_model, resolve_backend
+    from trainer.model.mixers import PackedMixerForward
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "cache"))
-    AutoConfig.for_model(
+    config = AutoConfig.for_model(
         "lfm2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
         layer_types=["conv", "full_attention"], vocab_size=256,
-    ).save_pretrained(tmp_path / "lfm2_moe")
-    with pytest.raises(FamilyRefusedError, match="'lfm2_moe'.*conv"):  # the table's refusal, or the verdict's
-        build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
-                    resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
+    )
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "lfm2_moe")
+    model = build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
+                        resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
+    kept = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), PackedMixerForward)]
+    assert [type(m).__name__ for m in kept] == ["Lfm2MoeShortConv"]
 
 
 MLA_FAMILIES = ["deepseek_v3", "deepseek_v2", "glm4_moe_lite", "minicpm3", "youtu", "axk1", "sarvam_mla"]

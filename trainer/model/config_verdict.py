@@ -47,11 +47,12 @@ SMALL = {
     "sliding_window": 6, "attention_chunk_size": 8, "window_size": 6, "chunk_size": 8, "floor_scale": 8,
     "index_topk": 8, "index_block_size": 4, "index_topk_blocks": 2, "sliding_window_size": 6,
     "attention_window_size": 6, "local_attention_window_len": 6,
+    "mamba_chunk_size": 8,
 }
 """Window / chunk sizes of the replica, under each name a family gives them (the user's are far longer than any
 probe example); Llama 4's attention temperature steps every ``floor_scale`` positions; an indexer selects
 ``index_topk`` keys, or ``index_topk_blocks`` blocks of ``index_block_size`` (8 keys, below the longest
-example, so it binds)."""
+example, so it binds); a Mamba-2 scan runs in chunks of ``mamba_chunk_size``."""
 ROPE_ORIGINAL = 16
 """The replica's rope threshold (``original_max_position_embeddings``): below the longest example."""
 CONTEXT = 64

@@ -39,12 +39,14 @@ class FamilyRefusedError(ConfigError):
 # Reasons, one per kind of failure the matrix found.
 NO_INTERFACE = "its attention does not go through transformers' attention interface, so the example boundaries never reach it"
 DROPS_KWARGS = "its layers call the attention without the keyword arguments that carry the example boundaries"
-RECURRENT = "a recurrent / state-space layer carries its state across the examples of a packed row"
-LINEAR_ATTENTION = (
-    "its gated delta-rule (linear attention) layers keep packed examples apart only through flash-linear-attention, "
-    "untested here"
+HUB_KERNEL = (
+    "on a GPU transformers builds its WKV attention by fetching a kernel from the Hugging Face Hub "
+    "(kernels-community/rwkv), code packfsdp does not run"
 )
-CONVOLUTION = "a short causal convolution runs across the example boundaries of a packed row"
+ROW_POSITIONS = (
+    "its attention adds learned relative-position logits and log-scaling computed from positions over the whole "
+    "row (not position_ids), which the packed attention backends do not apply"
+)
 OWN_MASK = "its attention adds a learned dynamic mask through the attention mask, which packed attention has not"
 INDEXER = (
     "its attention attends to the keys a DSA indexer selects per query, through the attention mask: packed "
@@ -107,6 +109,10 @@ EXACT: frozenset[str] = frozenset(
         "youtu",
         # built by the tiny probe since its shrinking rules keep each config's constraints (transformers 5.25)
         "cohere_compass_text", "dbrx", "ergo", "gemma3n_text", "longcat_flash", "minicpm5_moe", "param2moe",
+        # token mixers outside attention, kept per example (trainer.model.mixers)
+        "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
+        "lara_mini", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text",
+        "qwen3_5_text", "qwen3_next", "recurrent_gemma", "xlstm", "zamba", "zamba2",
     }
 )
 """Probed exact (transformers ``TESTED_WITH``): the trainer's step on a tiny default config. Some only for
@@ -117,10 +123,6 @@ EXACT_IF: dict[str, str] = {
     "llama4_text": (
         "with its chunked-attention layers cut at every chunk and its NoPE layers' attention temperature read from "
         "positions (trainer.model.layer_relay); a chunk shorter than an example is refused under parallel.cp"
-    ),
-    "lfm2": (
-        "on configs of attention layers only (its default); short-convolution layers ('conv' in layer_types, "
-        "as the released LFM2 checkpoints have) are refused by the config verdict"
     ),
     "phimoe": "with its sliding window handed to its layers (its attention does not pass it on: layer_relay)",
     "qwen2_moe": "with its sliding layers' window handed to them (its attention does not pass it on: layer_relay)",
@@ -162,15 +164,8 @@ def _reasons(reason: str, *families: str) -> dict[str, str]:
 REFUSED: dict[str, str] = {
     **_reasons(NO_INTERFACE, "bloom", "cpmant", "falcon", "gpt_neo", "gpt_neox_japanese", "mpt", "openai-gpt", "xglm"),
     **_reasons(DROPS_KWARGS, "blt", "inkling2_text", "inkling2_loop_text"),
-    **_reasons(
-        RECURRENT, "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "mamba", "minimax", "nemotron_h",
-        "recurrent_gemma", "rwkv", "xlstm", "zamba", "zamba2",
-    ),
-    **_reasons(
-        LINEAR_ATTENTION, "bailing_hybrid", "kimi_linear", "lara_mini", "olmo_hybrid", "qwen3_5_text", "qwen3_5_moe_text",
-        "qwen3_next", "qwen4_exp_text",
-    ),
-    **_reasons(CONVOLUTION, "inkling_text", "lfm2_moe", "lfm3", "zaya"),
+    **_reasons(HUB_KERNEL, "rwkv"),
+    **_reasons(ROW_POSITIONS, "inkling_text"),
     **_reasons(INDEXER, "axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "kolibri1_1"),
     **_reasons(OWN_MASK, "doge"),
 }
@@ -191,9 +186,9 @@ SKIPPED: dict[str, str] = {
 """Not decoder-only causal LMs (refused the same way, with the reason). A multimodal family (transformers'
 multimodal-LM mapping) takes its text family's verdict or is skipped, with why (``multimodal_verdict``)."""
 
-NOT_PROBED = frozenset({"mamba2"})
-"""Families of ``TESTED_WITH`` the tiny probe could not build (Mamba-2 validates heads x head dim = expand x
-hidden, which the tiny widths break): untested, so they train only behind the startup self-check."""
+NOT_PROBED: frozenset[str] = frozenset()
+"""Families of ``TESTED_WITH`` the tiny probe could not build: untested, so they train only behind the startup
+self-check (none left; a family newer than the table is untested the same way)."""
 
 
 @dataclass(frozen=True)

@@ -67,6 +67,11 @@ SHRINK = {
     "attention_head_dim": 32, "mamba_dt_rank": 8, "model_max_length": 64, "vocab_size_per_layer_input": VOCAB,
     "hidden_size_per_layer_input": 16, "rotary_dim": 8, "num_experts_per_token": 2, "moe_topk": 2, "index_num_heads": 2,
     "hidden_size_global": 64, "encoder_hash_byte_group_vocab": VOCAB, "indexer_n_heads": 2, "indexer_head_dim": 16,
+    # state-space / linear-attention mixers (trainer.model.mixers): heads x head dim = expand x hidden
+    "expand": 1, "state_size": 16, "n_groups": 1, "mamba_n_heads": 8,
+    "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128, "mamba_n_groups": 1, "mamba_chunk_size": 8,
+    "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_mamba_heads": 8, "mamba_headdim": 16,
+    "hybrid_layer_ids": [1],  # Zamba2's second (hybrid) layer of the two
 }
 """Tiny values for the config fields a family has (a field the family lacks is left out), shrunk by
 ``shrunk_shapes``: never above the config's own value, the config's equalities kept."""
@@ -284,6 +289,9 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
     out |= {k: sum(lo <= i < hi for i in keep) for k, lo, hi in zip(sections, [0] + bounds, bounds)}
     if "attention_types" in values and "attention_layers" in out:  # GPT-Neo derives its layers from this
         out["attention_types"] = [[[kind], 1] for kind in out["attention_layers"]]
+    for k, v in values.items():  # a layer pattern by period (Jamba: attention every 8th layer from the 4th)
+        if k.endswith("_layer_period") and isinstance(v, int) and not isinstance(v, bool) and v > len(keep):
+            out[k], out[k.replace("_period", "_offset")] = 2, 1  # keeps both kinds of layer
     return out
 
 

@@ -14,6 +14,7 @@ from trainer.model.attention import AttentionBackend
 from trainer.model.config_verdict import verify_config
 import trainer.model.multimodal as multimodal
 from trainer.model.families import check_family
+from trainer.model.mixers import describe as describe_mixers
 from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM
 
@@ -81,5 +82,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         cfg.dtype,
     )
     wrapped = prepare_model(model, backend)
+    for line in describe_mixers(wrapped.token_mixers):
+        log.info("%s", line)
     wrapped.multimodal = kept
     return wrapped

@@ -1,4 +1,5 @@
-"""Make a built transformers causal LM exact for packed rows: per-example rope, the boundary relay."""
+"""Make a built transformers causal LM exact for packed rows: per-example rope, the boundary relay, token mixers
+kept per example."""
 
 from __future__ import annotations
 
@@ -9,46 +10,47 @@ import torch
 from trainer.model.attention import AttentionBackend
 from trainer.model.families import RELAY_BOUNDARIES
 from trainer.model.layer_relay import relay_layer_settings
+from trainer.model.mixers import find_token_mixers, keep_mixers_apart
+from trainer.model.relay import BoundaryRelay
 from trainer.model.rope import apply_per_example_rope
 from trainer.model.wrapper import VarlenCausalLM, decoder_of
 
 
 def prepare_model(model: torch.nn.Module, backend: AttentionBackend) -> VarlenCausalLM:
     """A built transformers causal LM made exact for packed rows and wrapped for varlen batches: rope
-    computed per example where its frequencies depend on the length (``trainer.model.rope``), the
-    example boundaries handed to the attention modules of a family whose layers drop them
-    (``families.RELAY_BOUNDARIES``), and the windows / chunks a family keeps in its mask handed to its
-    layers (``trainer.model.layer_relay``)."""
+    computed per example where its frequencies depend on the length (``trainer.model.rope``), the example
+    boundaries handed to the attention modules of a family whose layers drop them
+    (``families.RELAY_BOUNDARIES``), the windows / chunks a family keeps in its mask handed to its layers
+    (``trainer.model.layer_relay``), and every token mixer outside attention (convolutions, state-space
+    scans, linear-attention recurrences) run per example (``trainer.model.mixers``)."""
     apply_per_example_rope(model)
-    if getattr(model.config, "model_type", None) in RELAY_BOUNDARIES:
-        relay_boundaries(model)
+    wrapped = VarlenCausalLM(model, backend)
+    relays = getattr(model.config, "model_type", None) in RELAY_BOUNDARIES
+    if relays or find_token_mixers(model):
+        relay = BoundaryRelay().attach(model, decoder_of(model), wrapped.decoder_layers())
+        if relays:
+            relay_boundaries(model, relay)
+        wrapped.token_mixers = keep_mixers_apart(model, relay, backend.device)
     relay_layer_settings(model, decoder_of(model), _calls_attention_interface)
-    return VarlenCausalLM(model, backend)
+    return wrapped
 
 
-BOUNDARY_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+class _HandOver:
+    """A pre-hook that adds the relay's boundaries to an attention module's call (a bound method's owner:
+    ``deepcopy`` of the model copies it with its relay)."""
+
+    def __init__(self, relay: BoundaryRelay) -> None:
+        self.relay = relay
+
+    def __call__(self, _module, args, kwargs):
+        return args, {**self.relay.current(), **kwargs}
 
 
-def relay_boundaries(model: torch.nn.Module) -> int:
-    """Hand the packed boundaries the model was called with to every attention module (those that call
-    transformers' attention interface) that did not receive them; returns how many modules were hooked."""
-    boundaries: dict = {}
-
-    def remember(_module, _args, kwargs):
-        boundaries.clear()
-        boundaries.update({k: kwargs[k] for k in BOUNDARY_KWARGS if kwargs.get(k) is not None})
-
-    def forget(_module, _args, _kwargs, _output):
-        boundaries.clear()
-
-    def hand_over(_module, args, kwargs):
-        return args, {**boundaries, **kwargs}
-
-    # On the decoder stack: the causal LM hands it the boundaries, and the chunked loss calls it directly.
-    decoder = decoder_of(model)
-    decoder.register_forward_pre_hook(remember, with_kwargs=True)
-    decoder.register_forward_hook(forget, with_kwargs=True, always_call=True)
+def relay_boundaries(model: torch.nn.Module, relay: BoundaryRelay) -> int:
+    """Hand the packed boundaries the model was called with (``relay``) to every attention module (those that
+    call transformers' attention interface) that did not receive them; returns how many modules were hooked."""
     hooked = [m for m in model.modules() if _calls_attention_interface(type(m))]
+    hand_over = _HandOver(relay)
     for module in hooked:
         module.register_forward_pre_hook(hand_over, with_kwargs=True)
     return len(hooked)

@@ -81,6 +81,8 @@ class VarlenCausalLM(nn.Module):
         """The loss ``token_loss`` runs: naive until ``use_loss`` picks one."""
         self.router_aux: RouterAux | None = None
         """The router aux loss the config asks for (``trainer.router_aux.use_router_aux``); ``None``: none."""
+        self.token_mixers: list = []
+        """The modules that mix tokens outside attention, kept per example (``trainer.model.mixers``)."""
 
     @property
     def config(self):
@@ -227,9 +229,13 @@ class VarlenCausalLM(nn.Module):
         return f"{type(self.model).__name__}'s logits are not its head's output ({transform})"
 
     def decoder_layers(self) -> list[nn.Module]:
-        """The repeated transformer blocks (the units FSDP shards and checkpointing wraps)."""
+        """The repeated transformer blocks (the units FSDP shards and checkpointing wraps): the outermost
+        modules of the classes transformers lists in ``_no_split_modules`` (Mamba lists its mixer too, which
+        sits inside its block)."""
         names = set(getattr(self.model, "_no_split_modules", None) or [])
         layers = [m for m in self.model.modules() if type(m).__name__ in names]
+        inner = {id(c) for layer in layers for c in layer.modules() if c is not layer}
+        layers = [m for m in layers if id(m) not in inner]
         if not layers:
             raise RuntimeError(f"cannot find the decoder layers of {type(self.model).__name__}")
         return layers

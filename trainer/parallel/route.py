@@ -25,6 +25,7 @@ import torch.distributed as dist
 from trainer import distributed
 from trainer.collate import Batch
 from trainer.config import ConfigError, ParallelConfig
+from trainer.model.mixers import find_token_mixers
 from trainer.model.rope import length_dependent_rope_modules
 from trainer.parallel.cp_layout import ShardedBatch, plan_shards, row_hash, row_lengths, shard_batch, split_skew
 
@@ -33,11 +34,18 @@ log = logging.getLogger("trainer")
 
 def refuse_unshardable(model: torch.nn.Module, cp: int) -> None:
     """A model that cannot be made exact under cp > 1, refused in one line: length-dependent rope types
-    (``dynamic``, ``longrope``) need each example's *global* length, which one rank's shard does not show."""
+    (``dynamic``, ``longrope``) need each example's *global* length, which one rank's shard does not show;
+    token mixers outside attention (``trainer.model.mixers``) need the state of the tokens before the shard."""
     if cp > 1 and (found := length_dependent_rope_modules(model)):
         raise ConfigError(
             f"parallel.cp={cp}: {type(model).__name__}'s rotary embedding {found[0][0]!r} depends on each example's "
             "whole length (dynamic/longrope rope), which a context-parallel shard does not see; use parallel.cp=1"
+        )
+    if cp > 1 and (mixers := find_token_mixers(model)):
+        raise ConfigError(
+            f"parallel.cp={cp}: {type(model).__name__}'s {type(mixers[0].module).__name__} ({mixers[0].name}) mixes "
+            f"tokens outside attention ({' + '.join(mixers[0].traits)}): its state would have to pass from rank to "
+            "rank along the row, which packfsdp does not do; use parallel.cp=1"
         )
 
 
