@@ -108,7 +108,7 @@ def test_a_layer_that_selects_its_keys_is_refused_at_build():
     assert check_family(sliding).kind == "exact"
     with pytest.raises(FamilyRefusedError, match="'deepseek_v32' .*DSA indexer"):
         check_family(transformers.AutoConfig.for_model("deepseek_v32"))
-    for family in ("llama4_text", "lfm2", "deepseek_v4", "minimax_m3_vl_text"):
+    for family in ("llama4_text", "deepseek_v4", "minimax_m3_vl_text"):
         assert verdict(family).reason, verdict(family)
 
 

@@ -184,8 +184,8 @@ def test_lora_on_the_language_model_exports_merged_into_the_multimodal_model(gem
 def test_the_route_follows_the_text_familys_verdict(gemma3_folder, tokenizer, monkeypatch):
     """Generic, not per family: the day a text family's verdict changes, its multimodal checkpoints follow."""
     monkeypatch.setattr(families, "EXACT", families.EXACT - {"gemma3_text"})
-    monkeypatch.setitem(families.REFUSED, "gemma3_text", families.LINEAR_ATTENTION)
-    with pytest.raises(FamilyRefusedError, match="^model family 'gemma3_text' cannot be trained packed exactly: its gated"):
+    monkeypatch.setitem(families.REFUSED, "gemma3_text", families.OWN_MASK)
+    with pytest.raises(FamilyRefusedError, match="^model family 'gemma3_text' cannot be trained packed exactly: its attention adds"):
         built(gemma3_folder, tokenizer)
     assert verdict("gemma3").kind == "refused"
 

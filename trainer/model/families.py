@@ -112,7 +112,7 @@ EXACT: frozenset[str] = frozenset(
         # token mixers outside attention, kept per example (trainer.model.mixers)
         "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
         "lara_mini", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text",
-        "qwen3_5_text", "qwen3_next", "recurrent_gemma", "xlstm", "zamba", "zamba2",
+        "qwen3_5_text", "qwen3_next", "recurrent_gemma", "xlstm", "zamba", "zamba2", "lfm2_moe", "zaya",
     }
 )
 """Probed exact (transformers ``TESTED_WITH``): the trainer's step on a tiny default config. Some only for
@@ -166,7 +166,8 @@ REFUSED: dict[str, str] = {
     **_reasons(DROPS_KWARGS, "blt", "inkling2_text", "inkling2_loop_text"),
     **_reasons(HUB_KERNEL, "rwkv"),
     **_reasons(ROW_POSITIONS, "inkling_text"),
-    **_reasons(INDEXER, "axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "kolibri1_1"),
+    **_reasons(INDEXER, "axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "kolibri1_1",
+              "qwen4_exp_text"),
     **_reasons(OWN_MASK, "doge"),
 }
 """Would crash or train wrong when packed: ``build_model`` refuses them with the reason."""

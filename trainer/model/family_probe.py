@@ -71,7 +71,6 @@ SHRINK = {
     "expand": 1, "state_size": 16, "n_groups": 1, "mamba_n_heads": 8,
     "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128, "mamba_n_groups": 1, "mamba_chunk_size": 8,
     "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_mamba_heads": 8, "mamba_headdim": 16,
-    "hybrid_layer_ids": [1],  # Zamba2's second (hybrid) layer of the two
 }
 """Tiny values for the config fields a family has (a field the family lacks is left out), shrunk by
 ``shrunk_shapes``: never above the config's own value, the config's equalities kept."""
