@@ -100,6 +100,9 @@ FIRST_LAYERS = ("first_k_dense_replace", "num_dense_layers", "max_window_layers"
 LAST_LAYERS = ("num_kv_shared_layers",)
 """Counts of the config's last layers that differ (Gemma 3n's layers reusing an earlier layer's keys)."""
 COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
+MAMBA_WIDTHS = (("mamba_n_heads", "mamba_d_head", "mamba_d_ssm"),)
+"""(heads, head dim, inner width) of a Mamba-2 mixer whose config sets all three (Falcon-H1): shrunk, the inner
+width follows the other two, as the config validates."""
 DEFAULT_FIXES = {
     "cohere_compass_text": {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0}
                                                 for kind in ("full_attention", "sliding_attention")}},
@@ -203,6 +206,9 @@ def shrunk_shapes(values: dict) -> dict:
     for name in TOP_K:
         if name in out and experts:
             out[name] = min(out[name], min(experts))
+    for heads, head, inner in MAMBA_WIDTHS:  # a Mamba-2 scan's inner width is its heads x head dim (validated)
+        if {heads, head, inner} <= out.keys() and isinstance(values.get(inner), int):
+            out[inner] = out[heads] * out[head]
     for name, value in values.items():  # sub-configs (DBRX's attention and FFN, BLT's encoder / decoder)
         if isinstance(value, dict) and name not in ("rope_parameters", "rope_scaling") and value.keys() & SHRINK.keys():
             own = {k: v for k, v in value.items() if k not in _base_fields() or k in SHRINK}  # 5.17's DBRX takes no others
