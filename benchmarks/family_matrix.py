@@ -39,9 +39,9 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.model.certification import Stage  # noqa: E402
-from trainer.model.certification.replica import probe  # noqa: E402
-from trainer.model.families import TESTED_WITH, verdict  # noqa: E402
+from trainer.model.certification import Stage
+from trainer.model.certification.replica import probe
+from trainer.model.families import TESTED_WITH, verdict
 
 
 def causal_lm_families() -> list[str]:
@@ -161,15 +161,16 @@ def main(argv: list[str] | None = None) -> int:
             record |= {"probe": f"{result.outcome}: {result.detail}", "seconds": round(seconds, 1)}
             ok = agrees(v.kind, result.outcome)
             mismatches += not ok
-            line += f"{'  ' if v.reason else ''}[probe: {result.outcome}: {result.detail}]" + ("" if ok else "  MISMATCH")
+            line += f"{'  ' if v.reason else ''}[probe: {result.outcome}: {result.detail}]"
+            line += "" if ok else "  MISMATCH"
         records.append(record)
         if not args.markdown:
             print(line, flush=True)
     if args.markdown:
         print(markdown(rows))
     counts = {k: sum(1 for _, kind, _ in rows if kind == k) for k in ("exact", "refused", "skipped", "untested")}
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; probed in {time.monotonic() - start:.0f} s" if args.probe else ""),
-          file=sys.stderr)
+    took = f"; probed in {time.monotonic() - start:.0f} s" if args.probe else ""
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + took, file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
     return 1 if mismatches else 0

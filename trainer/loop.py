@@ -42,8 +42,8 @@ from trainer.metrics import (
     trim_metrics,
 )
 from trainer.model import DTYPES, build_model
-from trainer.model.lora import apply_peft
 from trainer.model.certification import certify, worst_case_microbatch
+from trainer.model.lora import apply_peft
 from trainer.objectives import RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.pipeline import build_training_data, resolve_attention

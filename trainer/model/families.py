@@ -24,7 +24,10 @@ from dataclasses import dataclass
 import transformers
 from packaging.version import Version
 from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+)
 
 from trainer.config import ConfigError
 from trainer.model_config import language_model_config

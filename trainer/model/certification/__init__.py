@@ -18,8 +18,8 @@ tolerance per dtype, one NaN rule, one result type (``engine.Measurement``). ``b
 """
 
 from trainer.model.certification.certificate import Certificate, Stage, refusal_line
-from trainer.model.certification.stages import check_model, certify, certify_config, worst_case_microbatch
 from trainer.model.certification.engine import Measurement, TokenLossCheck, measure, packed_batch
+from trainer.model.certification.stages import certify, certify_config, check_model, worst_case_microbatch
 
 __all__ = [
     "Certificate", "Measurement", "Stage", "TokenLossCheck", "certify", "certify_config", "check_model", "measure",

@@ -56,7 +56,8 @@ def _installed(name: str) -> str | None:
 
 def verdict_key(config, version: int) -> dict:
     """Everything the verdict of ``config`` depends on (see the module doc)."""
-    values = {k: v for k, v in config.to_dict().items() if k not in ("transformers_version", "_name_or_path", "architectures")}
+    unkeyed = ("transformers_version", "_name_or_path", "architectures")
+    values = {k: v for k, v in config.to_dict().items() if k not in unkeyed}
     return {
         "verdict_version": version,
         "code": _code_digest(),
@@ -124,6 +125,7 @@ def write_verdict(path: Path | None, key: dict, outcome: str, line: str) -> None
         tmp.write_text(json.dumps(entry))
         os.replace(tmp, path)  # replaces a link itself, never writes through it
     except OSError as e:
-        log.warning("replica verdict cache %s not written (%s): the next run judges the config again", path, e.strerror or e)
+        log.warning("replica verdict cache %s not written (%s): the next run judges the config again", path,
+                    e.strerror or e)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

@@ -84,7 +84,7 @@ def example_spans(batch: Batch) -> list[tuple[int, slice]]:
     """(row, token slice) of every example (or piece) of the batch, in order."""
     if batch.packed:
         cu = batch.cu_seqlens.tolist()
-        return [(0, slice(s, e)) for s, e in zip(cu[:-1], cu[1:])]
+        return [(0, slice(s, e)) for s, e in zip(cu[:-1], cu[1:], strict=True)]
     lengths = batch.attention_mask.sum(dim=1).tolist()
     return [(row, slice(0, int(n))) for row, n in enumerate(lengths)]
 
@@ -100,7 +100,8 @@ def check_positions(batch: Batch, starts: list[int] | None = None) -> None:
                 f"position_ids of the example at tokens {span.start}-{span.stop} do not restart at {first}"
             )
         if int(batch.labels[row, span.start]) != IGNORE_INDEX:
-            raise SelfCheckError(f"the example at token {span.start} has a label on its first token (crosses a boundary)")
+            raise SelfCheckError(
+                f"the example at token {span.start} has a label on its first token (crosses a boundary)")
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -169,7 +170,8 @@ def gradient_digest(model: torch.nn.Module, full: bool) -> dict[str, torch.Tenso
     out = {}
     for i, (name, param) in enumerate(sorted(model.named_parameters(), key=lambda kv: kv[0])):
         if param.grad is not None:
-            out[name] = param.grad.detach().clone() if full else _projections(param.grad, PROJECTION_SEED + 1_000_003 * i)
+            grad = param.grad.detach()
+            out[name] = grad.clone() if full else _projections(grad, PROJECTION_SEED + 1_000_003 * i)
     _zero_grads(model)
     return out
 
@@ -179,7 +181,8 @@ def not_finite(digest: dict[str, torch.Tensor]) -> str:
     return next((f"the gradient of {n}" for n, g in sorted(digest.items()) if not torch.isfinite(g).all()), "")
 
 
-def gradient_gap(packed: dict[str, torch.Tensor], alone: dict[str, torch.Tensor], full: bool, floor: float = 0.0) -> float:
+def gradient_gap(packed: dict[str, torch.Tensor], alone: dict[str, torch.Tensor], full: bool,
+                 floor: float = 0.0) -> float:
     """``full``: the worst parameter's max |diff| relative to max(1, its largest |value| alone), ``inf`` for a
     gradient one side lacks; projections: the summed projections' max |diff| relative to the reference's RMS
     (at least ``floor``)."""
@@ -255,7 +258,8 @@ def nan_line(m: Measurement, alone: bool) -> str:
     if alone:
         return (f"{m.alone_nan or '(on another rank)'} is not finite (NaN) with its examples run one by one, "
                 "unpacked: the model's own computation, not packing's; a step would train nothing")
-    return f"{m.mode}, {m.packed_nan or '(on another rank)'} is not finite (NaN) where its examples run one by one are finite"
+    where = m.packed_nan or "(on another rank)"
+    return f"{m.mode}, {where} is not finite (NaN) where its examples run one by one are finite"
 
 
 class _Packed(NamedTuple):
@@ -273,14 +277,14 @@ def _run_packed(model, batch: Batch, loss, route, trains: bool, full: bool) -> _
     if trains:
         if route is not None:  # under cp: the row sharded over the group, the loss on its gathered logits
             logits = _wide(route.logits(batch))
-            token_losses = [_token_losses(logits[row, span], batch.labels[row, span]) for row, span in example_spans(batch)]
+            token_losses = [_token_losses(logits[r, s], batch.labels[r, s]) for r, s in example_spans(batch)]
             total, values = loss.packed(model, batch, token_losses)
         else:  # the run's own loss through its own path, over its own count, as a step takes it
             total, values = loss.packed(model, batch)
         total.backward()
         value, digest = float(total.detach()), gradient_digest(model, full)
         if route is not None:  # each rank's share of the row's gradient: summed over the group
-            digest = dict(zip(digest, route.sum_over_ranks(torch.stack(list(digest.values())))))
+            digest = dict(zip(digest, route.sum_over_ranks(torch.stack(list(digest.values()))), strict=True))
     if logits is None:  # the chunked loss gives no logits; a frozen model ran no loss
         with torch.no_grad():
             logits = _wide(route.logits(batch) if route is not None else model(**batch.model_inputs()))
@@ -338,7 +342,8 @@ def measure(model, batch: Batch, loss=None, *, route=None, full: bool = False, c
     trains = any(p.requires_grad for p in model.parameters())
     policy = TOLERANCE.get(dtype, Tolerance(5e-2, 1e-1, 1e-1))
     m = Measurement("packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens,
-                    str(dtype).split(".")[-1], loss.describe(), logit_tolerance=policy.logits if tolerance is None else tolerance)
+                    str(dtype).split(".")[-1], loss.describe(),
+                    logit_tolerance=policy.logits if tolerance is None else tolerance)
     was_training = model.training
     model.eval()
     _zero_grads(model)
@@ -381,7 +386,8 @@ AUX_DIFF = "router aux loss (the batch's statistic vs its examples alone) relati
 AUX_GRAD = "router aux gradient gap"
 
 
-def router_aux_check(model, batch: Batch, policy: Tolerance, noise: float, token_grads: dict[str, torch.Tensor]) -> dict:
+def router_aux_check(model, batch: Batch, policy: Tolerance, noise: float,
+                     token_grads: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
     """The router aux loss of ``batch`` through the run's path against the same tokens' statistic from each
     example run alone (their ``RouterStats`` merged); with trainable parameters (``token_grads``: the token
     loss's reference digest) its gradient too, the reference's taken one example at a time with the batch's
@@ -399,8 +405,8 @@ def router_aux_check(model, batch: Batch, policy: Tolerance, noise: float, token
         packed = gradient_digest(model, False)
     parts = []
     for row, span in example_spans(batch):  # one example's graph at a time
-        ids = batch.input_ids[row : row + 1, span]
-        part = model.router_statistics(ids, batch.position_ids[row : row + 1, span], attention_mask=torch.ones_like(ids))
+        ids, positions = batch.input_ids[row : row + 1, span], batch.position_ids[row : row + 1, span]
+        part = model.router_statistics(ids, positions, attention_mask=torch.ones_like(ids))
         if token_grads:
             part.with_counts_of(stats).backward()
         parts.append(RouterStats(*(t.detach() for t in part)))

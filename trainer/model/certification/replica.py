@@ -12,9 +12,10 @@ then takes one optimizer step (the trainer's default AdamW, clipping) and is mea
 
 Its outcome (``Stage``): ``exact``; ``wrong`` (examples mix, the setting named by switching each candidate
 off in turn; only the packed side is not finite; or the packed backend refuses the row, its boundaries lost);
-``refused`` (packfsdp refuses it while building, or its examples alone are not finite: the model's own NaN). A replica that cannot be built or run, or whose packed
-run raises, is no verdict on the user's model: the larger replica (the config's own widths,
-``larger_replica``) is tried, then the startup self-check decides (``unbuildable``).
+``refused`` (packfsdp refuses it while building, or its examples alone are not finite: the model's own NaN).
+A replica that cannot be built or run, or whose packed run raises, is no verdict on the user's model: the
+larger replica (the config's own widths, ``larger_replica``) is tried, then the startup self-check decides
+(``unbuildable``).
 
 ``probe(family)`` is the same stage on a family's default config: ``benchmarks/family_matrix.py --probe``.
 """
@@ -34,7 +35,7 @@ from trainer.model.attention import AttentionNeeds, resolve_backend
 from trainer.model.certification.cache import cache_file, read_verdict, verdict_key, write_verdict
 from trainer.model.certification.certificate import REPLICA, Stage
 from trainer.model.certification.engine import Measurement, TokenLossCheck, measure, nan_line, packed_batch
-from trainer.model.certification.shrink import SMALL, SHRINK, default_config, replica_config
+from trainer.model.certification.shrink import SHRINK, SMALL, default_config, replica_config
 from trainer.model.families import selected_keys, text_family
 from trainer.model.prepare import prepare_model
 from trainer.optim import build_optimizer
@@ -99,7 +100,8 @@ def optimizer_step(model, batch) -> bool:
 def _judged(m: Measurement, pad: int | None, after: str = "") -> Stage:
     """The stage a replica's measurement gives (``pad``: the token its first example starts with, if the pad)."""
     if m.alone_nan:  # the model itself, one example at a time: no packing can fix it
-        return Stage(REPLICA, "refused", after + nan_line(m, alone=True) + (PAD_NAN.format(pad=pad) if pad is not None else ""), m)
+        pad_note = PAD_NAN.format(pad=pad) if pad is not None else ""
+        return Stage(REPLICA, "refused", after + nan_line(m, alone=True) + pad_note, m)
     if m.packed_nan:
         return Stage(REPLICA, "wrong", after + nan_line(m, alone=False), m)
     if not m.ok:
@@ -124,14 +126,14 @@ def _in_dtype(config, dtype: torch.dtype) -> Stage:
                   attention_mask=torch.ones_like(examples[0])[None])
     except Exception as e:  # noqa: BLE001 - transformers' own path fails on the replica: no verdict
         return Stage(REPLICA, "unbuildable", "runs alone: " + _named(e))
-    batch = packed_batch(examples)
+    batch, summed = packed_batch(examples), TokenLossCheck(per_label=False)
     try:
-        found = _judged(measure(model, batch, TokenLossCheck(per_label=False), full=True), pad)
+        found = _judged(measure(model, batch, summed, full=True), pad)
         if found.outcome != "exact":
             return found
         if not optimizer_step(model, batch):
             return Stage(REPLICA, "wrong", "after one optimizer step: a weight is not finite", found.measurement)
-        after = _judged(measure(model, batch, TokenLossCheck(per_label=False), full=True), pad, "after one optimizer step: ")
+        after = _judged(measure(model, batch, summed, full=True), pad, "after one optimizer step: ")
     except AttentionBackendError as e:  # the backend cannot keep this packed row's examples apart, and says so
         return Stage(REPLICA, "wrong", first_line(e))
     except ConfigError as e:
@@ -149,7 +151,7 @@ def run_replica(config) -> Stage:
     if found.outcome in ("unbuildable", "error"):
         fallback = _in_dtype(config, torch.float32)
         if fallback.outcome not in ("unbuildable", "error"):
-            return dataclasses.replace(fallback, detail=f"{fallback.detail} (the float64 replica fails: {found.detail})")
+            return dataclasses.replace(fallback, detail=f"{fallback.detail} (float64 fails: {found.detail})")
     if found.outcome == "refused" and "softcapping" in found.detail and getattr(config, "attn_logit_softcapping", None):
         config.attn_logit_softcapping = None
         found = run_replica(config)
@@ -210,32 +212,40 @@ def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
     values = config.to_dict()
     shown = values | ({k: v for k, v in user.to_dict().items() if k in SMALL} if user is not None else {})
     out = []
-    kinds = list(dict.fromkeys(values.get("layer_types") or []))
+    layer_types = values.get("layer_types") or []
+    kinds = list(dict.fromkeys(layer_types))
+
+    def replaced(kind, by) -> dict:
+        return {"layer_types": [by if k == kind else k for k in layer_types]}
+
     for kind in kinds:
         if "attention" not in str(kind):
-            other = next((k for k in kinds if "attention" in str(k)), "full_attention")
-            out.append((f"layer_types contains {kind!r}", {"layer_types": [other if k == kind else k for k in values["layer_types"]]}))
+            out.append((f"layer_types contains {kind!r}",
+                        replaced(kind, next((k for k in kinds if "attention" in str(k)), "full_attention"))))
     for kind in kinds:  # windowed / chunked attention layers, full otherwise
         if "attention" in str(kind) and kind != "full_attention":
-            size = next((f" ({n}={shown[n]})" for n in ("sliding_window", "attention_chunk_size") if values.get(n) and n.split("_")[0][:5] in kind), "")
-            out.append((f"layer_types {kind!r}{size}", {"layer_types": ["full_attention" if k == kind else k for k in values["layer_types"]]}))
+            size = next((f" ({n}={shown[n]})" for n in ("sliding_window", "attention_chunk_size")
+                         if values.get(n) and n.split("_")[0][:5] in kind), "")
+            out.append((f"layer_types {kind!r}{size}", replaced(kind, "full_attention")))
     for name in ("sliding_window", "attention_chunk_size", "window_size", "chunk_size"):
         if values.get(name):
-            off = {name: None} | ({"use_sliding_window": False} if name == "sliding_window" and "use_sliding_window" in values else {})
+            sliding = name == "sliding_window" and "use_sliding_window" in values
             label = f"{name}={shown[name]}" + (" (use_sliding_window=true)" if values.get("use_sliding_window") else "")
-            out.append((label, off))
+            out.append((label, {name: None} | ({"use_sliding_window": False} if sliding else {})))
     for name in ("rope_parameters", "rope_scaling"):
         rope = values.get(name)
         if isinstance(rope, dict) and rope.get("rope_type", "default") != "default":
-            out.append((f"rope_type {rope['rope_type']!r}", {name: {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}}))
+            default = {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+            out.append((f"rope_type {rope['rope_type']!r}", {name: default}))
     for name in ("num_experts", "num_local_experts", "n_routed_experts"):
-        if values.get(name):
-            out.append((f"MoE routing ({name}={values[name]})", {name: 0} if name != "num_local_experts" else {name: 1}))
+        if values.get(name):  # Mixtral's num_local_experts=1: one expert, no routing
+            out.append((f"MoE routing ({name}={values[name]})", {name: int(name == "num_local_experts")}))
     for name in ("attn_logit_softcapping", "final_logit_softcapping"):
         if values.get(name):
             out.append((f"{name}={values[name]}", {name: None}))
     if values.get("attn_temperature_tuning") and values.get("floor_scale"):
-        out.append((f"attn_temperature_tuning (floor_scale={shown['floor_scale']})", {"attn_temperature_tuning": False}))
+        label = f"attn_temperature_tuning (floor_scale={shown['floor_scale']})"
+        out.append((label, {"attn_temperature_tuning": False}))
     return out
 
 
@@ -269,4 +279,6 @@ def cached_judge(config) -> Stage:
     return found
 
 
-__all__ = ["LENGTHS", "build_replica", "cached_judge", "candidate_settings", "judge", "probe", "replica_config", "run_replica"]
+__all__ = [
+    "LENGTHS", "build_replica", "cached_judge", "candidate_settings", "judge", "probe", "replica_config", "run_replica",
+]

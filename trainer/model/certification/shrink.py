@@ -74,6 +74,9 @@ FIRST_LAYERS = ("first_k_dense_replace", "num_dense_layers", "max_window_layers"
 LAST_LAYERS = ("num_kv_shared_layers",)
 """Counts of the config's last layers that differ (Gemma 3n's layers reusing an earlier layer's keys)."""
 COUNT_NAMES = ("num_hidden_layers", "n_layer", "num_layers")
+MAMBA_WIDTHS = (("mamba_n_heads", "mamba_d_head", "mamba_d_ssm"),)
+"""(heads, head dim, inner width) of a Mamba-2 mixer whose config sets all three (Falcon-H1): shrunk, the inner
+width follows the other two, as the config validates."""
 DEFAULT_FIXES = {
     "cohere_compass_text": {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0}
                                                 for kind in ("full_attention", "sliding_attention")}},
@@ -137,9 +140,13 @@ def shrunk_shapes(values: dict) -> dict:
     for name in TOP_K:
         if name in out and experts:
             out[name] = min(out[name], min(experts))
+    for heads, head, inner in MAMBA_WIDTHS:  # a Mamba-2 scan's inner width is its heads x head dim (validated)
+        if {heads, head, inner} <= out.keys() and isinstance(values.get(inner), int):
+            out[inner] = out[heads] * out[head]
     for name, value in values.items():  # sub-configs (DBRX's attention and FFN, BLT's encoder / decoder)
         if isinstance(value, dict) and name not in ("rope_parameters", "rope_scaling") and value.keys() & SHRINK.keys():
-            own = {k: v for k, v in value.items() if k not in _base_fields() or k in SHRINK}  # 5.17's DBRX takes no others
+            # 5.17's DBRX takes no others
+            own = {k: v for k, v in value.items() if k not in _base_fields() or k in SHRINK}
             out[name] = own | shrunk_shapes(value)
             out[name] |= shrunk_layers(value, 2, out[name])
     return out
@@ -199,8 +206,8 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
 
     keep, seen, combos = [], set(), set()
     while len(keep) < min(most, layers):  # the layer adding the most unseen settings (then an unseen
-        gain = max(((len(traits(i) - seen), frozenset(traits(i)) not in combos, -i) for i in range(layers)
-                    if i not in keep))  # combination of them), the earliest on a tie
+        gain = max((len(traits(i) - seen), frozenset(traits(i)) not in combos, -i) for i in range(layers)
+                    if i not in keep)  # combination of them), the earliest on a tie
         if not any(gain[:2]) and len(keep) >= 2:
             break
         keep.append(-gain[2])
@@ -217,7 +224,7 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
                 for j, v in values[k].items() if int(j) in keep} for k in keyed}
     out |= {k: sum(i < values[k] for i in keep) for k in first}
     out |= {k: sum(i >= layers - values[k] for i in keep) for k in last}
-    out |= {k: sum(lo <= i < hi for i in keep) for k, lo, hi in zip(sections, [0] + bounds, bounds)}
+    out |= {k: sum(lo <= i < hi for i in keep) for k, lo, hi in zip(sections, [0] + bounds, bounds, strict=False)}
     if "attention_types" in values and "attention_layers" in out:  # GPT-Neo derives its layers from this
         out["attention_types"] = [[[kind], 1] for kind in out["attention_layers"]]
     for k, v in values.items():  # a layer pattern by period (Jamba: attention every 8th layer from the 4th)
@@ -272,13 +279,22 @@ def replica_config(config, own_shapes: bool = False):
 
 
 def default_config(model_type: str, **overrides):
-    """The family's default transformers config (with ``DEFAULT_FIXES``), a sliding window of
-    ``SMALL["sliding_window"]`` where it has the field, then ``overrides``: the family matrix's probe."""
+    """The family matrix's start: the family's default transformers config (with ``DEFAULT_FIXES``) built
+    again from its shape fields shrunk (``shrunk_shapes``; two layers, of each kind where they differ,
+    ``shrunk_layers``), so the sizes it derives from them follow; a sliding window of ``SMALL`` where it has
+    the field; ``overrides`` last."""
     fixes = DEFAULT_FIXES.get(model_type, {})
     default = AutoConfig.for_model(model_type, **fixes)
-    fields = set(own_values(default)) | set(vars(default))
-    window = {"sliding_window": SMALL["sliding_window"]} if "sliding_window" in fields else {}
-    return AutoConfig.for_model(model_type, **(fixes | window | overrides))
+    values = own_values(default)
+    shrunk = shrunk_shapes(values)
+    if "sliding_window" in set(values) | set(vars(default)):
+        shrunk["sliding_window"] = SMALL["sliding_window"]
+    for most in (2, MAX_LAYERS):  # a family whose layer kinds need more (Gemma 3n's shared-KV layers)
+        try:
+            return AutoConfig.for_model(model_type, **(fixes | shrunk | shrunk_layers(values, most, shrunk) | overrides))
+        except (AttributeError, ValueError, KeyError, TypeError):  # a family that derives its layer types
+            continue
+    return AutoConfig.for_model(model_type, **(fixes | shrunk | overrides))
 
 
 __all__ = ["SMALL", "default_config", "own_values", "replica_config", "shrunk_layers", "shrunk_shapes"]

@@ -23,7 +23,12 @@ from trainer.model.certification.certificate import PRIOR, REPLICA, SELF_CHECK, 
 from trainer.model.certification.engine import measure, nan_line
 from trainer.model.certification.replica import cached_judge
 from trainer.model.families import (
-    NO_CAUSAL_LM, TESTED_WITH, FamilyRefusedError, has_causal_lm, selected_keys, verdict,
+    NO_CAUSAL_LM,
+    TESTED_WITH,
+    FamilyRefusedError,
+    has_causal_lm,
+    selected_keys,
+    verdict,
 )
 from trainer.model_config import trained_config
 from trainer.packing import piece_starts
@@ -94,7 +99,7 @@ def check_model(model, batch, tolerance: float | None = None, compute_dtype=None
                     starts=piece_starts(indices) if indices is not None else None, tolerance=tolerance)
     except SelfCheckError as e:  # the batch's positions or labels do not restart per example
         raise SelfCheckError(refusal_line(family, stage, f"{e}{STOPPING}")) from None
-    names, ratios = zip(*m.ratios.items())  # the same keys on every rank: the same loss of the check
+    names, ratios = list(m.ratios), list(m.ratios.values())  # the same keys on every rank: the same loss of the check
     # A NaN gap must fail: max() and the all-reduce would let a NaN ratio pass. Where a side is not finite
     # (any rank's) is said as such, never as examples that mix.
     nans = [float(bool(m.packed_nan)), float(bool(m.alone_nan))]
