@@ -202,7 +202,7 @@ def test_a_family_of_every_kind_probes_as_the_table_says():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes 10-30 min: PACKFSDP_FULL_MATRIX=1")
+@pytest.mark.skipif(not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes minutes: PACKFSDP_FULL_MATRIX=1")
 def test_every_family_is_exact_or_refused():
     """Every causal-LM family of the installed transformers, as ``benchmarks/family_matrix.py --probe``."""
     assert not probe_against_the_table(installed_families())

@@ -8,8 +8,8 @@ from trainer.model.certification.engine import Measurement
 
 PRIOR, REPLICA, SELF_CHECK = "table prior", "replica", "self-check"
 """The stages, in the order they run."""
-VOUCHES = ("exact",)
 REFUSES = ("refused", "wrong")
+"""The outcomes that refuse the model (``Stage.outcome``)."""
 
 
 @dataclass

@@ -291,7 +291,8 @@ def default_config(model_type: str, **overrides):
         shrunk["sliding_window"] = SMALL["sliding_window"]
     for most in (2, MAX_LAYERS):  # a family whose layer kinds need more (Gemma 3n's shared-KV layers)
         try:
-            return AutoConfig.for_model(model_type, **(fixes | shrunk | shrunk_layers(values, most, shrunk) | overrides))
+            layers = shrunk_layers(values, most, shrunk)
+            return AutoConfig.for_model(model_type, **(fixes | shrunk | layers | overrides))
         except (AttributeError, ValueError, KeyError, TypeError):  # a family that derives its layer types
             continue
     return AutoConfig.for_model(model_type, **(fixes | shrunk | overrides))

@@ -19,7 +19,15 @@ import numpy as np
 
 from trainer import distributed
 from trainer.errors import SelfCheckError
-from trainer.model.certification.certificate import PRIOR, REPLICA, SELF_CHECK, Certificate, Stage, refusal_line
+from trainer.model.certification.certificate import (
+    PRIOR,
+    REFUSES,
+    REPLICA,
+    SELF_CHECK,
+    Certificate,
+    Stage,
+    refusal_line,
+)
 from trainer.model.certification.engine import measure, nan_line
 from trainer.model.certification.replica import cached_judge
 from trainer.model.families import (
@@ -64,7 +72,7 @@ def replica_stage(config, family: str, self_check: bool) -> Stage:
     found: list[Stage] = []
     distributed.on_rank0_then_all(lambda: found.append(cached_judge(config)))  # rank 0's error is every rank's
     stage = distributed.broadcast_object(found[0] if found else None)
-    if stage.outcome in ("refused", "wrong"):
+    if stage.outcome in REFUSES:
         raise FamilyRefusedError(refusal_line(family, REPLICA, stage.detail))
     if stage.outcome == "unbuildable" and not self_check:
         raise FamilyRefusedError(refusal_line(family, REPLICA, f"{stage.detail}: {KEEP_SELF_CHECK}"))
