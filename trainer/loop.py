@@ -87,7 +87,7 @@ class Trainer:
         self.objective = build_objective(cfg, model)
         self.route = build_route(cfg.parallel, self.rank, self.world_size)
         self.route.prepare(model, self.sampler)
-        self.certificate = self.certify(model)  # before FSDP: the unsharded model (through the route)
+        self.certificate = self.certify_model(model)  # before FSDP: the unsharded model (through the route)
         mesh = build_mesh(self.device, self.world_size, cfg.parallel)
         dtype = cfg.parallel.param_dtype
         self.model = self.objective.setup(model, RunSetup(
@@ -145,7 +145,7 @@ class Trainer:
         if not cfg.packing.packed:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
-    def certify(self, model: torch.nn.Module):
+    def certify_model(self, model: torch.nn.Module):
         """The model's certificate (``trainer.model.certification``): the stages ``build_model`` ran, then the
         startup self-check on a worst-case batch of the run's examples, through the run's route (under cp > 1,
         sharded over the real CP group) and the objective's loss of the check; its one line is logged."""
