@@ -8,31 +8,44 @@
     python benchmarks/family_matrix.py --probe --exact # probe every family the table calls exact
     python benchmarks/family_matrix.py --markdown      # the summary table for docs/families.md
 
-The table (``trainer.model.families``) was probed with one transformers version; ``--probe`` reruns the probe
-(``trainer.model.family_probe``: a tiny 2-layer model; a packed row runs the trainer's step, the default
-chunked loss through the decoder and the boundary relay, backward, then one optimizer step; against its
-examples one by one: logits, loss and every gradient in fp32 at 1e-5, before and after the step) against
-yours, each family in its own forked process with a time limit (``--jobs`` at a time; the seconds each took
-go to ``--json``), and flags any family whose probe disagrees with the table (``MISMATCH``: tell us). A family transformers
-added after the table was made shows as ``untested``: packfsdp trains it only behind the startup self-check.
+The table (``trainer.model.families``, the certification's prior) was probed with one transformers version;
+``--probe`` reruns the probe against yours: the certification's replica stage on each family's default config
+(``trainer.model.certification.replica.probe``: a tiny replica, a sliding window of 6 where the family has
+one; a packed row runs the trainer's step, the default chunked loss through the decoder and the boundary
+relay, backward, then one optimizer step; against its examples one by one: logits and every gradient, in
+float64, float32 where the family cannot run in float64, before and after the step), each family in its own
+forked process with a time limit (``--jobs`` at a time; the seconds each took go to ``--json``), and flags
+any family whose probe disagrees with the table (``MISMATCH``: tell us). A family transformers added after the
+table was made shows as ``untested``: the replica and the startup self-check decide for a run's own config.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
+import os
+import resource
 import sys
 import time
+import warnings
+from collections import defaultdict
 from pathlib import Path
 
+import torch
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from trainer.model.certification import Stage
+from trainer.model.certification.replica import probe
+from trainer.model.families import TESTED_WITH, verdict
 
 
 def causal_lm_families() -> list[str]:
     """Every ``model_type`` of the installed transformers' causal-LM auto mapping."""
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
 
 
@@ -42,9 +55,6 @@ allocates gigabytes fails alone, not the machine)."""
 
 
 def _limit_memory() -> None:
-    import os
-    import resource
-
     try:
         held = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (held + MEMORY_HEADROOM, resource.RLIM_INFINITY))
@@ -53,11 +63,6 @@ def _limit_memory() -> None:
 
 
 def _probe_child(family: str, queue) -> None:
-    import logging
-    import warnings
-
-    import torch
-
     # A forked child inherits the parent's OpenMP thread pool in a broken state: once the parent has run a
     # parallel op (a test suite has), the child's first one waits forever on a team barrier. One thread
     # never forms a team.
@@ -65,16 +70,7 @@ def _probe_child(family: str, queue) -> None:
     _limit_memory()
     logging.disable(logging.WARNING)
     warnings.simplefilter("ignore")
-    from trainer.model.family_probe import probe
-
     queue.put(probe(family))
-
-
-def preload() -> None:
-    """Import torch, transformers and the model code once, before the probes fork (each would otherwise)."""
-    import importlib
-
-    importlib.import_module("trainer.model.loading")
 
 
 def probe_isolated(family: str, timeout_s: float):
@@ -85,8 +81,6 @@ def probe_isolated(family: str, timeout_s: float):
 def probe_many(families: list[str], timeout_s: float, jobs: int = 1):
     """``probe_isolated`` for each family, ``jobs`` children at a time: yields (family, result, seconds) in the
     order of ``families``. The children are forked from this thread (no threads: fork copies only the caller)."""
-    from trainer.model.family_probe import ProbeResult
-
     ctx = mp.get_context("fork")
     running: dict[str, tuple] = {}
     done: dict[str, tuple] = {}
@@ -105,10 +99,10 @@ def probe_many(families: list[str], timeout_s: float, jobs: int = 1):
                     continue
                 if late and child.is_alive():
                     child.kill()
-                    result = ProbeResult(name, "unbuildable", f"no result within {timeout_s:g} s")
+                    result = Stage("replica", "unbuildable", f"no result within {timeout_s:g} s")
                 else:
                     result = queue.get() if not queue.empty() else None
-                    result = result or ProbeResult(name, "unbuildable", f"exit code {child.exitcode}")
+                    result = result or Stage("replica", "unbuildable", f"exit code {child.exitcode}")
                 child.join()
                 done[name] = (result, time.monotonic() - start)
                 del running[name]
@@ -126,8 +120,6 @@ def agrees(kind: str, outcome: str) -> bool:
 
 def markdown(rows: list[tuple[str, str, str]]) -> str:
     """A summary table: verdict -> count and names, then the reasons."""
-    from collections import defaultdict
-
     by_kind: dict[str, list[str]] = defaultdict(list)
     by_reason: dict[str, list[str]] = defaultdict(list)
     for family, kind, reason in rows:
@@ -152,14 +144,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="print the docs summary table")
     parser.add_argument("--json", type=Path, help="also write the rows (and probe results) here")
     args = parser.parse_args(argv)
-
-    import transformers
-
-    from trainer.model.families import TESTED_WITH, verdict
-
-    if args.probe:
-        preload()
-
     families = args.families or causal_lm_families()
     if args.exact:
         families = [f for f in families if verdict(f).kind == "exact"]
@@ -174,18 +158,19 @@ def main(argv: list[str] | None = None) -> int:
         record = {"family": family, "verdict": v.kind, "reason": v.reason}
         line = f"{family:28s} {v.kind:9s} {v.reason}"
         if result is not None:
-            record |= {"probe": result.line(), "seconds": round(seconds, 1)}
+            record |= {"probe": f"{result.outcome}: {result.detail}", "seconds": round(seconds, 1)}
             ok = agrees(v.kind, result.outcome)
             mismatches += not ok
-            line += f"{'  ' if v.reason else ''}[probe: {result.line().split(': ', 1)[1]}]" + ("" if ok else "  MISMATCH")
+            line += f"{'  ' if v.reason else ''}[probe: {result.outcome}: {result.detail}]"
+            line += "" if ok else "  MISMATCH"
         records.append(record)
         if not args.markdown:
             print(line, flush=True)
     if args.markdown:
         print(markdown(rows))
     counts = {k: sum(1 for _, kind, _ in rows if kind == k) for k in ("exact", "refused", "skipped", "untested")}
-    print(", ".join(f"{n} {k}" for k, n in counts.items()) + (f"; probed in {time.monotonic() - start:.0f} s" if args.probe else ""),
-          file=sys.stderr)
+    took = f"; probed in {time.monotonic() - start:.0f} s" if args.probe else ""
+    print(", ".join(f"{n} {k}" for k, n in counts.items()) + took, file=sys.stderr)
     if args.json:
         args.json.write_text(json.dumps(records, indent=1) + "\n")
     return 1 if mismatches else 0

@@ -42,8 +42,8 @@ from trainer.metrics import (
     trim_metrics,
 )
 from trainer.model import DTYPES, build_model
+from trainer.model.certification import certify, worst_case_microbatch
 from trainer.model.lora import apply_peft
-from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
 from trainer.objectives import RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
 from trainer.pipeline import build_training_data, resolve_attention
@@ -87,8 +87,7 @@ class Trainer:
         self.objective = build_objective(cfg, model)
         self.route = build_route(cfg.parallel, self.rank, self.world_size)
         self.route.prepare(model, self.sampler)
-        if cfg.model.self_check:  # before FSDP: the unsharded model (through the route), before step 1
-            self.startup_self_check(model)
+        self.certificate = self.certify_model(model)  # before FSDP: the unsharded model (through the route)
         mesh = build_mesh(self.device, self.world_size, cfg.parallel)
         dtype = cfg.parallel.param_dtype
         self.model = self.objective.setup(model, RunSetup(
@@ -146,12 +145,15 @@ class Trainer:
         if not cfg.packing.packed:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
-    def startup_self_check(self, model: torch.nn.Module) -> None:
-        """A worst-case batch of the run's examples, as built and example by example (``trainer.model.selfcheck``),
-        through the run's route (under cp > 1, sharded over the real CP group) and the objective's loss."""
+    def certify_model(self, model: torch.nn.Module):
+        """The model's certificate (``trainer.model.certification``): the stages ``build_model`` ran, then the
+        startup self-check on a worst-case batch of the run's examples, through the run's route (under cp > 1,
+        sharded over the real CP group) and the objective's loss of the check; its one line is logged."""
+        if not self.cfg.model.self_check:
+            return certify(model)
         dataset, sampler = self.check_examples
         first = self.objective.check_indices(worst_case_microbatch(sampler), dataset.lengths, self.cfg.row_budget)
-        run_startup_self_check(
+        return certify(
             model, self.collate(dataset, first, self.tokenizer.pad_token_id), self.cfg.model.self_check_tolerance,
             DTYPES[self.cfg.parallel.param_dtype], first, self.route.self_check_route(model), self.objective.check_loss(),
         )
@@ -316,6 +318,7 @@ class Trainer:
             "unigram_entropy": unigram_entropy(self.dataset.label_token_counts())  # a stream has no whole set
             if hasattr(self.dataset, "label_token_counts") else float("nan"),
             "skipped_steps": dict(self.guard.skipped),
+            "certification": self.certificate.to_json(),
             "run_dir": str(self.run_dir),
         } | self.metrics.wall_clock()
         self.metrics.close()

@@ -196,7 +196,7 @@ def eval_cases(groups) -> dict:
 def self_check_cases(groups) -> dict:
     """The startup self-check on the CP route (``CPRoute``): the check row sharded over the real group passes
     (logits and gradients vs one by one), and a CP attention that reads the wrong keys is caught."""
-    from trainer.model.selfcheck import self_check
+    from trainer.model.certification import measure
 
     rank, out = dist.get_rank(), {}
     lengths = [29, 1, 6, 3]
@@ -207,10 +207,10 @@ def self_check_cases(groups) -> dict:
     for cp in (2, 4):
         group = groups[cp][rank // cp]
         route = CPRoute(model, cp, dist.get_rank(group), "balanced", group)
-        good = self_check(model, row, route=route)
+        good = measure(model, row, route=route)
         cp_attention.gather_tokens = lambda x, group: gather(x, group).flip(2)  # keys of the wrong tokens
         try:
-            broken = self_check(model, row, route=route)
+            broken = measure(model, row, route=route)
         finally:
             cp_attention.gather_tokens = gather
         out[f"self_check/cp{cp}"] = {"failed": float(not good.ok), "broken_passed": float(broken.ok),

@@ -24,5 +24,5 @@ def test_falcon_mamba_two_ranks_activation_checkpointing(tmp_path):
     ], cwd=tmp_path)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "token mixer FalconMambaMixer x2 (short convolution + recurrent state): packed rows through per_example" in out.stdout
-    assert "startup self-check passed" in out.stdout
+    assert "; self-check packed micro-batch" in out.stdout
     assert "activation checkpointing on 2/2 blocks" in out.stdout and "2 steps on 2 rank(s)" in out.stdout

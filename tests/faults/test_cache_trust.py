@@ -1,4 +1,4 @@
-"""Issue 33 (cases 2 and 10): every cache packfsdp trusts proves itself. A config verdict is used only when its
+"""Issue 33 (cases 2 and 10): every cache packfsdp trusts proves itself. A replica verdict is used only when its
 entry verifies (its full key, an outcome packfsdp writes, its checksum); the local tokenizer only when its
 files match what its build wrote; the data cache a run reads must not change under it. In-process."""
 
@@ -19,8 +19,8 @@ from trainer.data.arrays import open_arrays
 from trainer.data.bad_records import BadRecordError
 
 from trainer.data.tokenizer import local_tokenizer
-from trainer.model import config_verdict
-from trainer.model.config_verdict import verify_config
+from trainer.model.certification import Stage, certify_config, replica
+from trainer.model.certification import cache as verdict_cache
 from trainer.model.families import FamilyRefusedError
 
 
@@ -35,11 +35,13 @@ def judged(tmp_path, monkeypatch) -> list[str]:
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     calls = []
 
-    def judge(config, family):
-        calls.append(family)
-        return ("refused", f"model family {family!r} cannot ... layer_types contains 'conv'") if family == "lfm2" else ("exact", "")
+    def judge(config):
+        calls.append(config.model_type)
+        if config.model_type == "lfm2":
+            return Stage("replica", "wrong", "with layer_types contains 'conv', examples of a packed row mix")
+        return Stage("replica", "exact", "float64 |logit diff| 0, |grad diff| 0")
 
-    monkeypatch.setattr(config_verdict, "_judge", judge)
+    monkeypatch.setattr(replica, "judge", judge)
     return calls
 
 
@@ -51,28 +53,27 @@ def judged(tmp_path, monkeypatch) -> list[str]:
 ])
 def test_a_damaged_or_forged_verdict_is_judged_again(forged, judged, tmp_path, caplog):
     with pytest.raises(FamilyRefusedError, match="'lfm2'.*layer_types contains 'conv'"):
-        verify_config(lfm2_with_conv_layers())
+        certify_config(lfm2_with_conv_layers())
     [entry] = list((tmp_path / "verdicts").iterdir())
     if forged == "llama":
-        assert verify_config(AutoConfig.for_model("llama", num_hidden_layers=2)) == "exact"
+        assert certify_config(AutoConfig.for_model("llama", num_hidden_layers=2)).stage("replica").outcome == "exact"
         forged = next(p for p in (tmp_path / "verdicts").iterdir() if p != entry).read_text()
     elif forged == "edited":
         forged = json.dumps(json.loads(entry.read_text()) | {"outcome": "exact", "line": ""})
     entry.write_text(forged)
     judged.clear()
     with caplog.at_level(logging.WARNING), pytest.raises(FamilyRefusedError, match="layer_types contains 'conv'"):
-        verify_config(lfm2_with_conv_layers())
+        certify_config(lfm2_with_conv_layers())
     assert judged == ["lfm2"]
-    assert [r for r in caplog.records if f"config verdict cache {entry} " in r.getMessage()], caplog.text
+    assert [r for r in caplog.records if f"replica verdict cache {entry} " in r.getMessage()], caplog.text
     caplog.clear()
     with caplog.at_level(logging.WARNING), pytest.raises(FamilyRefusedError):  # rewritten: it verifies again
-        verify_config(lfm2_with_conv_layers())
+        certify_config(lfm2_with_conv_layers())
     assert judged == ["lfm2"] and not caplog.records
 
 
 def test_a_verdict_is_keyed_by_the_code_that_judged_it(tmp_path, monkeypatch):
     """A change to the model package's source (how verdicts are judged) is a new key, not a stale verdict."""
-    verdict_cache = config_verdict.verdict_cache  # the module config_verdict reads its cache through
     config = AutoConfig.for_model("llama", num_hidden_layers=2)
     key = verdict_cache.verdict_key(config, 1)
     assert {"verdict_version", "code", "libraries", "config"} <= set(key)

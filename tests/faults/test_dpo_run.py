@@ -99,7 +99,7 @@ def live_run(tmp_path_factory):
         for logger in loggers:
             logger.removeHandler(lines)
     log = "\n".join(lines.lines)
-    assert re.search(r"startup self-check passed: packed micro-batch .* max \|sequence log-prob diff\| .* gradient gap "
+    assert re.search(r"certified exact: .*; self-check packed micro-batch .* max \|sequence log-prob diff\| .* gradient gap "
                      r"\S+ \(dpo sigmoid loss;", log), log
     assert re.search(r"startup self-check batch: \d+ preference pairs", log), log
     return trainer, run_dir

@@ -87,7 +87,7 @@ def test_kernel_backend_is_used_and_checked(backend, sweep):
     log = run_log(stdout, runs[backend])
     assert f"attention backend: {backend} (" in log
     # bfloat16: the check ran through the kernel under autocast (the kernels refuse fp32 master weights).
-    assert re.search(r"startup self-check passed: packed micro-batch .* one by one \(bfloat16\)", log), log
+    assert re.search(r"; self-check packed micro-batch .* one by one \(bfloat16\)", log), log
     calls = re.search(rf"{KERNEL_CALLS_LINE}.* {backend}=(\d+)", stdout)
     assert calls and int(calls[1]) >= STEPS * LAYERS, stdout[-2000:]  # every layer of every step on rank 0
 

@@ -23,7 +23,7 @@ from trainer.collate import Batch
 from trainer.data.examples import IGNORE_INDEX
 from trainer.model import backends_cuda
 from trainer.model.attention import BACKENDS, AttentionBackendError, resolve_backend
-from trainer.model.selfcheck import run_startup_self_check
+from trainer.model.certification import check_model
 
 BF16 = torch.bfloat16
 CPU = torch.device("cpu")
@@ -181,4 +181,4 @@ def test_startup_self_check_under_autocast(family, backend, simulated_gpu):
     """qwen_chat_sft with a kernel backend: fp32 master weights, the check runs under bf16 autocast, passes."""
     model = tiny_model(family, "sdpa_varlen")
     model.backend = resolve_backend(backend, CPU, BF16)
-    run_startup_self_check(model, packed_batch(examples()), None, BF16)
+    check_model(model, packed_batch(examples()), None, BF16)

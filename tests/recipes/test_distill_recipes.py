@@ -56,7 +56,7 @@ def test_cpu_distill_trains_on_two_ranks_live_and_precomputed(tmp_path):
              "distill.teacher_logits=live,precompute", *quick]
     proc = run_torchrun(sweep, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert proc.stdout.count("startup self-check passed") == 2 and "distill forward_kl loss" in proc.stdout
+    assert proc.stdout.count("; self-check packed micro-batch") == 2 and "distill forward_kl loss" in proc.stdout
     assert "one pass of the teacher over 200 examples" in proc.stdout and "live (FSDP2-sharded, frozen" in proc.stdout
     runs = sorted(p for p in (tmp_path / "outputs" / "cpu_distill").iterdir() if p.is_dir())
     assert len(runs) == 2

@@ -27,7 +27,7 @@ def test_a_gemma3_checkpoint_trains_on_two_ranks_and_exports_back(tokenizer, tmp
     proc = run_torchrun(["-m", "tests.distributed.harness", *args], env={"PFTEST_OUT": str(out)})
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "training its language model as Gemma3ForCausalLM" in log and "startup self-check passed" in log
+    assert "training its language model as Gemma3ForCausalLM" in log and "; self-check packed micro-batch" in log
     assert "FSDP2 over 2 ranks" in log and "params bfloat16" in log
 
     export_main([f"checkpoint={run_dir}", f"out={tmp_path / 'hf'}"])

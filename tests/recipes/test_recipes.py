@@ -126,7 +126,7 @@ def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budg
     stopped = run_torchrun(["-m", "tests.faults.signal_entry", *quick, "parallel.cp=2", f"run_dir={sharded}"],
                            cwd=tmp_path, env=env | {"PFTEST_SIGNAL": "SIGUSR1:self:1:2"}, timeout=300)
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in stopped.stderr, stopped.stderr[-3000:]
-    assert "startup self-check passed (context-parallel route" in stopped.stderr + stopped.stdout
+    assert "(through the context-parallel route: cp=2" in stopped.stderr + stopped.stdout
     resumed = run_torchrun(["-m", "trainer.train", *quick, "parallel.cp=2", f"run_dir={sharded}", "resume=auto"],
                            cwd=tmp_path, env=env, timeout=300)
     assert_ok(resumed)

@@ -243,7 +243,7 @@ def test_a_gemma2_run_builds_and_passes_the_self_check(gemma2_sdpa_flag, monkeyp
     softcap, whatever the release's class flag), self-check a packed micro-batch; a backend that got past
     resolution is stopped there."""
     from trainer.collate import collate_packed
-    from trainer.model import build_model, self_check
+    from trainer.model import build_model, measure
     from trainer.pipeline import resolve_attention
 
     flash_attn_double.install(monkeypatch, accept_fp32=True)
@@ -254,8 +254,8 @@ def test_a_gemma2_run_builds_and_passes_the_self_check(gemma2_sdpa_flag, monkeyp
     model = build_model(cfg.model, tokenizer, backend, seed=0)
     assert model.padded_attention == "eager"
     batch = collate_packed(small_dataset, [3, 17, 42, 5], tokenizer.pad_token_id)
-    result = self_check(model, batch)
+    result = measure(model, batch)
     assert result.ok, result.line()
     model.backend = BACKENDS["sdpa_varlen"]
     with pytest.raises(AttentionBackendError, match="sdpa_varlen cannot honour the model's attention softcapping"):
-        self_check(model, batch)
+        measure(model, batch)

@@ -46,7 +46,8 @@ def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: f
 
 def test_report_from_stored_runs(tmp_path):
     _fake_run(tmp_path / "padded", "padded", 1000.0, 2200, 4.50)
-    _fake_run(tmp_path / "packed", "packed", 1600.0, 1100, 4.52)
+    certified = "certified exact: qwen2 (table prior; replica float64 |logit diff| 7e-08, |grad diff| 2e-07; self-check ...)"
+    _fake_run(tmp_path / "packed", "packed", 1600.0, 1100, 4.52, certification={"line": certified})
     publish = tmp_path / "docs"
     report = compare.main(["--report-only", str(tmp_path), "--publish", str(publish), "recipe=x"])
     c = report["comparison"]
@@ -60,6 +61,7 @@ def test_report_from_stored_runs(tmp_path):
     assert stored["comparison"] == c and stored["versions"]["torch"]
     md = (tmp_path / "report.md").read_text()
     assert "| useful tokens/s | 1,000 | 1,600 | 1.60x |" in md and "loss.png" in md
+    assert f"- Packed run {certified}." in md  # the packed run's summary.json, as its start-up line said it
     for name in ("loss.png", "throughput.png"):
         assert (tmp_path / name).stat().st_size > 5000
         assert (publish / name).is_file()

@@ -1,6 +1,5 @@
-"""The config verdict: a tiny float64 replica of the user's config, packed vs one by one."""
+"""The certification's replica stage: a tiny float64 replica of the user's config, packed vs one by one."""
 
-import logging
 import os
 import subprocess
 import sys
@@ -12,8 +11,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import REPO
 
-from trainer.model.config_verdict import replica_config, verify_config
+from trainer.model.certification import Stage, certify_config, replica
+from trainer.model.certification.shrink import replica_config
 from trainer.model.families import FamilyRefusedError
+
+
+def replica_of(config) -> Stage:
+    """The replica stage of ``config``'s certificate (``certify_config``: the prior, then the replica)."""
+    return certify_config(config).stage("replica")
 
 
 def test_lfm2_conv_layers_bind_in_the_replica_and_are_kept_apart(tmp_path, monkeypatch):
@@ -26,19 +31,20 @@ def test_lfm2_conv_layers_bind_in_the_replica_and_are_kept_apart(tmp_path, monke
     with monkeypatch.context() as patched:
         patched.setattr(prepare, "keep_mixers_apart", lambda *args: [])
         with pytest.raises(FamilyRefusedError, match="'lfm2'.*layer_types contains 'conv'"):
-            verify_config(config)
+            certify_config(config)
         with pytest.raises(FamilyRefusedError, match="'conv'"):  # the cached verdict refuses the same way
-            verify_config(config)
+            certify_config(config)
     assert len(list((tmp_path / "verdicts").iterdir())) == 1
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "kept"))
-    assert verify_config(config) == "exact"
+    assert replica_of(config).outcome == "exact"
 
 
 def test_plain_config_is_exact_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model("llama", num_hidden_layers=3)
-    assert verify_config(config) == "exact"
-    assert verify_config(config) == "cached:exact"
+    first, again = replica_of(config), replica_of(config)
+    assert first.outcome == again.outcome == "exact" and not first.cached and again.cached
+    assert again.detail == first.detail  # the figures, from the cache
 
 
 def test_replica_keeps_each_layer_pattern_and_shrinks_windows():
@@ -74,16 +80,16 @@ def test_a_window_kept_only_in_the_mask_is_relayed_and_exact(tmp_path, monkeypat
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4096, num_hidden_layers=2,
                                   layer_types=["sliding_attention", "full_attention"])
-    assert verify_config(config) == "exact"
+    assert replica_of(config).outcome == "exact"
     monkeypatch.setattr(layer_relay, "WINDOW_DROPPED", frozenset())
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "relay_off"))
-    with pytest.raises(FamilyRefusedError, match="'qwen2_moe'.*sliding_attention.*sliding_window=4096"):
-        verify_config(config)
+    with pytest.raises(FamilyRefusedError, match=r"'qwen2_moe' is not certified exact \(replica\): .*sliding_attention.*sliding_window=4096"):
+        certify_config(config)
 
 
 def _binding_sizes(config) -> dict[str, int]:
     """The window / chunk / selection sizes of ``config`` that bind (shorter than its context)."""
-    from trainer.model.config_verdict import SMALL
+    from trainer.model.certification.shrink import SMALL
 
     values = config.to_dict()
     context = values.get("max_position_embeddings") or values.get("n_positions") or 10**9
@@ -100,7 +106,7 @@ def test_every_binding_window_chunk_and_selection_binds_in_the_replica():
     setting it did not exercise."""
     import warnings
 
-    from trainer.model.config_verdict import LENGTHS
+    from trainer.model.certification.replica import LENGTHS
     from tests.unit.test_family_matrix import installed_families
 
     users = [(f, {}) for f in installed_families()] + [
@@ -126,16 +132,15 @@ def test_every_binding_window_chunk_and_selection_binds_in_the_replica():
 
 
 def test_a_block_sparse_layer_is_refused_by_the_verdict_too(tmp_path, monkeypatch):
-    """MiniMax-M3's indexer-selected layer, which the family table refuses at build: the verdict on its own
+    """MiniMax-M3's indexer-selected layer, which the family table refuses at build: the replica on its own
     refuses it too (its replica's selection, 4 x 2 keys, binds), naming the layer type."""
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model(
         "minimax_m3_vl_text", num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
         mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2,
     )
-    with pytest.raises(FamilyRefusedError, match="'minimax_m3_vl_text'.*block_indices") as info:
-        verify_config(config)
-    assert "\n" not in str(info.value)
+    found = replica.judge(config)
+    assert found.outcome in ("refused", "wrong") and "block_indices" in found.detail and "\n" not in found.detail
 
 
 def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkeypatch, tokenizer):
@@ -158,21 +163,19 @@ def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkey
 def test_only_rank_0_judges_and_every_rank_follows_its_verdict(tmp_path, monkeypatch):
     """On a cache miss rank 0 builds the replica; another rank never does, and takes rank 0's verdict."""
     from trainer import distributed
-    from trainer.model import config_verdict
-
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     monkeypatch.setattr(distributed, "is_rank0", lambda: False)
-    sent = iter([None, ("refused", "rank 0's line")])  # rank 0's error (none), then its verdict
+    sent = iter([None, Stage("replica", "refused", "rank 0's line")])  # rank 0's error (none), then its verdict
     monkeypatch.setattr(distributed, "broadcast_object", lambda obj, src=0: next(sent))
-    monkeypatch.setattr(config_verdict, "_judge", lambda *a: pytest.fail("a rank other than 0 judged the config"))
+    monkeypatch.setattr(replica, "judge", lambda *a: pytest.fail("a rank other than 0 judged the config"))
     with pytest.raises(FamilyRefusedError, match="rank 0's line"):
-        verify_config(AutoConfig.for_model("llama", num_hidden_layers=2))
+        certify_config(AutoConfig.for_model("llama", num_hidden_layers=2))
     assert not (tmp_path / "verdicts").exists()
 
 
 def test_a_window_that_never_binds_stays_unbound_in_the_replica():
     """A window as long as the context never binds: the replica must not shrink it into one that does."""
-    from trainer.model.config_verdict import CONTEXT
+    from trainer.model.certification.shrink import CONTEXT
 
     unbound = replica_config(AutoConfig.for_model("mistral", sliding_window=4096, max_position_embeddings=4096))
     assert unbound.sliding_window >= CONTEXT == unbound.max_position_embeddings
@@ -187,8 +190,8 @@ def test_gemma3n_nan_gradients_on_the_pad_token_are_refused(tmp_path, monkeypatc
         num_key_value_heads=2, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
         vocab_size=512, pad_token_id=0,
     )
-    with pytest.raises(FamilyRefusedError, match="'gemma3n_text'.*not finite.*pad_token_id=0") as info:
-        verify_config(config)
+    with pytest.raises(FamilyRefusedError, match="'gemma3n_text' is not certified exact .*not finite.*pad_token_id=0") as info:
+        certify_config(config)
     assert "\n" not in str(info.value)
 
 
@@ -226,22 +229,20 @@ def installed(family: str) -> bool:
 def test_mla_released_configs_are_judged_exact(family):
     """The replica keeps KV heads = heads and MLA's head dims (head_dim is the rope head dim); it used to
     force 4 heads / 2 KV heads, which MLA cannot run, and refused every MLA family ("the tiny replica fails")."""
-    from trainer.model.config_verdict import _judge
-
     if not installed(family):
         pytest.skip(f"{family} is not in this transformers")
     config = AutoConfig.for_model(family)
-    replica = replica_config(config)
-    assert replica.num_key_value_heads == replica.num_attention_heads == 4
-    assert getattr(replica, "head_dim", replica.qk_rope_head_dim) == replica.qk_rope_head_dim
-    assert replica.q_lora_rank is None if config.q_lora_rank is None else replica.q_lora_rank <= config.q_lora_rank
-    assert _judge(config, family) == ("exact", "")
+    tiny = replica_config(config)
+    assert tiny.num_key_value_heads == tiny.num_attention_heads == 4
+    assert getattr(tiny, "head_dim", tiny.qk_rope_head_dim) == tiny.qk_rope_head_dim
+    assert tiny.q_lora_rank is None if config.q_lora_rank is None else tiny.q_lora_rank <= config.q_lora_rank
+    assert replica.judge(config).outcome == "exact"
 
 
 def test_replica_shapes_keep_the_config_s_own_constraints():
     """Head counts keep their ratios (a KV head count divides the heads), a size never grows past the config's
     (one expert per token stays one), per-layer lists of layer ids follow the kept layers."""
-    from trainer.model.family_probe import shrunk_layers, shrunk_shapes
+    from trainer.model.certification.shrink import shrunk_layers, shrunk_shapes
 
     shapes = shrunk_shapes({"num_attention_heads": 14, "num_key_value_heads": 2, "num_experts": 16,
                             "num_experts_per_tok": 1, "q_lora_rank": None, "pad_token_id": None, "head_dim": 64})
@@ -256,41 +257,42 @@ def test_replica_shapes_keep_the_config_s_own_constraints():
     assert all(0 <= i < kept for i in layers["hybrid_layer_ids"])
 
 
-def test_gpt2_upcast_attention_is_judged_in_float32(caplog):
+def test_gpt2_upcast_attention_is_judged_in_float32():
     """GPT-2's ``reorder_and_upcast_attn`` asserts float32 attention weights: the float64 replica cannot run,
     the float32 one is exact (~2e-7); it used to be refused as "the tiny replica fails"."""
-    from trainer.model.config_verdict import _judge
-
-    with caplog.at_level(logging.INFO, logger="trainer.model.config_verdict"):
-        assert _judge(AutoConfig.for_model("gpt2", reorder_and_upcast_attn=True), "gpt2") == ("exact", "")
-    assert "judged in float32" in caplog.text and "torch.float32 replica" in caplog.text
+    found = replica.judge(AutoConfig.for_model("gpt2", reorder_and_upcast_attn=True))
+    assert found.outcome == "exact" and found.detail.startswith("float32 ") and "(float64 fails: " in found.detail
 
 
-def with_nan_gradient(run):
-    """``run`` (run_alone / run_packed) whose first gradient by name is NaN: a fault injected on one side."""
+def with_nan_gradient(side: str, monkeypatch) -> None:
+    """The replica's gradient digest of one side (``packed``: the first taken; ``alone``: the second) with its
+    first gradient by name NaN: a fault injected on one side."""
+    from trainer.model.certification import engine
 
-    def broken(model, examples):
-        found = run(model, examples)
-        first = min(found.grads)
-        found.grads[first] = found.grads[first] * float("nan")
+    real, calls = engine.gradient_digest, []
+
+    def digest(model, full):
+        found = real(model, full)
+        calls.append(1)
+        if len(calls) == (1 if side == "packed" else 2):
+            first = min(found)
+            found[first] = found[first] * float("nan")
         return found
 
-    return broken
+    monkeypatch.setattr(engine, "gradient_digest", digest)
 
 
-@pytest.mark.parametrize("side", ["run_alone", "run_packed"])
+@pytest.mark.parametrize("side", ["alone", "packed"])
 def test_a_nan_is_reported_as_a_nan_with_its_side(side, monkeypatch):
-    """A NaN never reads as examples that mix: the line says which side (the examples alone: the family's
-    own; packed) and what (the logits, the loss, which parameter's gradient)."""
-    from trainer.model import config_verdict
-    from trainer.model.config_verdict import _judge
-
-    monkeypatch.setattr(config_verdict, side, with_nan_gradient(getattr(config_verdict, side)))
-    outcome, line = _judge(AutoConfig.for_model("llama", num_hidden_layers=2), "llama")
-    assert outcome == "refused" and "mix" not in line and "\n" not in line
-    if side == "run_alone":
+    """A NaN never reads as examples that mix: the line says which side (the examples alone: the model's
+    own; packed) and what (the logits, which parameter's gradient)."""
+    with_nan_gradient(side, monkeypatch)
+    found = replica.judge(AutoConfig.for_model("llama", num_hidden_layers=2))
+    line = found.detail
+    assert found.outcome in ("refused", "wrong") and "mix" not in line and "\n" not in line
+    if side == "alone":
         assert "the gradient of model.lm_head.weight is not finite (NaN) with its examples run one by one" in line
-        assert "the family's own" in line
+        assert "the model's own computation, not packing's" in line
     else:
         assert "packed, the gradient of model.lm_head.weight is not finite (NaN) where its examples" in line
 
@@ -301,23 +303,19 @@ def test_dory_with_a_pad_token_is_refused_as_its_own_nan():
     (the pad's padding_idx row) stays zero through every layer, and each L2 norm at zero multiplies the
     backward by 1/sqrt(eps): NaN gradients, alone and packed alike (transformers' own model, every
     attention implementation). It was stopped by the self-check as "examples are not kept apart"."""
-    from trainer.model.config_verdict import _judge
-
     config = AutoConfig.for_model("dory", num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
                                   layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16)
-    assert _judge(config, "dory") == ("exact", "")  # no pad token: nothing to refuse
+    assert replica.judge(config).outcome == "exact"  # no pad token: nothing to refuse
     config.pad_token_id = 0
-    outcome, line = _judge(config, "dory")
-    assert outcome == "refused" and "the family's own, not packing's" in line and "pad_token_id=0" in line
+    found = replica.judge(config)
+    assert found.outcome == "refused" and "the model's own computation, not packing's" in found.detail
+    assert "pad_token_id=0" in found.detail
 
 
-def test_a_replica_that_fails_falls_back_and_never_refuses(monkeypatch, caplog):
+def test_a_replica_that_fails_falls_back_and_never_refuses(monkeypatch):
     """A replica that cannot run is no verdict on the user's model: the larger replica (the config's own
-    widths) judges it; where none runs, the startup self-check decides, said in one warning."""
-    from trainer.model import config_verdict
-    from trainer.model.config_verdict import _judge
-
-    real = config_verdict.replica_config
+    widths) judges it; where none runs, the stage says why, and the startup self-check decides."""
+    real = replica.replica_config
 
     def broken(config, own_shapes=False):
         replica = real(config, own_shapes)
@@ -327,14 +325,12 @@ def test_a_replica_that_fails_falls_back_and_never_refuses(monkeypatch, caplog):
 
     config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
-    monkeypatch.setattr(config_verdict, "replica_config", broken)
-    assert _judge(config, "llama") == ("exact", "")
-    monkeypatch.setattr(config_verdict, "REPLICA_MAX_PARAMETERS", 1000)  # the larger replica too big to run
-    with caplog.at_level(logging.WARNING, logger="trainer.model.config_verdict"):
-        assert _judge(config, "llama") == ("unbuildable", "")
-    warning = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert len(warning) == 1 and "tiny replica: RuntimeError" in warning[0] and "parameters, over 1,000" in warning[0]
-    assert "the startup self-check decides" in warning[0]
+    monkeypatch.setattr(replica, "replica_config", broken)
+    assert replica.judge(config).outcome == "exact"
+    monkeypatch.setattr(replica, "REPLICA_MAX_PARAMETERS", 1000)  # the larger replica too big to run
+    found = replica.judge(config)
+    assert found.outcome == "unbuildable" and "\n" not in found.detail
+    assert "tiny replica: RuntimeError" in found.detail and "parameters, over 1,000" in found.detail
 
 
 QWEN2_TINY = yaml.safe_load((REPO / "configs" / "model" / "qwen2_tiny.yaml").read_text())["random_init"]
@@ -392,7 +388,7 @@ def test_formerly_refused_configs_are_exact_packed(family, tmp_path, monkeypatch
     attention runs in float32 only: 2e-5 there)."""
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model(family, **(QWEN2_TINY | FORMERLY_REFUSED[family]), vocab_size=256, pad_token_id=0)
-    assert verify_config(config) == "exact"
+    assert replica_of(config).outcome == "exact"
     if getattr(config, "n_routed_experts", None):  # fewer, narrower experts than the CLI run's (seconds, not 20)
         config.n_routed_experts, config.moe_intermediate_size = 4, 32
     # eager attention takes its softmax in float32 (~1e-7 in a float64 model); a leak gives 1e-4 and more
@@ -416,18 +412,16 @@ def test_formerly_refused_configs_train_with_the_self_check(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
     for family in FORMERLY_REFUSED:
-        assert f"config verdict: {family} exact for this config" in log, family
-    assert log.count("startup self-check passed") == len(FORMERLY_REFUSED)
+        assert f"certified exact: {family} (table prior; replica float" in log, family
+    assert log.count("; self-check packed micro-batch") == len(FORMERLY_REFUSED)
 
 
 def test_no_replica_and_no_self_check_is_refused(tmp_path, monkeypatch):
     """Without a verdict from a replica, only the startup self-check vouches for the config: turning it off
     refuses the config in one line instead of training it unchecked."""
-    from trainer.model import config_verdict
-
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
-    monkeypatch.setattr(config_verdict, "_judge", lambda config, family: ("unbuildable", ""))
+    monkeypatch.setattr(replica, "judge", lambda config: Stage("replica", "unbuildable", "no replica runs (...)"))
     config = AutoConfig.for_model("llama", num_hidden_layers=2)
-    assert verify_config(config) == "unbuildable"
-    with pytest.raises(FamilyRefusedError, match="'llama': no replica .* keep model.self_check=true"):
-        verify_config(config, self_check=False)
+    assert replica_of(config).outcome == "unbuildable"
+    with pytest.raises(FamilyRefusedError, match=r"'llama' is not certified exact \(replica\): no replica .* keep model.self_check=true"):
+        certify_config(config, self_check=False)

@@ -17,7 +17,7 @@ from tests.conftest import compose_job
 from trainer.collate import _empty_batch, collate_packed, collate_padded
 from trainer.config import ConfigError
 from trainer.data import load_dataset, load_tokenizer
-from trainer.model import build_model, resolve_backend, self_check
+from trainer.model import build_model, measure, resolve_backend
 from trainer.objectives.distill import Distill
 from trainer.objectives.distill import check as check_module
 from trainer.packing import piece_starts
@@ -75,7 +75,7 @@ def test_self_check_passes_a_packed_batch_and_catches_a_leaking_teacher(setup, t
     assert check.describe().startswith("distill jsd loss")
     whole, pieces, _, starts = batches(dataset)
     for batch, first in ((whole, None), (pieces, starts)):  # whole examples, then split pieces
-        result = self_check(model, batch, starts=first, loss=check)
+        result = measure(model, batch, starts=first, loss=check)
         assert result.ok and result.grad_gap < 1e-5, result.line()
 
     real = check_module.live_teacher if teacher_logits == "live" else check_module.teacher_top_k
@@ -85,8 +85,8 @@ def test_self_check_passes_a_packed_batch_and_catches_a_leaking_teacher(setup, t
         return real(teacher, dataclasses.replace(batch, cu_seqlens=None, attention_mask=ones), *args)
 
     monkeypatch.setattr(check_module, "live_teacher" if teacher_logits == "live" else "teacher_top_k", leaking)
-    result = self_check(model, batches(dataset)[0], loss=check)
-    assert result.max_logit_diff <= result.tolerance and result.grad_gap > result.grad_tolerance, result.line()
+    result = measure(model, batches(dataset)[0], loss=check)
+    assert result.logit_diff <= result.logit_tolerance and result.grad_gap > result.grad_tolerance, result.line()
 
 
 def test_packed_equals_padded_and_chunked_equals_naive(setup):

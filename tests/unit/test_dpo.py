@@ -224,8 +224,8 @@ def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
     reduction fails it, although the SFT check (token loss) passes the same model; a gradient leak across
     the sequences of a pair that the logits cannot see fails it too."""
     from tests.unit.test_self_check import with_zero_init_leak
-    from trainer.model import SelfCheckError, self_check
-    from trainer.model.selfcheck import run_startup_self_check
+    from trainer.model import SelfCheckError, measure
+    from trainer.model.certification import check_model
     from trainer.objectives.dpo import PairLossCheck
 
     model = tiny_model("gpt2", "sdpa_varlen")
@@ -235,22 +235,23 @@ def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
     padded = collate_padded(ds, np.arange(len(PAIRS)), 0)
     for cfg, b in ((DPOConfig(beta=0.5), batch), (DPOConfig(beta=0.5), padded), (DPOConfig(loss="ipo"), batch),
                    (DPOConfig(loss="simpo", beta=2.0), batch)):  # robust: sigmoid's path, another formula
-        result = self_check(model, b, loss=PairLossCheck(cfg))
-        assert result.ok and result.logp_diff < 1e-4 and result.grad_gap < 1e-5, result.line()
+        result = measure(model, b, loss=PairLossCheck(cfg))
+        logp_diff = result.extra["max |sequence log-prob diff|"][0]
+        assert result.ok and logp_diff < 1e-4 and result.grad_gap < 1e-5, result.line()
         assert f"dpo {cfg.loss} loss" in result.line() and "sequence log-prob diff" in result.line()
 
     check = PairLossCheck(DPOConfig(beta=0.5))
     with monkeypatch.context() as patched:
         with_labels_shifted_into_the_next_sequence(patched)
-        assert self_check(model, batch).ok  # the token loss is blind to it
+        assert measure(model, batch).ok  # the token loss is blind to it
         with pytest.raises(SelfCheckError, match=r"sequence log-prob diff\| \S+ \(tolerance .* over tolerance") as caught:
-            run_startup_self_check(model, batch, None, None, loss=check)
+            check_model(model, batch, None, None, loss=check)
         broken = caught.value.args[0]
         logp, logp_tol, gap, gap_tol = map(float, re.search(
-            r"log-prob diff\| (\S+) \(tolerance (\S+),.*gradient gap (\S+) \(dpo sigmoid loss; tolerance (\S+),", broken).groups())
+            r"log-prob diff\| (\S+) \(tolerance (\S+)\),.*gradient gap (\S+) \(dpo sigmoid loss; tolerance (\S+?)[,;]", broken).groups())
         assert logp > logp_tol and gap > gap_tol, broken  # both the values and the gradient see it
 
     leaky = with_zero_init_leak(tiny_model("gpt2", "sdpa_varlen"))
     leaky.use_loss("chunked")
-    result = self_check(leaky, batch, loss=check)
-    assert result.max_logit_diff <= result.tolerance and result.grad_gap > result.grad_tolerance, result.line()
+    result = measure(leaky, batch, loss=check)
+    assert result.logit_diff <= result.logit_tolerance and result.grad_gap > result.grad_tolerance, result.line()

@@ -1,15 +1,15 @@
 """Every causal-LM family of the installed transformers: exact when packed, or refused at build with one line.
 
-The fast lane checks the table (``trainer.model.families``) covers the installed families, that a refused
-family stops ``build_model`` with one line, and probes a representative few (``trainer.model.family_probe``:
-packed vs one by one, logits and every gradient, fp32, 1e-5). The slow test probes them all, as
+The fast lane checks the table (``trainer.model.families``, the certification's prior) covers the installed
+families, that a refused family stops ``build_model`` with one line, and probes a representative few (the
+replica stage on a family's default config, ``trainer.model.certification.replica.probe``: packed vs one by
+one, logits and every gradient, float64). The slow test probes them all, as
 ``python benchmarks/family_matrix.py --probe`` does.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 from pathlib import Path
 
@@ -20,9 +20,11 @@ import transformers
 from trainer.config import ModelConfig
 from trainer.model import build_model, resolve_backend
 from trainer.model import families
-from trainer.model.families import TESTED_WITH, FamilyRefusedError, check_family, verdict
-from trainer.model.family_probe import probe
-from trainer.model.selfcheck import TOLERANCE
+from trainer.model.certification import replica
+from trainer.model.certification.engine import TOLERANCE
+from trainer.model.certification.replica import probe
+from trainer.model.certification.stages import prior
+from trainer.model.families import TESTED_WITH, FamilyRefusedError, verdict
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "family_matrix.py"
 REPRESENTATIVE = [
@@ -78,14 +80,14 @@ def test_a_window_or_chunk_kept_in_the_mask_is_handed_to_the_layers(monkeypatch)
         "llama4_text": dict(attention_chunk_size=8),
     }
     for family, overrides in relayed.items():
-        assert check_family(transformers.AutoConfig.for_model(family, **overrides)).kind == "exact"
+        assert prior(transformers.AutoConfig.for_model(family, **overrides)).outcome == "exact"
         result = probe(family, **overrides)
-        assert result.outcome == "exact", result.line()
+        assert result.outcome == "exact", result.summary()
     monkeypatch.setattr(layer_relay, "WINDOW_DROPPED", frozenset())
     monkeypatch.setattr(layer_relay, "CHUNK_DROPPED", frozenset())
     for family, overrides in relayed.items():
         result = probe(family, **overrides)
-        assert result.outcome == "wrong" and result.logit_diff > 1e-3, result.line()
+        assert result.outcome == "wrong" and result.measurement.logit_diff > 1e-3, result.summary()
 
 
 def test_a_layer_that_selects_its_keys_is_refused_at_build():
@@ -97,42 +99,41 @@ def test_a_layer_that_selects_its_keys_is_refused_at_build():
         mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2,
     )
     with pytest.raises(FamilyRefusedError) as info:
-        check_family(sparse, self_check=False)
+        prior(sparse, self_check=False)
     assert "\n" not in str(info.value)
-    assert "'minimax_m3_vl_text' cannot be trained packed exactly: its 'minimax_m3_sparse' layers attend to the key " \
-        "blocks an indexer selects per query (index_block_size=16, index_topk_blocks=2" in str(info.value)
-    assert check_family(transformers.AutoConfig.for_model("minimax_m3_vl_text")).kind == "exact"
+    assert "'minimax_m3_vl_text' is not certified exact (table prior): its 'minimax_m3_sparse' layers attend to the " \
+        "key blocks an indexer selects per query (index_block_size=16, index_topk_blocks=2" in str(info.value)
+    assert prior(transformers.AutoConfig.for_model("minimax_m3_vl_text")).outcome == "exact"
     with pytest.raises(FamilyRefusedError, match="'deepseek_v4' .*'heavily_compressed_attention' layers attend to keys a compressor pools"):
-        check_family(transformers.AutoConfig.for_model("deepseek_v4"))
+        prior(transformers.AutoConfig.for_model("deepseek_v4"))
     sliding = transformers.AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
-    assert check_family(sliding).kind == "exact"
+    assert prior(sliding).outcome == "exact"
     with pytest.raises(FamilyRefusedError, match="'deepseek_v32' .*DSA indexer"):
-        check_family(transformers.AutoConfig.for_model("deepseek_v32"))
+        prior(transformers.AutoConfig.for_model("deepseek_v32"))
     for family in ("llama4_text", "deepseek_v4", "minimax_m3_vl_text"):
         assert verdict(family).reason, verdict(family)
 
 
-def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch, caplog):
+def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch):
     monkeypatch.setattr(families, "EXACT", families.EXACT - {"llama"})
     config = transformers.AutoConfig.for_model("llama")
-    with pytest.raises(FamilyRefusedError, match="'llama' is untested.*model.self_check=true"):
-        check_family(config, self_check=False)
-    with caplog.at_level(logging.WARNING, logger="trainer.model.families"):
-        assert check_family(config, self_check=True).kind == "untested"
-    assert "the startup self-check decides" in caplog.text
+    with pytest.raises(FamilyRefusedError, match=r"'llama' is not certified exact \(table prior\): untested.*model.self_check=true"):
+        prior(config, self_check=False)
+    found = prior(config, self_check=True)
+    assert found.outcome == "untested" and "untested with packing" in found.detail
 
 
 @pytest.mark.parametrize("family", REPRESENTATIVE)
 def test_representative_families_probe_as_the_table_says(family):
     """The probe runs the trainer's step (default chunked loss, backward, one optimizer step) packed and
-    one by one: an exact family is exact on logits, loss and every gradient, before and after the step."""
+    one by one: an exact family is exact on logits and every gradient, before and after the step."""
     if family not in installed_families():  # e.g. dory is newer than transformers 5.17
         pytest.skip(f"{family} is not in transformers {transformers.__version__}")
     result = probe(family)
     if verdict(family).kind == "exact":
-        assert result.outcome == "exact", result.line()
+        assert result.outcome == "exact", result.summary()
     else:  # what the refusal prevents: a crash or a silently wrong packed run
-        assert result.outcome in ("error", "wrong"), result.line()
+        assert result.outcome in ("error", "wrong"), result.summary()
 
 
 def relay_on_the_causal_lm_only(monkeypatch):
@@ -151,17 +152,14 @@ def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch, broken):
     """A forward-only probe passes the second case; the trainer's step under the chunked loss does not."""
     broken(monkeypatch)
     result = probe("stablelm")
-    assert result.outcome == "error" and "without cu_seq_lens_q" in result.detail, result.line()
+    assert result.outcome == "wrong" and "without cu_seq_lens_q" in result.detail, result.summary()
 
 
 def test_the_probe_takes_an_optimizer_step(monkeypatch):
     """A step that leaves non-finite weights makes an exact family wrong: the probe runs the step."""
-    from trainer.model import family_probe
-
-    monkeypatch.setattr(family_probe, "build_optimizer",
-                        lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan")))
+    monkeypatch.setattr(replica, "build_optimizer", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan")))
     result = probe("llama")
-    assert result.outcome == "wrong" and "after one optimizer step" in result.detail, result.line()
+    assert result.outcome == "wrong" and "after one optimizer step" in result.detail, result.summary()
 
 
 def test_a_family_exact_from_a_newer_transformers_is_refused_on_an_older_one(monkeypatch):
@@ -186,15 +184,15 @@ def probe_against_the_table(names: list[str]) -> list[str]:
     """What ``benchmarks/family_matrix.py --probe`` flags, plus an untested family wrong by less than the
     self-check would see: an empty list when every family is exact or refused."""
     script = matrix_script()
-    script.preload()
     bad = []
     for family in names:
         kind = verdict(family).kind
         result = script.probe_isolated(family, timeout_s=180)
         if not script.agrees(kind, result.outcome):
-            bad.append(result.line())
-        elif kind == "untested" and result.outcome == "wrong" and result.logit_diff <= TOLERANCE[torch.float32]:
-            bad.append(f"{result.line()} (the self-check would not see it)")
+            bad.append(f"{family}: {result.summary()}")
+        elif (kind == "untested" and result.outcome == "wrong" and result.measurement is not None
+              and result.measurement.logit_diff <= TOLERANCE[torch.float32].logits):
+            bad.append(f"{family}: {result.summary()} (the self-check would not see it)")
     return bad
 
 
@@ -204,7 +202,7 @@ def test_a_family_of_every_kind_probes_as_the_table_says():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes 10-30 min: PACKFSDP_FULL_MATRIX=1")
+@pytest.mark.skipif(not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes minutes: PACKFSDP_FULL_MATRIX=1")
 def test_every_family_is_exact_or_refused():
     """Every causal-LM family of the installed transformers, as ``benchmarks/family_matrix.py --probe``."""
     assert not probe_against_the_table(installed_families())

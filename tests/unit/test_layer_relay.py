@@ -105,7 +105,7 @@ def test_the_trainer_builds_and_self_checks_them(family, config, tokenizer, smal
     run's examples (longer than the chunk, the window and the temperature step)."""
     from trainer.collate import collate_packed
     from trainer.config import JobConfig, ModelConfig
-    from trainer.model import build_model, self_check
+    from trainer.model import build_model, measure
     from trainer.pipeline import resolve_attention
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
@@ -115,5 +115,5 @@ def test_the_trainer_builds_and_self_checks_them(family, config, tokenizer, smal
     model = build_model(cfg.model, tokenizer, resolve_attention(cfg, torch.device("cpu")), seed=0)
     batch = collate_packed(small_dataset, [3, 17, 42, 5], tokenizer.pad_token_id)
     assert batch.max_seqlen > 32
-    result = self_check(model, batch)
+    result = measure(model, batch)
     assert result.ok, result.line()

@@ -10,7 +10,7 @@ from tests.conftest import compose_job, tiny_gpt2_config
 from tests.unit.test_model_families import assert_equivalent, examples, tiny_model
 from trainer.collate import collate_packed
 from trainer.config import ConfigError, ModelConfig, OptimConfig, PeftConfig
-from trainer.model import build_model, resolve_backend, self_check
+from trainer.model import build_model, measure, resolve_backend
 from trainer.model.lora import apply_peft, base_fingerprint, base_mismatch, save_lora_assets, trainable_counts
 from trainer.optim import build_optimizer
 
@@ -84,7 +84,7 @@ def test_none_changes_nothing_and_the_fingerprint_sees_weights():
 def test_self_check_passes_in_lora_mode(tokenizer, small_dataset):
     model = build_model(tiny_gpt2_config(), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=0)
     model = with_lora(model).eval()
-    result = self_check(model, collate_packed(small_dataset, np.arange(5)))
+    result = measure(model, collate_packed(small_dataset, np.arange(5)))
     assert result.ok, result.line()
 
 

@@ -22,11 +22,10 @@ from trainer.config import ConfigError
 from trainer.parallel.route import refuse_unshardable
 from trainer.model import prepare
 from trainer.model.attention import AttentionNeeds, resolve_backend
-from trainer.model.config_verdict import replica_config
+from trainer.model.certification.shrink import replica_config
 from trainer.model.mixers import PackedMixerForward, find_token_mixers
-from trainer.model.family_probe import packed_batch
+from trainer.model.certification import measure, packed_batch
 from trainer.model.prepare import prepare_model
-from trainer.model.selfcheck import self_check
 
 VOCAB = 96
 LENGTHS = (23, 1, 9, 9, 3)
@@ -204,7 +203,7 @@ def test_the_startup_self_check_sees_the_mixers(kept, monkeypatch):
     if not kept:
         monkeypatch.setattr(prepare, "keep_mixers_apart", lambda *args: [])
     model = build(*CONFIGS["short convolution (lfm2)"], dtype=torch.float32)
-    result = self_check(model, packed_batch(examples(LENGTHS)))
+    result = measure(model, packed_batch(examples(LENGTHS)))
     assert result.ok is kept, result.line()
 
 

@@ -22,7 +22,8 @@ from trainer.data.bad_records import BadRecordError
 from trainer.data.tables import rows_to_records
 from trainer.model import build_model, resolve_backend
 from trainer.model import families
-from trainer.model.families import FamilyRefusedError, check_family, verdict
+from trainer.model.certification import certify_config
+from trainer.model.families import FamilyRefusedError, verdict
 from trainer.model.lora import apply_peft
 from trainer.model.multimodal import FROZEN_WEIGHTS, MULTIMODAL_DIR, MultimodalError, split
 from trainer.model_config import folder_config, model_config
@@ -73,7 +74,7 @@ def test_the_folder_is_judged_and_sized_by_its_language_model(gemma3_folder):
     assert config.model_type == "gemma3_text" and config.max_position_embeddings == 128  # your override reaches it
     whole = folder_config(cfg)
     assert whole.model_type == "gemma3" and whole.text_config.max_position_embeddings == 128
-    assert check_family(whole).family == "gemma3_text"  # a multimodal config is judged by its language model
+    assert certify_config(whole).family == "gemma3_text"  # a multimodal config is judged by its language model
     assert verdict("gemma3").kind == "exact" and "gemma3_text" in verdict("gemma3").reason
 
 
@@ -185,7 +186,7 @@ def test_the_route_follows_the_text_familys_verdict(gemma3_folder, tokenizer, mo
     """Generic, not per family: the day a text family's verdict changes, its multimodal checkpoints follow."""
     monkeypatch.setattr(families, "EXACT", families.EXACT - {"gemma3_text"})
     monkeypatch.setitem(families.REFUSED, "gemma3_text", families.OWN_MASK)
-    with pytest.raises(FamilyRefusedError, match="^model family 'gemma3_text' cannot be trained packed exactly: its attention adds"):
+    with pytest.raises(FamilyRefusedError, match=r"^model family 'gemma3_text' is not certified exact \(table prior\): its attention adds"):
         built(gemma3_folder, tokenizer)
     assert verdict("gemma3").kind == "refused"
 

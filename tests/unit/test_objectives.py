@@ -15,7 +15,7 @@ from trainer.data.examples import IGNORE_INDEX
 from trainer.config import OBJECTIVES
 from trainer.evaluate import eval_batches
 from trainer.loss import LabelHidden, sequence_of_labels
-from trainer.model.selfcheck import TokenLossCheck
+from trainer.model.certification import TokenLossCheck
 from trainer.objectives import OBJECTIVE_TYPES, Objective
 
 
@@ -92,5 +92,8 @@ def test_an_objective_written_against_the_protocol_trains_in_the_trainer(tmp_pat
         evaluated = trainer.evaluate()
         trainer.metrics.close()
     assert all((b.labels != IGNORE_INDEX).any() for b in batches[0])
+    # certified through the objective's loss of the check, every stage in one certificate (summary.json's)
+    assert [(s.name, s.outcome) for s in trainer.certificate.stages] == [
+        ("table prior", "exact"), ("replica", "exact"), ("self-check", "exact")]
     assert metrics.loss == pytest.approx(expected, rel=1e-5)
     assert evaluated.eval_loss > 0 and evaluated.eval_tokens > 0

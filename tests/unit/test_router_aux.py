@@ -19,8 +19,10 @@ from trainer.collate import Batch
 from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ConfigError
 from trainer.metrics import RunSummary, StepMetrics, format_step
-from trainer.model.family_probe import build_probe_model, packed_batch
-from trainer.model.selfcheck import SelfCheckError, run_startup_self_check
+from trainer.errors import SelfCheckError
+from trainer.model.certification import check_model, packed_batch
+from trainer.model.certification.replica import build_replica
+from trainer.model.certification.shrink import default_config, replica_config
 from trainer.router_aux import RouterAux, RouterAuxTerm, RouterStats, refuse_untrained_losses, use_router_aux
 from trainer.throughput import StepCounts
 
@@ -34,8 +36,9 @@ LENGTHS = (9, 1, 14, 5)
 
 
 def moe(family: str = "mixtral", impl: str = "chunked", **overrides):
-    window = {"sliding_window": 64} if family == "phimoe" else {}  # a window shorter than the context is refused
-    model = build_probe_model(family, **(ASK | window | overrides))
+    # a window shorter than the context is refused
+    window = {"sliding_window": 64, "max_position_embeddings": 64} if family == "phimoe" else {}
+    model = build_replica(replica_config(default_config(family, **(ASK | window | overrides))), torch.float32)
     model.use_loss(impl)
     return model
 
@@ -201,7 +204,7 @@ def test_what_packfsdp_does_not_train_is_refused_or_said_once(caplog):
     assert any("coefficient 0: the load-balancing loss is logged, not trained" in s for s in said)
     assert any("router aux loss: off (router_aux_loss_coef=0.01 applies only with output_router_logits" in s for s in said)
     assert any("DeepseekV3ForCausalLM adds no auxiliary loss" in s for s in said)
-    config = build_probe_model("mixtral").config
+    config = default_config("mixtral")
     config.z_loss_coefficient = 0.1  # Bamba's z-loss on the logits
     with pytest.raises(ConfigError, match="z_loss_coefficient=0.1.*does not train it"):
         refuse_untrained_losses(config)
@@ -213,13 +216,13 @@ def test_self_check_checks_the_aux_apart(padded, monkeypatch):
     use_router_aux(model, cp=1, objective="sft")
     seqs = examples()
     batch = padded_batch(seqs) if padded else packed_batch(seqs)
-    run_startup_self_check(model, batch, None, None)  # passes, with the aux compared
+    check_model(model, batch, None, None)  # passes, with the aux compared
     if not padded:
         return
     original = RouterAux.statistics
     monkeypatch.setattr(RouterAux, "statistics", lambda self, logits, mask: original(self, logits, None))
     with pytest.raises(SelfCheckError, match=r"router aux loss \(the batch's statistic vs its examples alone\) relative diff 0\.00"):
-        run_startup_self_check(model, batch, None, None)
+        check_model(model, batch, None, None)
 
 
 def test_trainer_step_one_loss_is_transformers_loss_on_one_example(tmp_path):

@@ -1,4 +1,4 @@
-"""The startup self-check passes on a correct model and stops a leaky backend or broken positions."""
+"""The certification's self-check stage passes on a correct model and stops a leaky backend or broken positions."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from transformers import AttentionInterface
 
 from tests.conftest import tiny_gpt2_config
 from trainer.collate import collate_packed, collate_padded
-from trainer.model import SelfCheckError, build_model, resolve_backend, self_check
-from trainer.model.selfcheck import run_startup_self_check, worst_case_microbatch
+from trainer.model import SelfCheckError, build_model, resolve_backend
+from trainer.model.certification import Stage, check_model, measure, worst_case_microbatch
 
 
 def leaky_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -32,9 +32,9 @@ INDICES = np.array([3, 17, 42, 5])
 
 def test_packed_and_padded_pass(model, small_dataset, tokenizer):
     for collate in (collate_packed, collate_padded):
-        result = self_check(model, collate(small_dataset, INDICES, tokenizer.pad_token_id))
-        assert result.ok and result.max_logit_diff < 1e-5, result.line()
-    run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
+        result = measure(model, collate(small_dataset, INDICES, tokenizer.pad_token_id))
+        assert result.ok and result.logit_diff < 1e-5, result.line()
+    check_model(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
 
 
 def test_leaky_backend_stops_the_run(model, small_dataset, tokenizer):
@@ -44,7 +44,7 @@ def test_leaky_backend_stops_the_run(model, small_dataset, tokenizer):
     model.backend = leaky
     try:
         with pytest.raises(SelfCheckError, match=r"max \|logit diff\| .* over tolerance"):
-            run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
+            check_model(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
     finally:
         model.backend = good
 
@@ -53,7 +53,7 @@ def test_positions_that_do_not_restart_are_caught(model, small_dataset, tokenize
     batch = collate_packed(small_dataset, INDICES, tokenizer.pad_token_id)
     batch.position_ids = torch.arange(batch.num_tokens)[None]
     with pytest.raises(SelfCheckError, match="do not restart"):
-        self_check(model, batch)
+        measure(model, batch)
 
 
 def test_split_pieces_keep_their_offsets(model, small_dataset, tokenizer):
@@ -61,11 +61,11 @@ def test_split_pieces_keep_their_offsets(model, small_dataset, tokenizer):
     piece whose positions were reset to 0 is caught."""
     pieces = np.array([[3, 0, 10], [17, 5, 20], [42, 2, 9]])
     batch = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
-    run_startup_self_check(model, batch, None, None, pieces)
+    check_model(model, batch, None, None, pieces)
     with pytest.raises(SelfCheckError, match="do not restart at 5"):
         broken = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
         broken.position_ids[0, 10:25] = torch.arange(15)
-        self_check(model, broken, starts=[0, 5, 2])
+        measure(model, broken, starts=[0, 5, 2])
 
 
 def sampler_for(dataset, strategy: str = "bfd", budget: int = 1024):
@@ -107,20 +107,21 @@ def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkey
     longest and stops the run. With the fix, it passes."""
     if not fixed:
         monkeypatch.setattr("trainer.model.prepare.apply_per_example_rope", lambda model: [])
-        monkeypatch.setattr("trainer.model.loading.verify_config", lambda config, self_check=True: "off")  # it refuses this too: the self-check alone here
+        # the replica refuses this too: the self-check alone here
+        monkeypatch.setattr("trainer.model.certification.stages.cached_judge", lambda config: Stage("replica", "unbuildable", "off"))
     lengths = small_dataset.lengths
     original = int(np.median(lengths))
     model = build_model(longrope_phi3(original), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=0)
     long_only = np.flatnonzero(lengths > original)[:4]
-    result = self_check(model, collate_packed(small_dataset, long_only, tokenizer.pad_token_id))
+    result = measure(model, collate_packed(small_dataset, long_only, tokenizer.pad_token_id))
     assert result.ok, result.line()  # the lucky first micro-batch
     pieces = worst_case_microbatch(sampler_for(small_dataset))
     batch = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
     if fixed:
-        run_startup_self_check(model, batch, None, None, pieces)
+        check_model(model, batch, None, None, pieces)
     else:
         with pytest.raises(SelfCheckError, match="over tolerance"):
-            run_startup_self_check(model, batch, None, None, pieces)
+            check_model(model, batch, None, None, pieces)
 
 
 def with_zero_init_leak(model, scale: float = 10.0):
@@ -146,18 +147,18 @@ def test_gradient_leak_fails_while_bf16_rounding_passes(small_dataset, tokenizer
     pieces = worst_case_microbatch(sampler_for(small_dataset))
     batch = collate_packed(small_dataset, pieces, tokenizer.pad_token_id)
     leaky = with_zero_init_leak(build_model(tiny_gpt2_config(), tokenizer, backend, seed=0))
-    result = self_check(leaky, batch)
-    assert result.max_logit_diff <= result.tolerance and 2e-3 < result.grad_gap < 2e-2, result.line()
+    result = measure(leaky, batch)
+    assert result.logit_diff <= result.logit_tolerance and 2e-3 < result.grad_gap < 2e-2, result.line()
     with pytest.raises(SelfCheckError) as caught:
-        run_startup_self_check(leaky, batch, None, None, pieces)
+        check_model(leaky, batch, None, None, pieces)
     message = str(caught.value)
     assert "\n" not in message and "gradient gap is" in message and "over tolerance" in message, message
     clean = build_model(tiny_gpt2_config(), tokenizer, backend, seed=0)
-    fp32 = self_check(clean, batch)
+    fp32 = measure(clean, batch)
     assert fp32.ok and fp32.grad_gap < 1e-5, fp32.line()  # float32 rounding: far below the leak
-    autocast = self_check(clean, batch, compute_dtype=torch.bfloat16)
+    autocast = measure(clean, batch, compute_dtype=torch.bfloat16)
     assert autocast.ok and autocast.grad_gap > 10 * fp32.grad_gap, autocast.line()  # bf16 rounding is visible, and passes
-    run_startup_self_check(clean.to(torch.bfloat16), batch, None, None, pieces)  # bf16 parameters
+    check_model(clean.to(torch.bfloat16), batch, None, None, pieces)  # bf16 parameters
 
 
 def test_frozen_model_checks_logits_only(model, small_dataset, tokenizer):
@@ -166,7 +167,7 @@ def test_frozen_model_checks_logits_only(model, small_dataset, tokenizer):
     for p in model.parameters():
         p.requires_grad_(False)
     try:
-        result = self_check(model, batch)
+        result = measure(model, batch)
     finally:
         for p in model.parameters():
             p.requires_grad_(True)
@@ -186,20 +187,20 @@ def test_the_gradient_goes_through_the_runs_own_loss(model, small_dataset, token
 
     model.use_loss("chunked")
     try:
-        assert self_check(model, batch).ok
+        assert measure(model, batch).ok
         monkeypatch.setattr(wrapper, "label_positions", leaky)
-        result = self_check(model, batch)
+        result = measure(model, batch)
     finally:
         model.use_loss("naive")
-    assert result.max_logit_diff <= result.tolerance and result.grad_gap > result.grad_tolerance, result.line()
+    assert result.logit_diff <= result.logit_tolerance and result.grad_gap > result.grad_tolerance, result.line()
 
 
 def test_a_nan_gradient_fails_the_check(model, small_dataset, tokenizer, monkeypatch):
-    from trainer.model import selfcheck
+    from trainer.model.certification import engine
 
-    monkeypatch.setattr(selfcheck, "grad_projections", lambda m: torch.full((selfcheck.PROJECTIONS,), float("nan"), dtype=torch.float64))
-    with pytest.raises(SelfCheckError, match="gradient gap nan"):
-        run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
+    monkeypatch.setattr(engine, "_projections", lambda grad, seed: torch.full((engine.PROJECTIONS,), float("nan"), dtype=torch.float64))
+    with pytest.raises(SelfCheckError, match="the gradient of .* is not finite \\(NaN\\)"):
+        check_model(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
 
 
 @pytest.mark.parametrize("side", ["packed", "alone"])
@@ -216,13 +217,13 @@ def test_a_nan_is_said_as_a_nan_not_as_a_leak(side, model, small_dataset, tokeni
     handle = param.register_hook(nan_on_one_side)
     try:
         with pytest.raises(SelfCheckError) as info:
-            run_startup_self_check(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
+            check_model(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
     finally:
         handle.remove()
     line = str(info.value)
     assert "not kept apart" not in line and "\n" not in line
     if side == "packed":
-        assert "packed, the gradient of model.transformer.wte.weight is not finite (NaN) where the same examples" in line
+        assert "(self-check): packed, the gradient of model.transformer.wte.weight is not finite (NaN) where its examples" in line
     else:
-        assert "the gradient of model.transformer.wte.weight is not finite (NaN) with the check batch's examples run" in line
+        assert "(self-check): the gradient of model.transformer.wte.weight is not finite (NaN) with its examples run" in line
         assert "the model's own computation, not packing" in line

@@ -8,7 +8,8 @@ from trainer.model.attention import (
     attention_dropout,
     resolve_backend,
 )
-from trainer.model.selfcheck import SelfCheckError, self_check
+from trainer.errors import SelfCheckError
+from trainer.model.certification import Certificate, certify, measure
 from trainer.model.loading import DTYPES, build_model
 from trainer.model.wrapper import VarlenCausalLM
 
@@ -18,10 +19,12 @@ __all__ = [
     "AttentionBackend",
     "AttentionBackendError",
     "AttentionNeeds",
+    "Certificate",
     "SelfCheckError",
     "VarlenCausalLM",
     "attention_dropout",
     "build_model",
+    "certify",
+    "measure",
     "resolve_backend",
-    "self_check",
 ]

@@ -1,32 +1,36 @@
-"""Which transformers causal-LM families packfsdp trains packed exactly, which it refuses, and why.
+"""The certification's table prior: which transformers causal-LM families pack exactly, which are refused, why.
 
-Every ``model_type`` of transformers' causal-LM auto mapping was probed with ``benchmarks/family_matrix.py``
-(``trainer.model.family_probe``: a tiny 2-layer model, a packed row of examples of lengths 9, 1, 14, 5, 11,
-3 against the same examples one by one; logits and every parameter's gradient, fp32, 1e-5). The verdicts:
+Every ``model_type`` of transformers' causal-LM auto mapping was probed with ``benchmarks/family_matrix.py
+--probe`` (the replica stage, ``trainer.model.certification.replica.probe``, on each family's default config:
+a tiny replica, a packed row against its examples one by one, logits and every parameter's gradient, float64,
+before and after one optimizer step). The verdicts:
 
-- ``EXACT``: packed == one by one.
-- ``REFUSED``: would be wrong or crash when packed; ``build_model`` refuses it with one line and the reason.
+- ``EXACT``: packed == one by one (``EXACT_IF``: under a condition the later stages check per config).
+- ``REFUSED``: would be wrong or crash when packed; refused at build with one line and the reason.
 - ``SKIPPED``: not a decoder-only causal LM (an encoder-decoder's decoder, a bidirectional encoder, a
-  multimodal model); refused too, with that reason.
-- anything else is *untested* (a family newer than ``TESTED_WITH``): it trains only behind the startup
-  self-check (``trainer.model.selfcheck``, a worst-case batch), which stops it on a mismatch.
+  multimodal model without a separate language model); refused too, with that reason.
+- anything else is *untested* (a family newer than ``TESTED_WITH``): the replica and the startup self-check
+  decide (``trainer.model.certification``).
 
-One source for the docs table too: ``benchmarks/family_matrix.py --markdown`` prints it from here.
+Besides the verdicts, the families whose layers keep a setting out of the attention call (``WINDOW_DROPPED``,
+``CHUNK_DROPPED``, ``TEMPERATURE_BY_ROW``, ``RELAY_BOUNDARIES``): ``build_model`` hands it to them. One source
+for the docs table too: ``benchmarks/family_matrix.py --markdown`` prints it from here.
 """
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import transformers
+from packaging.version import Version
 from transformers import AutoConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
+)
 
 from trainer.config import ConfigError
-from trainer.model_config import language_model_config, trained_config
-
-log = logging.getLogger(__name__)
+from trainer.model_config import language_model_config
 
 TESTED_WITH = "5.25.0"
 """The transformers version the table was probed with."""
@@ -140,11 +144,11 @@ EXACT_IF: dict[str, str] = {
     ),
     **dict.fromkeys(("dory", "gemma3n_text"), (
         "while no example starts with a token whose embedding row is zero: with a pad token (padding_idx, a zero "
-        "row at random init) the config verdict refuses it, its own gradients are NaN there, packed or not"
+        "row at random init) the replica refuses it, its own gradients are NaN there, packed or not"
     )),
 }
-"""Exact families whose verdict depends on the config: the condition (the config verdict,
-``trainer.model.config_verdict``, or ``check_family`` enforces it per config)."""
+"""Exact families whose verdict depends on the config: the condition (the certification's replica and
+self-check stages, or its prior's ``selected_keys``, enforce it per config)."""
 
 EXACT_FROM: dict[str, tuple[str, str]] = {
     "cohere_compass_text": ("5.25", "the tiny probe cannot build its 3-D rope on older transformers: not probed there"),
@@ -188,8 +192,8 @@ SKIPPED: dict[str, str] = {
 multimodal-LM mapping) takes its text family's verdict or is skipped, with why (``multimodal_verdict``)."""
 
 NOT_PROBED: frozenset[str] = frozenset()
-"""Families of ``TESTED_WITH`` the tiny probe could not build: untested, so they train only behind the startup
-self-check (none left; a family newer than the table is untested the same way)."""
+"""Families of ``TESTED_WITH`` the tiny probe could not build: untested, so the replica and the startup
+self-check decide (none left; a family newer than the table is untested the same way)."""
 
 
 @dataclass(frozen=True)
@@ -215,7 +219,7 @@ def verdict(family: str) -> Verdict:
     if (routed := multimodal_verdict(family)) is not None:
         return routed
     if family in NOT_PROBED:
-        return Verdict(family, "untested", "the tiny probe could not build it: trains only behind the startup self-check")
+        return Verdict(family, "untested", "the tiny probe could not build it: the replica and the self-check decide")
     return Verdict(family, "untested")
 
 
@@ -261,13 +265,7 @@ def _installed() -> str:
 
 def _older_than(version: str) -> bool:
     """The installed transformers is older than ``version``."""
-    from packaging.version import Version
-
     return Version(_installed()) < Version(version)
-
-
-def refusal_line(family: str, reason: str) -> str:
-    return f"model family {family!r} cannot be trained packed exactly: {reason}"
 
 
 def selected_keys(config) -> str | None:
@@ -286,30 +284,7 @@ def selected_keys(config) -> str | None:
 _SELECTION_SIZES = ("index_topk", "index_block_size", "index_topk_blocks", "index_local_blocks")
 
 
-def check_family(config, self_check: bool = True) -> Verdict:
-    """Raise ``FamilyRefusedError`` (one line: the family and the reason) for a refused or skipped family,
-    a config whose layers select their keys (``selected_keys``), and an untested family when the startup
-    self-check is off (it is then the only guard). A multimodal model is judged by its language model."""
-    config = trained_config(config)
-    family = getattr(config, "model_type", None) or "the model"
-    found = verdict(family)
-    if found.kind in ("refused", "skipped"):
-        raise FamilyRefusedError(refusal_line(family, found.reason))
-    if found.kind == "untested" and not has_causal_lm(config):  # transformers could not load it: one line
-        raise FamilyRefusedError(refusal_line(family, NO_CAUSAL_LM))
-    if reason := selected_keys(config):
-        raise FamilyRefusedError(refusal_line(family, reason))
-    if found.kind == "untested":
-        if not self_check:
-            raise FamilyRefusedError(
-                f"model family {family!r} is untested with packing (not in packfsdp's table for transformers "
-                f"{TESTED_WITH}); keep model.self_check=true so the startup self-check can vouch for it"
-            )
-        log.warning(
-            "model family %r is untested with packing (table of transformers %s): the startup self-check decides",
-            family, TESTED_WITH,
-        )
-    return found
-
-
-__all__ = ["EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict", "check_family", "text_family", "verdict"]
+__all__ = [
+    "EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict",
+    "has_causal_lm", "selected_keys", "text_family", "verdict",
+]

@@ -7,16 +7,15 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+import trainer.model.multimodal as multimodal
 from trainer.config import DTYPE_NAMES, ModelConfig
-from trainer.model_config import folder_config, model_config, tokenizer_fields, trained_config
 from trainer.library_log import library_load
 from trainer.model.attention import AttentionBackend
-from trainer.model.config_verdict import verify_config
-import trainer.model.multimodal as multimodal
-from trainer.model.families import check_family
+from trainer.model.certification import certify_config
 from trainer.model.mixers import describe as describe_mixers
 from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM
+from trainer.model_config import folder_config, model_config, tokenizer_fields, trained_config
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +27,11 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     through ``backend`` for packed batches. The trainer resolves ``backend`` once, against the model's
     attention needs (``trainer.pipeline.resolve_attention``).
 
-    A family packfsdp cannot train packed exactly is refused first, from its config alone
-    (``trainer.model.families``: one line, the family and the reason), then the config itself: a tiny
-    float64 replica of it, packed vs one by one (``trainer.model.config_verdict``, cached by config hash).
+    Before any weight is loaded, the certification's first stages judge the config
+    (``trainer.model.certification.certify_config``: the family table, then a tiny float64 replica of the
+    config, packed vs one by one, cached): a family or setting packfsdp cannot train packed exactly is
+    refused in one line naming it. The wrapper carries the certificate (``certificate``); the trainer's
+    startup self-check completes it.
 
     A multimodal folder (``trainer.model.multimodal``) trains its language model, judged as its text family;
     the vision / audio tower and projector stay out of the step, kept for export (the wrapper's
@@ -47,8 +48,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         if whole is not config:
             log.info("%s: a multimodal %s; its language model is judged and trained as %s, the rest is kept aside",
                      cfg.name_or_path, whole.model_type, config.model_type)
-        check_family(config, cfg.self_check)
-        verify_config(config, cfg.self_check)
+        certificate = certify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         load = dict(
             dtype=dtype,
@@ -63,8 +63,7 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
                 model = AutoModelForCausalLM.from_pretrained(cfg.name_or_path, **load, **cfg.init_fields())
     else:
         config = model_config(cfg, base=tokenizer_fields(tokenizer))
-        check_family(config, cfg.self_check)
-        verify_config(config, cfg.self_check)
+        certificate = certify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         with library_load(f"model.family={cfg.family}"):  # one line where transformers cannot build it (dbrx)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=None)
@@ -85,4 +84,5 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     for line in describe_mixers(wrapped.token_mixers):
         log.info("%s", line)
     wrapped.multimodal = kept
+    wrapped.certificate = certificate
     return wrapped

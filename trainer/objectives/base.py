@@ -32,7 +32,7 @@ What a third objective implements (``sft.py`` and ``dpo.py`` are the two worked 
 - ``evaluate(model, dataset, token_budget, device, pad_id, route)``: the held-out loss and metrics
   (``eval_loss``, ``eval_tokens``, ``eval_time_s``, optional ``preference``), every rank taking part,
   micro-batches dealt as in training (``trainer.evaluate.eval_batches``).
-- ``check_loss()``: the loss the startup self-check differentiates (``trainer.model.selfcheck``'s loss of the
+- ``check_loss()``: the loss the startup self-check differentiates (``trainer.model.certification``'s loss of the
   check: ``group``, ``describe``, ``packed``, ``alone``, as ``TokenLossCheck`` and ``dpo.PairLossCheck`` have
   them, and optionally ``token_losses``, as ``distill.DistillLossCheck``), the same loss through the run's path
   and from each sequence alone;
@@ -136,7 +136,7 @@ class Objective(ABC):
 
     @abstractmethod
     def check_loss(self) -> Any:
-        """The startup self-check's loss of the check (``trainer.model.selfcheck.TokenLossCheck``'s interface)."""
+        """The startup self-check's loss of the check (``trainer.model.certification.TokenLossCheck``'s interface)."""
 
     def check_indices(self, indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
         """The self-check's batch from ``worst_case_microbatch``'s indices (as they are, by default)."""

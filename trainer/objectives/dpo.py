@@ -23,7 +23,7 @@ sum of pair losses over every micro-batch and rank divided by the GLOBAL pair co
 the step's counts before the backward passes), so packed, padded and every world size optimise the same
 objective, as the SFT loss is divided by the global label count.
 
-**The self-check's loss** (``PairLossCheck``). The startup self-check's loss under ``objective=dpo`` (``trainer.model.selfcheck``'s loss of the check).
+**The self-check's loss** (``PairLossCheck``). The startup self-check's loss under ``objective=dpo`` (``trainer.model.certification``'s loss of the check).
 
 The packed side is the run's own DPO path: ``sequence_logps`` (the per-sequence summed reply log-probs
 through the chunked head) -> ``PairLoss.from_logps`` (the pair losses of the run's ``dpo``
@@ -233,7 +233,7 @@ def whole_pairs(indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.nda
 
 
 class PairLossCheck:
-    """``CheckLoss`` of ``trainer.model.selfcheck`` for preference pairs (sequences ``2k``, ``2k + 1``)."""
+    """The self-check's loss of the check (``trainer.model.certification.TokenLossCheck``'s interface) for preference pairs (sequences ``2k``, ``2k + 1``)."""
 
     group = 2
     """A pair's two sequences: their loss comes together."""

@@ -15,7 +15,7 @@ import torch
 
 from trainer.collate import Batch
 from trainer.evaluate import evaluate
-from trainer.model.selfcheck import TokenLossCheck
+from trainer.model.certification import TokenLossCheck
 from trainer.objectives.base import MicroLoss, Objective
 from trainer.router_aux import RouterAuxTerm, use_router_aux
 from trainer.throughput import StepCounts

@@ -83,7 +83,7 @@ def step_skew(batches: list[Batch], cp: int, device: torch.device) -> float:
 
 
 class CPRoute:
-    """The startup self-check's route under cp > 1 (``trainer.model.selfcheck.self_check(route=...)``): the
+    """The startup self-check's route under cp > 1 (``trainer.model.certification.measure(route=...)``): the
     check row is sharded over the real CP group and run through the CP attention as training runs it; the
     group's logits come back in row order (this rank's own part differentiable, so its backward gives this
     rank's share of the gradient) and the gradient projections are summed over the group."""

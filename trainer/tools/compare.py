@@ -10,7 +10,7 @@ micro-batch as a packed micro-batch holds on average), then writes into the comp
   memory, final train and eval loss and their difference (an MoE run with a router aux loss: the train token
   loss and the aux loss apart too), model TFLOP/s and MFU, attention backend, loss
   implementation and compile mode (the same in both runs, so the ratio measures packing alone), world size,
-  the CPU (its flags, whether it multiplies bf16 natively), versions;
+  the CPU (its flags, whether it multiplies bf16 natively), the packed run's certification line, versions;
 - ``loss.png`` (both runs' train and eval loss on one axis, the unigram entropy as a line) and
   ``throughput.png`` (useful tokens/s).
 
@@ -307,7 +307,8 @@ def setup_lines(report: dict) -> list[str]:
     caps = "".join(f"; {k}={v}" for k, v in (m.get("isa_env") or {}).items())
     cpu = (f"CPU: {m.get('cpu', 'unknown')}, {m.get('cores')} cores, flags {flags}; torch CPU capability "
            f"{m.get('torch_cpu_capability')}; native bf16 (oneDNN): {m.get('bf16_native')}{caps}.")
-    return [precision, attention, cpu]
+    certified = q.get("certification")  # the packed run's certification (trainer.model.certification)
+    return [precision, attention, cpu, *([f"Packed run {certified['line']}."] if certified else [])]
 
 
 def render_markdown(report: dict) -> str:

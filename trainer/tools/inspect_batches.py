@@ -64,7 +64,7 @@ def positions_summary(pos: np.ndarray, start: int = 0) -> str:
 
 def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] | None = None) -> list[str]:
     """Lines describing one micro-batch and each of its examples."""
-    from trainer.model.selfcheck import example_spans  # heavy (torch, transformers): after the command line's checks
+    from trainer.model.certification.engine import example_spans  # heavy (torch, transformers): after the command line's checks
 
     labels = batch.labels.numpy()
     slots = [(row, span.start, span.stop) for row, span in example_spans(batch)]

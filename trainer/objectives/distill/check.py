@@ -1,4 +1,4 @@
-"""The startup self-check's loss under ``objective=distill`` (``trainer.model.selfcheck``'s loss of the check).
+"""The startup self-check's loss under ``objective=distill`` (``trainer.model.certification``'s loss of the check).
 
 The packed side is the run's own path: the teacher's pass over the packed batch (``live``: its label positions'
 hidden states through its head a chunk at a time; ``precompute``: the top-k the store would hold, made by the
@@ -22,7 +22,7 @@ from trainer.collate import Batch
 from trainer.config.distill import DistillConfig
 from trainer.data.examples import IGNORE_INDEX
 from trainer.loss import sequence_of_labels
-from trainer.model.selfcheck import example_spans
+from trainer.model.certification.engine import example_spans
 from trainer.objectives.distill.loss import TopKTeacher, blend, student_terms, token_terms
 from trainer.objectives.distill.teacher import live_teacher, teacher_top_k
 

@@ -1,15 +1,15 @@
-"""The config-verdict cache: ``$PACKFSDP_CACHE/verdicts/<key>.json``, trusted only when it verifies.
+"""The replica stage's cache: ``$PACKFSDP_CACHE/verdicts/<key>.json``, trusted only when it verifies.
 
-A verdict (``trainer.model.config_verdict``) runs a tiny replica of the config for seconds, so it is kept.
-Since a cached ``exact`` lets a run train without judging its config again, an entry is used only when
-it proves it is the verdict of this very key:
+The replica stage (``trainer.model.certification.replica``) runs a tiny replica of the config for seconds, so
+its verdict is kept. Since a cached ``exact`` lets a run train without judging its config again, an entry is
+used only when it proves it is the verdict of this very key:
 
-- the key is everything the verdict depends on (``verdict_key``): the config, packfsdp's verdict version
-  and the source of the model package that judges it (``trainer/model/*.py``: the replica, the packed path,
-  the backends), the installed torch, transformers and the kernel libraries transformers may pick;
+- the key is everything the verdict depends on (``verdict_key``): the config, the replica's version and the
+  source of the model package that judges it (``trainer/model/**/*.py``: the replica, the packed path, the
+  backends), the installed torch, transformers and the kernel libraries transformers may pick;
 - the entry records that key in full (the file name is its hash, so a copy under another name is caught),
-  an outcome packfsdp writes (``exact``, ``refused`` with its line, ``unbuildable``) and the SHA-256 of
-  them both;
+  an outcome packfsdp writes (``exact``, ``wrong``, ``refused``, ``unbuildable``) with its one line (the
+  figures, the refusal, or why no replica runs) and the SHA-256 of them all;
 - it is a regular file (not a link).
 
 Anything else (truncated, edited, forged, written for another key or by an older packfsdp) is judged again
@@ -31,8 +31,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-OUTCOMES = ("exact", "refused", "unbuildable")
-"""What ``config_verdict._judge`` returns, the only outcomes an entry may hold."""
+OUTCOMES = ("exact", "wrong", "refused", "unbuildable")
+"""The replica stage's outcomes (``certification.Stage``), the only ones an entry may hold."""
 LIBRARIES = ("torch", "transformers", "flash-attn", "flash-linear-attention", "causal-conv1d", "mamba-ssm", "kernels")
 """Installed versions in the key: the replica runs their code (transformers may dispatch to the kernels)."""
 
@@ -41,8 +41,9 @@ LIBRARIES = ("torch", "transformers", "flash-attn", "flash-linear-attention", "c
 def _code_digest() -> str:
     """SHA-256 of the model package's source: a change to how verdicts are judged is a new key."""
     h = hashlib.sha256()
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    package = Path(__file__).parents[1]
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return h.hexdigest()
 
 
@@ -55,7 +56,8 @@ def _installed(name: str) -> str | None:
 
 def verdict_key(config, version: int) -> dict:
     """Everything the verdict of ``config`` depends on (see the module doc)."""
-    values = {k: v for k, v in config.to_dict().items() if k not in ("transformers_version", "_name_or_path", "architectures")}
+    unkeyed = ("transformers_version", "_name_or_path", "architectures")
+    values = {k: v for k, v in config.to_dict().items() if k not in unkeyed}
     return {
         "verdict_version": version,
         "code": _code_digest(),
@@ -81,7 +83,7 @@ def _checksum(key: dict, outcome: str, line: str) -> str:
     return hashlib.sha256(_canonical({"key": key, "outcome": outcome, "line": line})).hexdigest()
 
 
-def read(path: Path | None, key: dict) -> tuple[str, str] | None:
+def read_verdict(path: Path | None, key: dict) -> tuple[str, str] | None:
     """The cached ``(outcome, line)`` of ``key`` when ``path`` holds one that verifies; ``None`` (judge it)
     when there is none, or, with a warning naming the file, when it does not verify."""
     if path is None or not (path.exists() or path.is_symlink()):
@@ -94,7 +96,7 @@ def read(path: Path | None, key: dict) -> tuple[str, str] | None:
         problem = "is not a regular file" if entry is None else _problem(entry, key)
     if problem is None:
         return entry["outcome"], entry["line"]
-    log.warning("config verdict cache %s %s: judging the config again", path, problem)
+    log.warning("replica verdict cache %s %s: judging the config again", path, problem)
     return None
 
 
@@ -103,7 +105,7 @@ def _problem(entry, key: dict) -> str | None:
     if not isinstance(entry, dict) or not {"key", "outcome", "line", "sha256"} <= set(entry):
         return "is not an entry packfsdp wrote"
     outcome, line = entry["outcome"], entry["line"]
-    if outcome not in OUTCOMES or not isinstance(line, str) or (outcome == "refused") != bool(line):
+    if outcome not in OUTCOMES or not isinstance(line, str) or not line:
         return f"holds an outcome packfsdp never writes ({str(outcome)[:40]!r})"
     if entry["key"] != key:
         return "was written for another config or other versions"
@@ -112,7 +114,7 @@ def _problem(entry, key: dict) -> str | None:
     return None
 
 
-def write(path: Path | None, key: dict, outcome: str, line: str) -> None:
+def write_verdict(path: Path | None, key: dict, outcome: str, line: str) -> None:
     """Keep the verdict of ``key`` (atomic: a reader sees the old entry or the new one, whole)."""
     if path is None:
         return
@@ -123,6 +125,7 @@ def write(path: Path | None, key: dict, outcome: str, line: str) -> None:
         tmp.write_text(json.dumps(entry))
         os.replace(tmp, path)  # replaces a link itself, never writes through it
     except OSError as e:
-        log.warning("config verdict cache %s not written (%s): the next run judges the config again", path, e.strerror or e)
+        log.warning("replica verdict cache %s not written (%s): the next run judges the config again", path,
+                    e.strerror or e)
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)
