@@ -16,8 +16,8 @@ Workloads:
 - ``long_cot``: a heavy-tailed length mix (Pareto, scale 512, cap 32k) in 32k-token rows, the GPU recipe's
   regime (Qwen2.5-0.5B sizes).
 
-``--pairs``: DPO pairs of UltraFeedback-like lengths (``ultrafeedback_like_pairs``, the prompt stored twice), Qwen2.5-0.5B
-sizes, ``balance=flops``: the FLOPs skew when a pair is costed as one sequence of its total length (before)
+``--pairs``: DPO pairs of UltraFeedback-like lengths (``ultrafeedback_like_pairs``, the prompt stored twice),
+Qwen2.5-0.5B sizes, ``balance=flops``: the FLOPs skew when a pair is costed as one sequence of its total length (before)
 and as its two sequences (``pair_splits``: what the collate runs), in 4k rows and the GPU recipe's 16k.
 """
 
@@ -31,13 +31,13 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from trainer.config import PackingConfig  # noqa: E402
-from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost, item_work  # noqa: E402
-from trainer.data.synthetic import (  # noqa: E402
+from trainer.config import PackingConfig
+from trainer.data.synthetic import (
     dailydialog_like_lengths,
     heavy_tailed_lengths,
     ultrafeedback_like_pairs,
 )
+from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost, item_work
 
 
 def qwen2_5_0_5b_cost() -> TokenCost:

@@ -42,9 +42,9 @@ def worker(args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trainer.collate import collate_packed
+    from trainer.model import VarlenCausalLM, resolve_backend
     from trainer.parallel.cp_layout import attention_cost, shard_batch
     from trainer.parallel.route import new_cp_group
-    from trainer.model import VarlenCausalLM, resolve_backend
 
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -126,7 +126,7 @@ def main() -> None:
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
         rows.append(json.loads(out.read_text()))
         out.unlink()
-    print(f"| cp | params | row tokens | activations saved / rank (MiB) | peak RSS / rank (MiB) | useful tok/s / rank | "
+    print("| cp | params | row tokens | activations saved / rank (MiB) | peak RSS / rank (MiB) | useful tok/s / rank | "
           "step (s) | skew contiguous | skew balanced | K/V bytes received / rank / layer |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

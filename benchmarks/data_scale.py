@@ -23,6 +23,7 @@ the processes that map them) and private memory show that N ranks hold one copy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -70,7 +71,7 @@ def train_tokenizer(data: Path, out: Path, sample: int = 20000) -> float:
     start = time.perf_counter()
     texts = []
     with open(data) as f:
-        for _, line in zip(range(sample), f):
+        for line in itertools.islice(f, sample):
             texts += [m["content"] for m in json.loads(line)["messages"]]
     tokenizer = train_bpe_tokenizer(texts, 2048, CHATML_SPECIAL_TOKENS)
     tokenizer.chat_template = CHATML_TEMPLATE

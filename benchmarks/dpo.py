@@ -96,7 +96,8 @@ def make_pairs(path: Path, n: int = PAIRS, seed: int = SEED) -> dict:
     """Write ``n`` plain-string pairs (TRL's format) with UltraFeedback-like lengths; return length stats."""
     g = np.random.default_rng(seed)
     vocab = [f"w{chr(97 + k // 26 % 26)}{chr(97 + k % 26)}" for k in range(WORDS)]
-    words = lambda k: " " + " ".join(vocab[w] for w in g.integers(0, WORDS, k))  # noqa: E731
+    def words(k: int) -> str:
+        return " " + " ".join(vocab[w] for w in g.integers(0, WORDS, k))
     lengths = ultrafeedback_like_pairs(n, g)
     with path.open("w") as f:
         for i in range(n):
@@ -256,7 +257,8 @@ NOTES = {"packfsdp_packed": "pairs packed whole (bfd), live frozen reference",
 
 def table(results: dict[str, dict]) -> str:
     packed = results.get("packfsdp_packed", {}).get("useful_tokens_per_s")
-    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) | saved for backward (GiB) | what |",
+    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) "
+             "| saved for backward (GiB) | what |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         ratio = f"{packed / r['useful_tokens_per_s']:.2f}x" if packed else "-"
@@ -296,7 +298,8 @@ def main(argv=None) -> dict:
     print(f"load average at the end: {load_average()}")
     for name, r in results.items():
         if name != "packfsdp_packed" and "packfsdp_packed" in results:
-            print(f"packfsdp_packed / {name}: {results['packfsdp_packed']['useful_tokens_per_s'] / r['useful_tokens_per_s']:.2f}x")
+            ratio = results["packfsdp_packed"]["useful_tokens_per_s"] / r["useful_tokens_per_s"]
+            print(f"packfsdp_packed / {name}: {ratio:.2f}x")
     if "packfsdp_precompute" in results and "packfsdp_packed" in results:
         live, pre = results["packfsdp_packed"]["peak_mem_gib"], results["packfsdp_precompute"]["peak_mem_gib"]
         print(f"peak memory, reference=live / precompute: {live:.2f} / {pre:.2f} GiB ({live / pre:.2f}x)")

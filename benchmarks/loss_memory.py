@@ -109,8 +109,9 @@ def main(argv=None) -> dict:
             print(f"{impl:8s} FAILED (exit {proc.returncode}; killed for memory if -9):\n{proc.stderr[-2000:]}")
             continue
         r = results[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{r['impl']:16s} peak RSS {r['peak_rss_gib']:6.2f} GiB | before the step {r['before_step_gib']:5.2f} GiB | "
-              f"the step's own {r['step_gib']:6.2f} GiB | {r['step_s']:5.1f} s | loss {r['loss']:.1f}", flush=True)
+        print(f"{r['impl']:16s} peak RSS {r['peak_rss_gib']:6.2f} GiB | "
+              f"before the step {r['before_step_gib']:5.2f} GiB | the step's own {r['step_gib']:6.2f} GiB | "
+              f"{r['step_s']:5.1f} s | loss {r['loss']:.1f}", flush=True)
     if {"naive", "chunked"} <= results.keys():
         naive, chunked = results["naive"], results["chunked"]
         ratio = chunked["peak_rss_gib"] / naive["peak_rss_gib"]

@@ -27,8 +27,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from trainer.packing import PackParams, pack
 from trainer.data.synthetic import WORKLOADS
+from trainer.packing import PackParams, pack
 
 STRATEGIES = ("none", "sorted", "ffd", "bfd", "bfd_split", "wrapped")
 
@@ -91,7 +91,10 @@ def main() -> None:
             for name in STRATEGIES:
                 lengths = raw if name in ("bfd_split", "wrapped") else clipped
                 params = PackParams(budget, batch_size=max(1, round(budget / clipped.mean())))
-                seconds, result = best_time(lambda: pack(lengths, name, params, np.random.default_rng(0)), args.repeat)
+                seconds, result = best_time(
+                    lambda lengths=lengths, name=name, params=params: pack(lengths, name, params, np.random.default_rng(0)),
+                    args.repeat,
+                )
                 s = result.stats
                 results[name] = seconds
                 fill = "-" if name in ("none", "sorted") else f"{100 * s.fill:.2f}%"

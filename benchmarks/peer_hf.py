@@ -130,8 +130,14 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
     from datasets import Dataset
-    from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
-                              Trainer, TrainingArguments)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        DataCollatorForSeq2Seq,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainingArguments,
+    )
 
     from trainer.collate import _labels_for
 
@@ -349,7 +355,8 @@ def report_ratios(results: dict[str, dict]) -> None:
     if peers:
         best = max(peers, key=lambda k: peers[k][key])
         ratio = ours[key] / peers[best][key]
-        print(f"vs the fastest peer ({best}), on medians: {ratio:.2f}x -> target 1.3x {'met' if ratio >= 1.3 else 'NOT met'}")
+        verdict = "met" if ratio >= 1.3 else "NOT met"
+        print(f"vs the fastest peer ({best}), on medians: {ratio:.2f}x -> target 1.3x {verdict}")
         # Within a round every system met about the same load: the ratio to that round's fastest peer.
         rounds = min(len(r["runs"]) for r in (ours, *peers.values()))
         per_round = [ours["runs"][i] / max(p["runs"][i] for p in peers.values()) for i in range(rounds)]

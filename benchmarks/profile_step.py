@@ -5,8 +5,8 @@
 Builds the ``Trainer`` of ``recipe=cpu_dailydialog`` on one process (FSDP2 over a world of 1, fp32, packed
 bfd micro-batches of 1024 tokens, the ``--model`` size of ``benchmarks/peer_hf.py``) plus any Hydra overrides
 (e.g. ``loss=naive``, ``packing=none``, ``parallel.compile=true``), runs ``--warmup`` steps, profiles
-``--steps`` more and prints the top ``--top`` operators by self CPU time. ``--by-caller`` profiles with
-Python stacks and prints the top operators, then the top (caller, operator) pairs, the caller being the innermost frame or
+``--steps`` more and prints the top ``--top`` operators by self CPU time. ``--by-caller`` profiles with Python
+stacks and prints the top operators, then the top (caller, operator) pairs, the caller being the innermost frame or
 backward node that ``CALLERS`` names (FSDP2, the chunked loss, the attention backend, the optimizer, ...).
 
 ``OMP_WAIT_POLICY`` defaults to ``passive`` here, as in ``peer_hf.py``: on an oversubscribed machine OpenMP's
@@ -96,9 +96,9 @@ def main(argv=None) -> None:
 
     import torch
     from hydra import compose, initialize_config_dir
+    from peer_hf import SIZES, model_shape
     from torch.profiler import ProfilerActivity, profile
 
-    from peer_hf import SIZES, model_shape
     from trainer.compose import config_dir, register_configs, to_job_config
     from trainer.loop import Trainer
 

@@ -20,8 +20,7 @@ from trainer.config import CheckpointConfig, ConfigError, DataConfig, ModelConfi
 from trainer.data import load_records
 from trainer.data.bad_records import BadRecordError
 from trainer.data.tables import rows_to_records
-from trainer.model import build_model, resolve_backend
-from trainer.model import families
+from trainer.model import build_model, families, resolve_backend
 from trainer.model.families import FamilyRefusedError, check_family, verdict
 from trainer.model.lora import apply_peft
 from trainer.model.multimodal import FROZEN_WEIGHTS, MULTIMODAL_DIR, MultimodalError, split

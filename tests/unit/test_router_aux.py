@@ -16,8 +16,8 @@ import torch
 from tests.conftest import compose_job
 from tests.faults.conftest import one_rank_world
 from trainer.collate import Batch
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ConfigError
+from trainer.data.examples import IGNORE_INDEX
 from trainer.metrics import RunSummary, StepMetrics, format_step
 from trainer.model.family_probe import build_probe_model, packed_batch
 from trainer.model.selfcheck import SelfCheckError, run_startup_self_check

@@ -8,8 +8,8 @@ from trainer.model.attention import (
     attention_dropout,
     resolve_backend,
 )
-from trainer.model.selfcheck import SelfCheckError, self_check
 from trainer.model.loading import DTYPES, build_model
+from trainer.model.selfcheck import SelfCheckError, self_check
 from trainer.model.wrapper import VarlenCausalLM
 
 __all__ = [

@@ -7,16 +7,16 @@ import logging
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedTokenizerBase
 
+import trainer.model.multimodal as multimodal
 from trainer.config import DTYPE_NAMES, ModelConfig
-from trainer.model_config import folder_config, model_config, tokenizer_fields, trained_config
 from trainer.library_log import library_load
 from trainer.model.attention import AttentionBackend
 from trainer.model.config_verdict import verify_config
-import trainer.model.multimodal as multimodal
 from trainer.model.families import check_family
 from trainer.model.mixers import describe as describe_mixers
 from trainer.model.prepare import prepare_model
 from trainer.model.wrapper import VarlenCausalLM
+from trainer.model_config import folder_config, model_config, tokenizer_fields, trained_config
 
 log = logging.getLogger(__name__)
 
