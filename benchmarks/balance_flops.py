@@ -31,6 +31,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.figures import captured, markdown_argument, publish
 from trainer.config import PackingConfig
 from trainer.data.synthetic import (
     dailydialog_like_lengths,
@@ -96,14 +97,20 @@ def main() -> None:
     parser.add_argument("--worlds", default="4,16", help="data-parallel world sizes")
     parser.add_argument("--n", type=int, default=20000, help="examples of the generated workloads")
     parser.add_argument("--pairs", action="store_true", help="the preference-pair costing table instead")
+    markdown_argument(parser)
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
-    if args.pairs:
-        return pair_costing(args.n, worlds)
+    with captured() as table:
+        (pair_costing if args.pairs else workload_skews)(args.n, worlds)
+    publish(args.markdown, "benchmarks/balance_flops.py" + (" --pairs" if args.pairs else ""), table.text())
+
+
+def workload_skews(n: int, worlds: list[int]) -> None:
+    """The table of FLOPs skew per workload, model and world size under each ``packing.balance``."""
     cfg, dataset, tiny = recipe_corpus()
     qwen = qwen2_5_0_5b_cost()
-    chat = dailydialog_like_lengths(args.n, seed=1)
-    cot = heavy_tailed_lengths(args.n, seed=2, scale=512, cap=32768)
+    chat = dailydialog_like_lengths(n, seed=1)
+    cot = heavy_tailed_lengths(n, seed=2, scale=512, cap=32768)
     cases = [
         ("cpu_long_context", "gpt2_tiny (recipe)", dataset.lengths, cfg.row_budget, tiny),
         ("cpu_long_context", "Qwen2.5-0.5B sizes", dataset.lengths, cfg.row_budget, qwen),

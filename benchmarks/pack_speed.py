@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
+from benchmarks.figures import captured, markdown_argument, publish
 from trainer.data.synthetic import WORKLOADS
 from trainer.packing import PackParams, pack
 
@@ -69,7 +70,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    markdown_argument(ap)
     args = ap.parse_args()
+    with captured() as out:
+        measure(args)
+    publish(args.markdown, "benchmarks/pack_speed.py", out.block())
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every strategy (and TRL's bfd) on every workload and budget, one line each."""
     try:
         import trl
 

@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from benchmarks.figures import captured, markdown_argument, publish  # noqa: E402
 
 CALLERS = (
     ("torch/distributed/fsdp", "FSDP2"),
@@ -92,6 +93,7 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--by-caller", action="store_true", help="also break operators down by caller (slower)")
+    markdown_argument(p)
     args, overrides = p.parse_known_args(argv)
 
     import torch
@@ -121,12 +123,14 @@ def main(argv=None) -> None:
     with profile(activities=[ProfilerActivity.CPU], with_stack=args.by_caller) as prof:
         useful = sum(trainer.train_step().useful_tokens for _ in range(args.steps))
     total_ms = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000 / args.steps
-    print(f"{args.model}, loss {trainer.loss_impl}, {' '.join(overrides) or 'defaults'}: "
-          f"{total_ms:.0f} ms of CPU op time per step, {useful / args.steps:.0f} useful tokens per step")
-    if args.by_caller:
-        by_caller(prof, args.steps, args.top)
-    else:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    with captured() as out:
+        print(f"{args.model}, loss {trainer.loss_impl}, {' '.join(overrides) or 'defaults'}: "
+              f"{total_ms:.0f} ms of CPU op time per step, {useful / args.steps:.0f} useful tokens per step")
+        if args.by_caller:
+            by_caller(prof, args.steps, args.top)
+        else:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    publish(args.markdown, "benchmarks/profile_step.py", out.block(), args.threads, argv)
 
 
 if __name__ == "__main__":
