@@ -389,7 +389,8 @@ def main(argv: list[str] | None = None) -> dict:
         variability.main(["--out", str(out)])
     if args.publish:
         args.publish.mkdir(parents=True, exist_ok=True)
-        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json"):
+        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json",
+                     "variability.md"):
             if (out / name).is_file():
                 shutil.copy2(out / name, args.publish / name)
     print(f"\n{comparison_table(report)}\n")
