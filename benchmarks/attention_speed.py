@@ -31,12 +31,12 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.collate import collate_packed, collate_padded  # noqa: E402
-from trainer.data.examples import IGNORE_INDEX  # noqa: E402
-from trainer.config import DataConfig, ModelConfig  # noqa: E402
-from trainer.data import load_dataset, load_tokenizer  # noqa: E402
-from trainer.model import BACKENDS, build_model, resolve_backend  # noqa: E402
-from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing  # noqa: E402
+from trainer.collate import collate_packed, collate_padded
+from trainer.config import DataConfig, ModelConfig
+from trainer.data import load_dataset, load_tokenizer
+from trainer.data.examples import IGNORE_INDEX
+from trainer.model import BACKENDS, build_model, resolve_backend
+from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing
 
 TINY = dict(n_layer=2, n_embd=128, n_head=4, n_positions=4096, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 HEADS, HEAD_DIM = 4, 32
@@ -48,7 +48,7 @@ def median_times(passes: list, reps: int) -> list[float]:
         p()  # warm-up (allocator, plan caches)
     times = [[] for _ in passes]
     for _ in range(reps):
-        for p, t in zip(passes, times):
+        for p, t in zip(passes, times, strict=True):
             start = time.perf_counter()
             p()
             t.append(time.perf_counter() - start)
@@ -155,7 +155,7 @@ def main() -> None:
                       model_pass(models["sdpa_block_mask"], packed)],
         }
         for what, passes in rows.items():
-            rates = [u / t for u, t in zip(useful, median_times(passes, args.reps))]
+            rates = [u / t for u, t in zip(useful, median_times(passes, args.reps), strict=True)]
             ratios = [r / rates[0] for r in rates[1:]]
             worst = min(worst, *ratios)
             print(f"{budget:>6} {what:>9} | {useful[1]:>7} {100 * pad_frac:>5.1f} | {rates[0]:>9,.0f} {rates[1]:>11,.0f} "

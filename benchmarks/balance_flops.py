@@ -16,8 +16,8 @@ Workloads:
 - ``long_cot``: a heavy-tailed length mix (Pareto, scale 512, cap 32k) in 32k-token rows, the GPU recipe's
   regime (Qwen2.5-0.5B sizes).
 
-``--pairs``: DPO pairs of UltraFeedback-like lengths (``ultrafeedback_like_pairs``, the prompt stored twice), Qwen2.5-0.5B
-sizes, ``balance=flops``: the FLOPs skew when a pair is costed as one sequence of its total length (before)
+``--pairs``: DPO pairs of UltraFeedback-like lengths (``ultrafeedback_like_pairs``, the prompt stored twice),
+Qwen2.5-0.5B sizes, ``balance=flops``: the FLOPs skew when a pair is costed as one sequence of its total length (before)
 and as its two sequences (``pair_splits``: what the collate runs), in 4k rows and the GPU recipe's 16k.
 """
 
@@ -31,13 +31,14 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from trainer.config import PackingConfig  # noqa: E402
-from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost, item_work  # noqa: E402
-from trainer.data.synthetic import (  # noqa: E402
+from benchmarks.figures import captured, markdown_argument, publish
+from trainer.config import PackingConfig
+from trainer.data.synthetic import (
     dailydialog_like_lengths,
     heavy_tailed_lengths,
     ultrafeedback_like_pairs,
 )
+from trainer.packing import WORK_MEASURES, MicroBatchSampler, TokenCost, item_work
 
 
 def qwen2_5_0_5b_cost() -> TokenCost:
@@ -96,14 +97,20 @@ def main() -> None:
     parser.add_argument("--worlds", default="4,16", help="data-parallel world sizes")
     parser.add_argument("--n", type=int, default=20000, help="examples of the generated workloads")
     parser.add_argument("--pairs", action="store_true", help="the preference-pair costing table instead")
+    markdown_argument(parser)
     args = parser.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
-    if args.pairs:
-        return pair_costing(args.n, worlds)
+    with captured() as table:
+        (pair_costing if args.pairs else workload_skews)(args.n, worlds)
+    publish(args.markdown, "benchmarks/balance_flops.py" + (" --pairs" if args.pairs else ""), table.text())
+
+
+def workload_skews(n: int, worlds: list[int]) -> None:
+    """The table of FLOPs skew per workload, model and world size under each ``packing.balance``."""
     cfg, dataset, tiny = recipe_corpus()
     qwen = qwen2_5_0_5b_cost()
-    chat = dailydialog_like_lengths(args.n, seed=1)
-    cot = heavy_tailed_lengths(args.n, seed=2, scale=512, cap=32768)
+    chat = dailydialog_like_lengths(n, seed=1)
+    cot = heavy_tailed_lengths(n, seed=2, scale=512, cap=32768)
     cases = [
         ("cpu_long_context", "gpt2_tiny (recipe)", dataset.lengths, cfg.row_budget, tiny),
         ("cpu_long_context", "Qwen2.5-0.5B sizes", dataset.lengths, cfg.row_budget, qwen),

@@ -1,9 +1,11 @@
 """What verifying the tokenized cache costs when it is opened (``trainer/data/cache_integrity.py``), and the
 check a run makes after each step that the files it maps did not change (``check_unchanged``), at 1M
-generated examples (lengths 2-255): ``python benchmarks/cache_check_cost.py [FOLDER]``. Figures: docs/data.md."""
+generated examples (lengths 2-255): ``python benchmarks/cache_check_cost.py [FOLDER] [--markdown FILE]``. Figures:
+docs/figures/data.md."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import shutil
 import sys
@@ -12,11 +14,24 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.figures import captured, markdown_argument, publish
 from trainer.data.arrays import ArrayWriter, open_arrays
 from trainer.data.cache_integrity import CHECKSUMS, check_consistent, check_files, seal
 
 
-def main(folder: Path) -> None:
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folder", nargs="?", type=Path, default=Path("/tmp/packfsdp_cache_check_cost"))
+    markdown_argument(parser)
+    args = parser.parse_args()
+    with captured() as out:
+        measure(args.folder)
+    publish(args.markdown, "benchmarks/cache_check_cost.py", out.block())
+
+
+def measure(folder: Path) -> None:
     shutil.rmtree(folder, ignore_errors=True)
     rng = np.random.default_rng(0)
     writer = ArrayWriter(folder)
@@ -50,4 +65,4 @@ def main(folder: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "/tmp/packfsdp_cache_check_cost"))
+    main()

@@ -24,6 +24,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from benchmarks.figures import captured, markdown_argument, publish  # noqa: E402
 
 
 def row_lengths(tokens: int) -> list[int]:
@@ -42,9 +45,9 @@ def worker(args) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from trainer.collate import collate_packed
+    from trainer.model import VarlenCausalLM, resolve_backend
     from trainer.parallel.cp_layout import attention_cost, shard_batch
     from trainer.parallel.route import new_cp_group
-    from trainer.model import VarlenCausalLM, resolve_backend
 
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
@@ -113,6 +116,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--out", default="", help=argparse.SUPPRESS)
+    markdown_argument(parser)
     args = parser.parse_args()
     if args.worker:
         return worker(args)
@@ -126,14 +130,16 @@ def main() -> None:
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
         rows.append(json.loads(out.read_text()))
         out.unlink()
-    print(f"| cp | params | row tokens | activations saved / rank (MiB) | peak RSS / rank (MiB) | useful tok/s / rank | "
-          "step (s) | skew contiguous | skew balanced | K/V bytes received / rank / layer |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['cp']} | {r['params_m']:.1f}M | {r['tokens']} | {r['activations_mib_per_rank']:.0f} | "
-              f"{r['peak_rss_mib_per_rank']:.0f} | "
-              f"{r['useful_tokens_per_s_per_rank']:.0f} | {r['step_s']:.2f} | {100 * r['skew_contiguous']:.1f}% | "
-              f"{100 * r['skew_balanced']:.1f}% | {r['kv_bytes_received_per_layer'] / 2**20:.2f} MiB |")
+    with captured() as table:
+        print("| cp | params | row tokens | activations saved / rank (MiB) | peak RSS / rank (MiB) | "
+              "useful tok/s / rank | step (s) | skew contiguous | skew balanced | K/V bytes received / rank / layer |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['cp']} | {r['params_m']:.1f}M | {r['tokens']} | {r['activations_mib_per_rank']:.0f} | "
+                  f"{r['peak_rss_mib_per_rank']:.0f} | "
+                  f"{r['useful_tokens_per_s_per_rank']:.0f} | {r['step_s']:.2f} | {100 * r['skew_contiguous']:.1f}% | "
+                  f"{100 * r['skew_balanced']:.1f}% | {r['kv_bytes_received_per_layer'] / 2**20:.2f} MiB |")
+    publish(args.markdown, "benchmarks/context_parallel.py", table.text())
 
 
 if __name__ == "__main__":

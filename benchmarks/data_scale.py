@@ -23,6 +23,7 @@ the processes that map them) and private memory show that N ranks hold one copy.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import subprocess
@@ -36,6 +37,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # run from a checkout without installing
+
+from benchmarks.figures import captured, load_average, markdown_argument, publish  # noqa: E402
 
 
 def write_chats(path: Path, n: int, seed: int = 0) -> None:
@@ -70,7 +73,7 @@ def train_tokenizer(data: Path, out: Path, sample: int = 20000) -> float:
     start = time.perf_counter()
     texts = []
     with open(data) as f:
-        for _, line in zip(range(sample), f):
+        for line in itertools.islice(f, sample):
             texts += [m["content"] for m in json.loads(line)["messages"]]
     tokenizer = train_bpe_tokenizer(texts, 2048, CHATML_SPECIAL_TOKENS)
     tokenizer.chat_template = CHATML_TEMPLATE
@@ -204,11 +207,6 @@ def vm_hwm(pid: int) -> int:
         return 0
 
 
-def load_average() -> str:
-    """The 1, 5 and 15 minute load averages (the machine is shared: figures swing with it)."""
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=200_000)
@@ -218,7 +216,15 @@ def main() -> None:
     parser.add_argument("--warm-only", type=Path, metavar="CACHE",
                         help="only the warm run, on the data.cache_dir of an earlier run (e.g. after a code change)")
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the packfsdp runs")
+    markdown_argument(parser)
     args = parser.parse_args()
+    with captured() as out:
+        measure(args)
+    publish(args.markdown, "benchmarks/data_scale.py", out.block())
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Prepare the generated chats cold and warm (and the ``datasets`` reference), one line each."""
 
     work = args.workdir / str(args.records)
     work.mkdir(parents=True, exist_ok=True)

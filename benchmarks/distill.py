@@ -42,7 +42,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from benchmarks.dpo import compose_job  # noqa: E402
-from benchmarks.peer_hf import load_average, run_worker  # noqa: E402
+from benchmarks.figures import load_average, markdown_argument, publish  # noqa: E402
+from benchmarks.peer_hf import run_worker  # noqa: E402
 from trainer.objectives.distill.topk import STORE_PREFIX  # noqa: E402
 
 ARMS = {
@@ -78,7 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch")
     p.add_argument("--records", type=int, default=1000, help="generated chats (the precompute pass covers them all)")
     p.add_argument("--arms", nargs="+", default=list(ARMS), choices=list(ARMS))
-    p.add_argument("--markdown", type=Path, default=None, help="also write the table (markdown) here")
+    markdown_argument(p)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--teacher-dir", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -174,9 +175,9 @@ def worker(arm: str, args: argparse.Namespace) -> dict:
     }
 
 
-def table(results: dict[str, dict], heading: str) -> str:
+def table(results: dict[str, dict]) -> str:
     packed = {k.split("_", 1)[1]: r["useful_tokens_per_s"] for k, r in results.items() if k.startswith("packed_")}
-    rows = [heading, "", "| arm | useful tokens/s | packed / padded | padding | ms/step | teacher held (MiB) | RSS while training "
+    rows = ["| arm | useful tokens/s | packed / padded | padding | ms/step | teacher held (MiB) | RSS while training "
             "(GiB) | peak RSS (GiB) | top-k store (MiB) | setup (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for arm, r in results.items():
         mode, teacher = arm.split("_", 1)
@@ -219,12 +220,11 @@ def main(argv=None) -> dict:
               f"{r['train_rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f}) | store {r['store_mib']:.1f} MiB | "
               f"setup {r['setup_s']:.1f} s", flush=True)
     print(f"load average at the end: {load_average()}")
-    command = " ".join(["python benchmarks/distill.py", *(f for f in flags if not f.startswith("--teacher-dir"))])
-    md = table(results, f"`{command}`: {args.threads} thread(s) per arm, torch {torch.__version__}, "
-                        f"load average at the end {load_average()}" + (f"; precompute pass {store['pass_s']:.1f} s" if store else ""))
+    md = table(results)
     print(md)
-    if args.markdown:
-        args.markdown.write_text(md + "\n")
+    shown = [f for f in flags if not f.startswith("--teacher-dir")]  # every setting, defaults included
+    note = f"{args.threads} thread(s) per arm" + (f"; precompute pass {store['pass_s']:.1f} s" if store else "")
+    publish(args.markdown, "benchmarks/distill.py", f"{note}\n\n{md}", argv=shown)
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "results": results},
                                         indent=2))

@@ -2,7 +2,7 @@
 
     python benchmarks/dpo.py [--model qwen2_30m] [--steps 2] [--warmup 1] [--threads 2] [--budget 4096]
                              [--activation-checkpointing on|off]
-    python benchmarks/dpo.py --model qwen2_8m --steps 4 --markdown docs/dpo_benchmark.md
+    python benchmarks/dpo.py --model qwen2_8m --steps 4 --markdown docs/figures/dpo.md
 
 Each system in its own process (so each one's peak memory is its own), one after the other, on the same
 Qwen2-shaped model (``--model``: random init, same seed, fp32, GQA 4:1, tied embeddings), the same generated
@@ -30,7 +30,8 @@ on. Throughput = useful tokens of the timed steps / their wall time (forward of 
 backward, optimizer step), after ``--warmup`` steps. Peak memory: the process's peak resident set (CPU),
 setup included. Saved for backward: the peak over the run of the tensors autograd holds for the backward
 (distinct storages, weights left out; ``SavedForBackward``), what activation checkpointing trades for
-recompute. Prints one line per system, the ratios, and (``--markdown``) writes the table.
+recompute. Prints one line per system, the ratios, and (``--markdown FILE``) writes the table as its section of
+FILE (``benchmarks/figures.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +50,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.peer_hf import load_average, run_worker, timed_train  # noqa: E402
+from benchmarks.figures import load_average, markdown_argument, publish  # noqa: E402
+from benchmarks.peer_hf import run_worker, timed_train  # noqa: E402
 from trainer.data.synthetic import ultrafeedback_like_pairs  # noqa: E402
 
 SYSTEMS = ("packfsdp_packed", "packfsdp_padded", "trl_dpo", "packfsdp_precompute")
@@ -83,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
     p.add_argument("--activation-checkpointing", default="on", choices=("on", "off"),
                    help="recompute each block's activations in backward, in every system (on: TRL's default)")
-    p.add_argument("--markdown", type=Path, default=None, help="also write the table (markdown) here")
+    markdown_argument(p)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
@@ -96,7 +98,8 @@ def make_pairs(path: Path, n: int = PAIRS, seed: int = SEED) -> dict:
     """Write ``n`` plain-string pairs (TRL's format) with UltraFeedback-like lengths; return length stats."""
     g = np.random.default_rng(seed)
     vocab = [f"w{chr(97 + k // 26 % 26)}{chr(97 + k % 26)}" for k in range(WORDS)]
-    words = lambda k: " " + " ".join(vocab[w] for w in g.integers(0, WORDS, k))  # noqa: E731
+    def words(k: int) -> str:
+        return " " + " ".join(vocab[w] for w in g.integers(0, WORDS, k))
     lengths = ultrafeedback_like_pairs(n, g)
     with path.open("w") as f:
         for i in range(n):
@@ -256,7 +259,8 @@ NOTES = {"packfsdp_packed": "pairs packed whole (bfd), live frozen reference",
 
 def table(results: dict[str, dict]) -> str:
     packed = results.get("packfsdp_packed", {}).get("useful_tokens_per_s")
-    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) | saved for backward (GiB) | what |",
+    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) "
+             "| saved for backward (GiB) | what |",
              "|---|---:|---:|---:|---:|---:|---:|---|"]
     for name, r in results.items():
         ratio = f"{packed / r['useful_tokens_per_s']:.2f}x" if packed else "-"
@@ -296,14 +300,15 @@ def main(argv=None) -> dict:
     print(f"load average at the end: {load_average()}")
     for name, r in results.items():
         if name != "packfsdp_packed" and "packfsdp_packed" in results:
-            print(f"packfsdp_packed / {name}: {results['packfsdp_packed']['useful_tokens_per_s'] / r['useful_tokens_per_s']:.2f}x")
+            ratio = results["packfsdp_packed"]["useful_tokens_per_s"] / r["useful_tokens_per_s"]
+            print(f"packfsdp_packed / {name}: {ratio:.2f}x")
     if "packfsdp_precompute" in results and "packfsdp_packed" in results:
         live, pre = results["packfsdp_packed"]["peak_mem_gib"], results["packfsdp_precompute"]["peak_mem_gib"]
         print(f"peak memory, reference=live / precompute: {live:.2f} / {pre:.2f} GiB ({live / pre:.2f}x)")
     md = table(results)
     print(md)
-    if args.markdown:
-        args.markdown.write_text(md + "\n")
+    title = f"benchmarks/dpo.py --model {args.model} --activation-checkpointing {args.activation_checkpointing}"
+    publish(args.markdown, title, md, args.threads, argv)
     if args.json:
         args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "pairs": stats,
                                          "results": results}, indent=2))

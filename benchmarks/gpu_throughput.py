@@ -33,10 +33,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer.data.examples import IGNORE_INDEX  # noqa: E402
-from trainer.config import PackingConfig  # noqa: E402
-from trainer.model import VarlenCausalLM, resolve_backend  # noqa: E402
-from trainer.packing import build_sampler  # noqa: E402
+from trainer.config import PackingConfig
+from trainer.data.examples import IGNORE_INDEX
+from trainer.model import VarlenCausalLM, resolve_backend
+from trainer.packing import build_sampler
 
 MODELS = {
     "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, attn_pdrop=0.0),  # GPT-2 124M
@@ -128,7 +128,7 @@ def run_isolated(cases: dict[str, Callable[[], dict]]) -> dict[str, dict]:
     for label, measure in cases.items():
         try:
             results[label] = measure()
-        except Exception as e:  # a check script reports every failure and goes on
+        except Exception as e:  # noqa: BLE001 -- a check script reports every failure and goes on
             first_line = next(iter(str(e).splitlines()), "")
             results[label] = {"error": f"{type(e).__name__}: {first_line}"}
         finally:

@@ -4,8 +4,8 @@
 
 The model is a ~28M Qwen3-Next-shaped config (8 layers: gated delta-rule linear attention and full attention
 3:1, dense MLPs, hidden 512, vocabulary 2048) or a ~30M Nemotron-H-shaped one (8 blocks: 4 Mamba-2, 1
-attention, 3 MLP, hidden 768), random weights, fp32. Its mixers run as ``build_model`` prepares them (``trainer.model.mixers``: the
-``per_example`` route on CPU).
+attention, 3 MLP, hidden 768), random weights, fp32. Its mixers run as ``build_model`` prepares them
+(``trainer.model.mixers``: the ``per_example`` route on CPU).
 
 For each workload of ``trainer.packing.workloads`` (DailyDialog-like lengths; a heavy tail, capped at the
 budget) ``--bins`` packed micro-batches are drawn from best-fit-decreasing bins of ``--budget`` tokens; the
@@ -31,14 +31,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from trainer.collate import IGNORE_INDEX, Batch  # noqa: E402
-from trainer.config import LossConfig  # noqa: E402
-from trainer.model.attention import AttentionNeeds, resolve_backend  # noqa: E402
-from trainer.model.prepare import prepare_model  # noqa: E402
-from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing  # noqa: E402
-from trainer.packing.workloads import WORKLOADS  # noqa: E402
+from trainer.collate import IGNORE_INDEX, Batch
+from trainer.config import LossConfig
+from trainer.model.attention import AttentionNeeds, resolve_backend
+from trainer.model.prepare import prepare_model
+from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing
+from trainer.packing.workloads import WORKLOADS
 
 VOCAB = 2048
 SHAPES = {
@@ -117,7 +117,7 @@ def median_times(passes: list, reps: int) -> list[float]:
         p()  # warm-up
     times = [[] for _ in passes]
     for _ in range(reps):
-        for p, t in zip(passes, times):
+        for p, t in zip(passes, times, strict=True):
             start = time.process_time()
             p()
             t.append(time.process_time() - start)
@@ -138,7 +138,8 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"torch {torch.__version__}, {args.threads} thread(s) | {args.family}-shaped, {params:.1f}M parameters | "
           f"budget {args.budget}, {args.bins} packed micro-batches, median of {args.reps}")
-    header = f"{'workload':>16} | {'useful':>7} {'pad %':>5} | {'one by one':>10} {'padded':>8} {'packed':>8} | {'packed/padded':>13}"
+    header = (f"{'workload':>16} | {'useful':>7} {'pad %':>5} | {'one by one':>10} {'padded':>8} {'packed':>8} | "
+              f"{'packed/padded':>13}")
     print(header + "\n" + "-" * len(header), flush=True)
     for name, draw in WORKLOADS.items():
         lengths = np.minimum(draw(args.examples, seed=1), args.budget)

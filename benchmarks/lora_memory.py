@@ -25,6 +25,10 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.figures import captured, markdown_argument, publish
+
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {
     "recipe": [],
@@ -68,16 +72,19 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--sizes", default="recipe,wide")
     parser.add_argument("--json", type=Path, default=None)
+    markdown_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run(size, mode, args.steps, args.nproc, Path(tmp))
                 for size in args.sizes.split(",") for mode in MODES]
-    print("| model | mode | trainable / all params | useful tokens/s | peak memory (GiB, per rank) | "
-          "weights + grads + AdamW (MiB, computed) |")
-    print("|---|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {r['size']} | {r['mode']} | {r['trainable_params']:,} / {r['params']:,} | "
-              f"{r['useful_tokens_per_s']:.0f} | {r['peak_mem_gib']:.3f} | {r['state_mib']:.1f} |")
+    with captured() as table:
+        print("| model | mode | trainable / all params | useful tokens/s | peak memory (GiB, per rank) | "
+              "weights + grads + AdamW (MiB, computed) |")
+        print("|---|---|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['size']} | {r['mode']} | {r['trainable_params']:,} / {r['params']:,} | "
+                  f"{r['useful_tokens_per_s']:.0f} | {r['peak_mem_gib']:.3f} | {r['state_mib']:.1f} |")
+    publish(args.markdown, "benchmarks/lora_memory.py", table.text())
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
 

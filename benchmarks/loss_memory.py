@@ -29,6 +29,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.figures import captured, markdown_argument, publish  # noqa: E402
+
 QWEN25_VOCAB = 151_936
 MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
@@ -44,6 +46,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", nargs="+", default=["naive", "chunked"], choices=["naive", "chunked"])
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    markdown_argument(p)
     return p.parse_args(argv)
 
 
@@ -97,28 +100,31 @@ def main(argv=None) -> dict:
     if args.worker:
         print(json.dumps(worker(args)))
         return {}
-    print(f"loss memory: tiny Qwen2 (2 layers, width 64), vocab {args.vocab:,}, {args.budget:,} tokens, fp32 CPU, "
-          f"one training step per process")
-    results = {}
-    for impl in args.impls:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--budget", str(args.budget),
-               "--vocab", str(args.vocab), "--examples", str(args.examples), "--threads", str(args.threads)]
-        env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
-        proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-        if proc.returncode != 0:
-            print(f"{impl:8s} FAILED (exit {proc.returncode}; killed for memory if -9):\n{proc.stderr[-2000:]}")
-            continue
-        r = results[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(f"{r['impl']:16s} peak RSS {r['peak_rss_gib']:6.2f} GiB | before the step {r['before_step_gib']:5.2f} GiB | "
-              f"the step's own {r['step_gib']:6.2f} GiB | {r['step_s']:5.1f} s | loss {r['loss']:.1f}", flush=True)
-    if {"naive", "chunked"} <= results.keys():
-        naive, chunked = results["naive"], results["chunked"]
-        ratio = chunked["peak_rss_gib"] / naive["peak_rss_gib"]
-        print(f"chunked / naive peak RSS: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'}) | "
-              f"the step's own memory: {chunked['step_gib'] / naive['step_gib']:.3f} | "
-              f"same loss: {abs(chunked['loss'] - naive['loss']) <= 1e-5 * abs(naive['loss'])}")
+    with captured() as out:
+        print(f"loss memory: tiny Qwen2 (2 layers, width 64), vocab {args.vocab:,}, {args.budget:,} tokens, fp32 CPU, "
+              f"one training step per process")
+        results = {}
+        for impl in args.impls:
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--budget", str(args.budget),
+                   "--vocab", str(args.vocab), "--examples", str(args.examples), "--threads", str(args.threads)]
+            env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
+            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+            if proc.returncode != 0:
+                print(f"{impl:8s} FAILED (exit {proc.returncode}; killed for memory if -9):\n{proc.stderr[-2000:]}")
+                continue
+            r = results[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
+            print(f"{r['impl']:16s} peak RSS {r['peak_rss_gib']:6.2f} GiB | "
+                  f"before the step {r['before_step_gib']:5.2f} GiB | the step's own {r['step_gib']:6.2f} GiB | "
+                  f"{r['step_s']:5.1f} s | loss {r['loss']:.1f}", flush=True)
+        if {"naive", "chunked"} <= results.keys():
+            naive, chunked = results["naive"], results["chunked"]
+            ratio = chunked["peak_rss_gib"] / naive["peak_rss_gib"]
+            print(f"chunked / naive peak RSS: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'}) | "
+                  f"the step's own memory: {chunked['step_gib'] / naive['step_gib']:.3f} | "
+                  f"same loss: {abs(chunked['loss'] - naive['loss']) <= 1e-5 * abs(naive['loss'])}")
+    publish(args.markdown, "benchmarks/loss_memory.py", out.block(), args.threads, argv)
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json)}, "results": results}, indent=2))
+        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json), "markdown": str(args.markdown)}, "results": results}, indent=2))
     return results
 
 

@@ -27,8 +27,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
 
-from trainer.packing import PackParams, pack
+from benchmarks.figures import captured, markdown_argument, publish
 from trainer.data.synthetic import WORKLOADS
+from trainer.packing import PackParams, pack
 
 STRATEGIES = ("none", "sorted", "ffd", "bfd", "bfd_split", "wrapped")
 
@@ -69,7 +70,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trl", action="store_true")
     ap.add_argument("--workloads", default=",".join(WORKLOADS))
+    markdown_argument(ap)
     args = ap.parse_args()
+    with captured() as out:
+        measure(args)
+    publish(args.markdown, "benchmarks/pack_speed.py", out.block())
+
+
+def measure(args: argparse.Namespace) -> None:
+    """Every strategy (and TRL's bfd) on every workload and budget, one line each."""
     try:
         import trl
 
@@ -91,7 +100,10 @@ def main() -> None:
             for name in STRATEGIES:
                 lengths = raw if name in ("bfd_split", "wrapped") else clipped
                 params = PackParams(budget, batch_size=max(1, round(budget / clipped.mean())))
-                seconds, result = best_time(lambda: pack(lengths, name, params, np.random.default_rng(0)), args.repeat)
+                seconds, result = best_time(
+                    lambda lengths=lengths, name=name, params=params: pack(lengths, name, params, np.random.default_rng(0)),
+                    args.repeat,
+                )
                 s = result.stats
                 results[name] = seconds
                 fill = "-" if name in ("none", "sorted") else f"{100 * s.fill:.2f}%"

@@ -58,6 +58,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from benchmarks.figures import captured, load_average, markdown_argument, publish  # noqa: E402
+
 PEERS = ("hf_padded", "hf_flattening", "trl_sft_bfd")
 PACKFSDP_ARMS = {
     "packfsdp_padded": ["packing=none"],
@@ -101,6 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="run every system this many times, interleaved; each system's median is compared")
     p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=[*PEERS, *OURS])
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
+    markdown_argument(p)
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     return p.parse_args(argv)
@@ -130,8 +133,14 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
     from datasets import Dataset
-    from transformers import (AutoConfig, AutoModelForCausalLM, DataCollatorForSeq2Seq, DataCollatorWithFlattening,
-                              Trainer, TrainingArguments)
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        DataCollatorForSeq2Seq,
+        DataCollatorWithFlattening,
+        Trainer,
+        TrainingArguments,
+    )
 
     from trainer.collate import _labels_for
 
@@ -307,17 +316,15 @@ def main(argv=None) -> dict:
                   f"{r['useful_tokens_per_step']:6.0f} useful tok/step | {1000 * r['step_time_s']:6.0f} ms/step | "
                   f"{r['batches']}", flush=True)
     print(f"load average at the end: {load_average()}")
-    results = summarize(runs)
-    report_ratios(results)
+    with captured() as summary:
+        results = summarize(runs)
+        report_ratios(results)
+    publish(args.markdown, f"benchmarks/peer_hf.py --model {args.model}", summary.block(), args.threads, argv)
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in ("json", "result")},
+        skip = ("json", "result", "markdown")
+        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in skip},
                                          "results": results}, indent=2, default=str))
     return results
-
-
-def load_average() -> str:
-    """The 1/5/15-minute load averages (on a shared machine, what the figures were measured under)."""
-    return " / ".join(f"{x:.1f}" for x in os.getloadavg())
 
 
 def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
@@ -349,7 +356,8 @@ def report_ratios(results: dict[str, dict]) -> None:
     if peers:
         best = max(peers, key=lambda k: peers[k][key])
         ratio = ours[key] / peers[best][key]
-        print(f"vs the fastest peer ({best}), on medians: {ratio:.2f}x -> target 1.3x {'met' if ratio >= 1.3 else 'NOT met'}")
+        verdict = "met" if ratio >= 1.3 else "NOT met"
+        print(f"vs the fastest peer ({best}), on medians: {ratio:.2f}x -> target 1.3x {verdict}")
         # Within a round every system met about the same load: the ratio to that round's fastest peer.
         rounds = min(len(r["runs"]) for r in (ours, *peers.values()))
         per_round = [ours["runs"][i] / max(p["runs"][i] for p in peers.values()) for i in range(rounds)]

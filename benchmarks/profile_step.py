@@ -5,8 +5,8 @@
 Builds the ``Trainer`` of ``recipe=cpu_dailydialog`` on one process (FSDP2 over a world of 1, fp32, packed
 bfd micro-batches of 1024 tokens, the ``--model`` size of ``benchmarks/peer_hf.py``) plus any Hydra overrides
 (e.g. ``loss=naive``, ``packing=none``, ``parallel.compile=true``), runs ``--warmup`` steps, profiles
-``--steps`` more and prints the top ``--top`` operators by self CPU time. ``--by-caller`` profiles with
-Python stacks and prints the top operators, then the top (caller, operator) pairs, the caller being the innermost frame or
+``--steps`` more and prints the top ``--top`` operators by self CPU time. ``--by-caller`` profiles with Python
+stacks and prints the top operators, then the top (caller, operator) pairs, the caller being the innermost frame or
 backward node that ``CALLERS`` names (FSDP2, the chunked loss, the attention backend, the optimizer, ...).
 
 ``OMP_WAIT_POLICY`` defaults to ``passive`` here, as in ``peer_hf.py``: on an oversubscribed machine OpenMP's
@@ -27,6 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from benchmarks.figures import captured, markdown_argument, publish  # noqa: E402
 
 CALLERS = (
     ("torch/distributed/fsdp", "FSDP2"),
@@ -92,13 +93,14 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--top", type=int, default=10)
     p.add_argument("--by-caller", action="store_true", help="also break operators down by caller (slower)")
+    markdown_argument(p)
     args, overrides = p.parse_known_args(argv)
 
     import torch
     from hydra import compose, initialize_config_dir
+    from peer_hf import SIZES, model_shape
     from torch.profiler import ProfilerActivity, profile
 
-    from peer_hf import SIZES, model_shape
     from trainer.compose import config_dir, register_configs, to_job_config
     from trainer.loop import Trainer
 
@@ -121,12 +123,14 @@ def main(argv=None) -> None:
     with profile(activities=[ProfilerActivity.CPU], with_stack=args.by_caller) as prof:
         useful = sum(trainer.train_step().useful_tokens for _ in range(args.steps))
     total_ms = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000 / args.steps
-    print(f"{args.model}, loss {trainer.loss_impl}, {' '.join(overrides) or 'defaults'}: "
-          f"{total_ms:.0f} ms of CPU op time per step, {useful / args.steps:.0f} useful tokens per step")
-    if args.by_caller:
-        by_caller(prof, args.steps, args.top)
-    else:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    with captured() as out:
+        print(f"{args.model}, loss {trainer.loss_impl}, {' '.join(overrides) or 'defaults'}: "
+              f"{total_ms:.0f} ms of CPU op time per step, {useful / args.steps:.0f} useful tokens per step")
+        if args.by_caller:
+            by_caller(prof, args.steps, args.top)
+        else:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.top))
+    publish(args.markdown, "benchmarks/profile_step.py", out.block(), args.threads, argv)
 
 
 if __name__ == "__main__":

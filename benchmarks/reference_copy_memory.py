@@ -18,6 +18,11 @@ import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.figures import captured, markdown_argument, publish
 
 
 def measure(way: str, layers: int, width: int) -> dict:
@@ -60,17 +65,20 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--width", type=int, default=768)
     parser.add_argument("--way", help=argparse.SUPPRESS)
+    markdown_argument(parser)
     args = parser.parse_args()
     if args.way:
         print(json.dumps(measure(args.way, args.layers, args.width)))
         return
-    print(f"GPT-2 {args.layers} layers x {args.width}, copied into a bf16 reference (RSS, MiB):")
-    print(f"  {'way':<20} {'fp32 policy':>11} {'peak rise':>10} {'held after':>10}")
-    for way in ("deepcopy then cast", "frozen_copy"):
-        out = subprocess.run([sys.executable, __file__, "--way", way, "--layers", str(args.layers),
-                              "--width", str(args.width)], capture_output=True, text=True, check=True)
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        print(f"  {way:<20} {r['policy_mib']:>11.0f} {r['peak_rise_mib']:>10.0f} {r['held_mib']:>10.0f}")
+    with captured() as table:
+        print(f"GPT-2 {args.layers} layers x {args.width}, copied into a bf16 reference (RSS, MiB):")
+        print(f"  {'way':<20} {'fp32 policy':>11} {'peak rise':>10} {'held after':>10}")
+        for way in ("deepcopy then cast", "frozen_copy"):
+            out = subprocess.run([sys.executable, __file__, "--way", way, "--layers", str(args.layers),
+                                  "--width", str(args.width)], capture_output=True, text=True, check=True)
+            r = json.loads(out.stdout.strip().splitlines()[-1])
+            print(f"  {way:<20} {r['policy_mib']:>11.0f} {r['peak_rise_mib']:>10.0f} {r['held_mib']:>10.0f}")
+    publish(args.markdown, "benchmarks/reference_copy_memory.py", table.block())
 
 
 if __name__ == "__main__":

@@ -69,7 +69,7 @@ def main(argv: list[str]) -> None:
     original = [p.detach().clone() for p in routers]
     rows = []
     for scale in (float(s) for s in args.router_scale.split(",")):
-        for p, w in zip(routers, original):
+        for p, w in zip(routers, original, strict=True):
             p.data.copy_(w * scale)
         base.eval()
         packed = epoch_stats(base, overrides)

@@ -5,15 +5,21 @@
 Tokenizes the DailyDialog-like synthetic set (13,118 dialogs, the local BPE tokenizer, cached) as the
 trainer does, then packs its lengths in stream order two ways: global BFD over the whole set
 (``packing.strategy=bfd``) and ``OnlineBestFit`` with a window of N examples (the stream drained at the
-end). Prints fill (tokens / (bins x budget)) and bins for each; the figures are in ``docs/data.md``.
+end). Prints fill (tokens / (bins x budget)) and bins for each; ``--markdown FILE`` also writes them as this
+benchmark's section of FILE (the figures of ``docs/data.md``: ``docs/figures/data.md``).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+from benchmarks.figures import captured, markdown_argument, publish
 from trainer.config import DataConfig, ModelConfig
 from trainer.data import load_dataset, load_tokenizer
 from trainer.packing import PackParams, pack
@@ -39,9 +45,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--budgets", type=int, nargs="+", default=[512, 1024, 2048])
     parser.add_argument("--windows", type=int, nargs="+", default=[64, 256, 1024, 4096])
+    markdown_argument(parser)
     args = parser.parse_args()
     data_cfg = DataConfig()
     tokenizer = load_tokenizer(ModelConfig(), data_cfg)
+    with captured() as out:
+        fills(args, data_cfg, tokenizer)
+    publish(args.markdown, "benchmarks/stream_fill.py", out.block())
+
+
+def fills(args: argparse.Namespace, data_cfg: DataConfig, tokenizer) -> None:
+    """Global BFD and online best fit at every window, for every budget: one line each."""
     for budget in args.budgets:
         lengths = np.asarray(load_dataset(data_cfg, tokenizer, max_length=budget).lengths, dtype=np.int64)
         glob = pack(lengths, "bfd", PackParams(budget), np.random.default_rng(0)).stats

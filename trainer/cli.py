@@ -10,13 +10,16 @@ import os
 import sys
 
 from hydra import compose, initialize_config_dir
+from hydra._internal.utils import get_args_parser
 from hydra.core.config_store import ConfigStore
-
-from trainer.config import CODE_OPTIONS, retired_key
-from trainer.errors import first_line
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
 
 from trainer.compose import config_dir, to_job_config
+from trainer.config import CODE_OPTIONS, retired_key
+from trainer.errors import first_line
 from trainer.safety import UnsafeTargetError, check_target, check_targets, printable, redact
+
 
 def config_groups() -> tuple[str, ...]:
     """The config groups a ``group=option`` override may name: ``recipe`` and every folder under configs/."""
@@ -97,9 +100,6 @@ def check_code_sources(argv: list[str]) -> None:
     sweeper and logging (whether it comes from the command line, a recipe or a YAML on ``hydra.searchpath``),
     and options that import user or remote code (``CODE_OPTIONS``) are set on the command line or through
     their environment variable, never by a config file. Each value of a sweep (``-m a=x,y``) is checked."""
-    from hydra._internal.utils import get_args_parser
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-
     args, _ = get_args_parser().parse_known_args(argv)  # Hydra's own reading of its flags and overrides
     if args.config_path or args.config_name or args.config_dir:
         config_error("--config-path/--config-name/--config-dir are not supported (a primary config outside "
@@ -115,7 +115,7 @@ def check_code_sources(argv: list[str]) -> None:
         values = list(override.sweep_string_iterator()) if override.is_sweep_override() else None
         if values and key.lstrip("+~").startswith("hydra.") and key.rsplit(".", 1)[-1] in TARGET_KEYS:
             for value in values:  # every job of the sweep, not only the first one composed below
-                check_or_exit(lambda v=value: check_target(key, v, hydra_builtin_objects(), "hydra._internal."))
+                check_or_exit(lambda k=key, v=value: check_target(k, v, hydra_builtin_objects(), "hydra._internal."))
         overrides.append(f"{key}={values[0]}" if values else override.input_line)
     try:
         with initialize_config_dir(str(config_dir()), version_base=None):
@@ -138,8 +138,6 @@ def check_or_exit(check) -> None:
 
 
 def check_hydra_targets(hydra_cfg) -> None:
-    from omegaconf import OmegaConf
-
     node = OmegaConf.to_container(hydra_cfg, resolve=False)
     for section in HYDRA_INSTANTIATED:
         check_targets(node.get(section), f"hydra.{section}", hydra_builtin_objects(), "hydra._internal.")
@@ -149,9 +147,10 @@ def check_hydra_targets(hydra_cfg) -> None:
 
 def hydra_builtin_objects() -> frozenset:
     """Hydra's own launcher and sweeper (the defaults of ``hydra/launcher`` and ``hydra/sweeper``)."""
-    from hydra._internal.core_plugins.basic_launcher import BasicLauncher
-    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
-
+    # Imported at the call: Hydra's plugin scan loads these modules again, and a target resolves to the classes
+    # of the modules as they are now, not as they were when this module was imported.
+    from hydra._internal.core_plugins.basic_launcher import BasicLauncher  # noqa: PLC0415 -- see above
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # noqa: PLC0415 -- see above
     return frozenset({BasicLauncher, BasicSweeper})
 
 

@@ -11,6 +11,7 @@ from dataclasses import asdict, fields, is_dataclass
 from pathlib import Path
 from typing import Any
 
+from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from omegaconf import MissingMandatoryValue, OmegaConf
 
@@ -97,8 +98,6 @@ def open_mapping_overrides(overrides: list[str]) -> list[str]:
 def compose_job_config(overrides: list[str]) -> JobConfig:
     """Compose ``configs/config.yaml`` with command-line ``overrides`` and validate it, as a run would
     (for tools and tests; ``trainer.train`` composes through ``hydra.main``)."""
-    from hydra import compose, initialize_config_dir
-
     register_configs()
     with initialize_config_dir(str(config_dir()), version_base=None):
         return to_job_config(compose("config", overrides=open_mapping_overrides(overrides)))

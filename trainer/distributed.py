@@ -155,11 +155,11 @@ def on_rank0_then_all(fn: Callable[[], None]) -> None:
     if is_rank0():
         try:
             fn()
-        except Exception as e:  # re-raised below, on every rank
+        except Exception as e:  # noqa: BLE001 -- re-raised below, on every rank
             error = e
     try:
         shared = broadcast_object(error)
-    except Exception:  # an exception that does not pickle: send its text
+    except Exception:  # noqa: BLE001 -- an exception that does not pickle: send its text
         shared = broadcast_object(RuntimeError(f"on rank 0: {type(error).__name__}: {error}") if error else None)
     if error is not None:
         raise error

@@ -21,10 +21,11 @@ import torch
 
 from trainer import distributed
 from trainer.collate import Batch, collate_packed
-from trainer.parallel import Route
 from trainer.data.examples import TokenizedDataset
 from trainer.loss import summed_token_loss
 from trainer.packing import deal_bins, even_out_bins, pack_best_fit_decreasing
+from trainer.parallel import Route
+
 
 def eval_microbatches(lengths: np.ndarray, token_budget: int, rank: int, world_size: int) -> list[np.ndarray]:
     """This rank's eval micro-batches: BFD bins of whole examples, evened out and dealt like training (no

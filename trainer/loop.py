@@ -46,8 +46,8 @@ from trainer.model.certification import certify, worst_case_microbatch
 from trainer.model.lora import apply_peft
 from trainer.objectives import RunSetup, build_objective
 from trainer.optim import build_optimizer, build_scheduler
-from trainer.pipeline import build_training_data, resolve_attention
 from trainer.parallel import build_mesh, build_route, parallelize, set_gradient_sync
+from trainer.pipeline import build_training_data, resolve_attention
 from trainer.preemption import StepBoundary
 from trainer.run_dir import RunDir, claim_run_dir
 from trainer.safety import redact_tree, user_code

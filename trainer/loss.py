@@ -199,7 +199,7 @@ def liger_summed_loss(
 ) -> torch.Tensor:
     """The same sum through Liger's fused linear cross-entropy (CUDA, Triton). Liger has a softcap but
     no logit scale: a scale is folded into the hidden states (and the bias)."""
-    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+    from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss  # noqa: PLC0415 -- optional extra (liger), CUDA only
 
     if transform.scale != 1.0:
         hidden = hidden * transform.scale

@@ -23,6 +23,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tqdm import tqdm
+from tqdm.contrib.logging import logging_redirect_tqdm
+
 from trainer.config import LoggerConfig
 from trainer.safety import RedactingFilter, redact_argv
 
@@ -222,7 +225,7 @@ def setup_logging(rank: int) -> None:
     for noisy in ("transformers", "datasets", "httpx", "urllib3", "torch.distributed"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
     try:
-        import transformers  # lazy: the tools that only read records (compare, summarize) import no transformers
+        import transformers  # noqa: PLC0415 -- the tools that only read records (compare, summarize) import no transformers
 
         transformers.logging.set_verbosity_error()
     except ImportError:  # pragma: no cover
@@ -232,7 +235,7 @@ def setup_logging(rank: int) -> None:
 def peak_memory_gib(device: torch.device) -> float:
     """Peak memory of this process: CUDA allocator peak on GPU, peak resident set size on CPU."""
     if device.type == "cuda":
-        import torch  # lazy: the tools that only read records (compare, summarize) import no torch
+        import torch  # noqa: PLC0415 -- the tools that only read records (compare, summarize) import no torch
 
         return torch.cuda.max_memory_allocated(device) / 2**30
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # kB on Linux
@@ -408,7 +411,7 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
     """A wandb run logging next to the JSONL. Offline needs neither network nor key; an online run that
     cannot start (no key, no network) says so loudly and continues offline rather than killing training."""
-    import wandb  # optional (logger.wandb=true): the wandb extra
+    import wandb  # noqa: PLC0415 -- optional (logger.wandb=true): the wandb extra
 
     os.environ.setdefault("WANDB_SILENT", "true")
     sys.argv[1:] = redact_argv(sys.argv[1:])  # wandb stores the command line in its run files
@@ -432,11 +435,8 @@ class ProgressBar:
         self._bar = None
         self._redirect = None
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         if self.enabled:
-            from tqdm import tqdm
-            from tqdm.contrib.logging import logging_redirect_tqdm
-
             self._bar = tqdm(total=self.total, unit="step", dynamic_ncols=True, disable=None, file=sys.stderr)
             if not self._bar.disable:
                 self._redirect = logging_redirect_tqdm(loggers=[logging.getLogger()])

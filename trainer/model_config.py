@@ -35,7 +35,7 @@ def folder_config(cfg: ModelConfig, base: dict | None = None) -> PretrainedConfi
     """The config ``build_model`` loads the model with: ``model_config``'s, but of a multimodal folder the
     whole model's. ``config_overrides`` there go to the whole config where it has the field (``text_config``,
     say), else to its language model's (``max_position_embeddings``, ``attention_dropout``)."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig  # noqa: PLC0415 -- only when called: preparing the data imports no transformers
 
     fields = cfg.init_fields()
     if cfg.name_or_path:
@@ -61,7 +61,7 @@ def language_model_config(config: PretrainedConfig) -> PretrainedConfig | None:
     """The text config of a multimodal model whose language model packfsdp trains as the causal LM of its
     text family (``trainer.model.multimodal``): a family of transformers' multimodal-LM mapping (Gemma 3/4,
     Llama 4, Qwen3.5, Mistral 3, LLaVA, ...) whose text config is a causal-LM family's. ``None`` otherwise."""
-    from transformers.models.auto.modeling_auto import (
+    from transformers.models.auto.modeling_auto import (  # noqa: PLC0415 -- only when called: preparing the data imports no transformers
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES,
     )

@@ -78,7 +78,7 @@ class RouterStats(NamedTuple):
     @staticmethod
     def merged(parts: list[RouterStats]) -> RouterStats:
         """The statistics of the union of ``parts`` (disjoint token sets)."""
-        return RouterStats(*(torch.stack(list(field)).sum(0) for field in zip(*parts)))
+        return RouterStats(*(torch.stack(list(field)).sum(0) for field in zip(*parts, strict=True)))
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,8 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from pathlib import Path
 
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import OmegaConf
 
 from trainer import distributed
@@ -232,9 +234,6 @@ def choose_run_dir(cfg: JobConfig) -> Path:
 def multirun_job_tag() -> str:
     """In a Hydra multirun (``-m``): ``<job number>-<its overrides>``, so every job of a sweep gets its own
     run directory that says what it ran (a secret-named key's value as ``***``); ``""`` otherwise."""
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
-
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return ""
     hydra_cfg = HydraConfig.get()
@@ -246,8 +245,6 @@ def multirun_job_tag() -> str:
 def redact_sweep_file() -> None:
     """Rewrite the sweep's ``multirun.yaml`` (Hydra writes the overrides and config there as given) with
     secrets redacted; every job of the sweep calls it, the first one does the work."""
-    from hydra.core.hydra_config import HydraConfig
-
     path = Path(HydraConfig.get().sweep.dir) / "multirun.yaml"
     if not path.is_file():
         return

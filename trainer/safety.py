@@ -71,8 +71,8 @@ def allowed_target_prefixes() -> list[str]:
 @functools.cache
 def builtin_targets() -> frozenset[Any]:
     """The objects a shipped config may instantiate: torch's optimizers and learning-rate schedulers."""
-    import torch.optim  # lazy: the command line's checks import this module, and torch only when a target needs it
-    from torch.optim import lr_scheduler
+    import torch.optim  # noqa: PLC0415 -- the command line's checks import this module, and torch only when a target needs it
+    from torch.optim import lr_scheduler  # noqa: PLC0415 -- with torch.optim above
 
     bases = (torch.optim.Optimizer, lr_scheduler.LRScheduler)
     return frozenset(obj for module in (torch.optim, lr_scheduler) for obj in vars(module).values()

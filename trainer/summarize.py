@@ -1,4 +1,5 @@
-"""Alias kept for ``python -m trainer.summarize``: the tool lives in ``trainer.tools.summarize`` (``packfsdp summarize``)."""
+"""Alias kept for ``python -m trainer.summarize``: the tool lives in ``trainer.tools.summarize``
+(``packfsdp summarize``)."""
 
 from trainer.tools.summarize import main
 

@@ -20,6 +20,7 @@ from dataclasses import astuple, dataclass
 from typing import NamedTuple
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from trainer import distributed
 from trainer.collate import Batch
@@ -108,8 +109,6 @@ def model_flops(tokens: float, sum_sq_lengths: float, sizes: FlopParams) -> floa
 def config_flop_params(config, trust_remote_code: bool = False) -> FlopParams:
     """``flop_params`` of the model a transformers config builds, without weights: the model is built on the
     meta device (no memory, no init), so every family's own layer shapes are counted, not a formula's guess."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         return flop_params(AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code))
 

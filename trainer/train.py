@@ -19,12 +19,17 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from trainer.config import ConfigError, JobConfig
-
 from trainer.cli import check_code_sources, check_group_choices, check_overrides
 from trainer.compose import config_dir, open_mapping_overrides, register_configs, to_job_config
+from trainer.config import ConfigError, JobConfig
 from trainer.safety import printable, redact
-from trainer.stop_signals import PREEMPTED_EXIT_CODE, Interrupted, exit_interrupted, signals_interrupt, stop_with_launcher
+from trainer.stop_signals import (
+    PREEMPTED_EXIT_CODE,
+    Interrupted,
+    exit_interrupted,
+    signals_interrupt,
+    stop_with_launcher,
+)
 
 log = logging.getLogger("trainer")
 
@@ -39,11 +44,11 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
     join, so a barrier would hang both until the timeout. Exiting lets torchrun stop the job (or restart
     it, with --max-restarts) at once."""
     # Heavy (torch, transformers): imported here, after the command line's checks, which answer without them.
-    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.api import CheckpointException  # noqa: PLC0415 -- heavy: after the command line's checks (above)
 
-    from trainer import distributed
-    from trainer.guard import describe_failure
-    from trainer.loop import Trainer
+    from trainer import distributed  # noqa: PLC0415 -- heavy: after the command line's checks (above)
+    from trainer.guard import describe_failure  # noqa: PLC0415 -- heavy: after the command line's checks (above)
+    from trainer.loop import Trainer  # noqa: PLC0415 -- heavy: after the command line's checks (above)
 
     trainer = None
     try:
@@ -72,9 +77,9 @@ def run(cfg: JobConfig, keep_process_group: bool = False) -> dict:
 @hydra.main(config_path=str(config_dir()), config_name="config", version_base=None)
 def hydra_main(raw: DictConfig) -> dict | None:
     # Heavy (torch): imported once the command line is checked, as in ``run``.
-    from trainer import distributed
-    from trainer.guard import JobFailed
-    from trainer.run_dir import multirun_job_tag, redact_sweep_file
+    from trainer import distributed  # noqa: PLC0415 -- heavy: after the command line's checks (above)
+    from trainer.guard import JobFailed  # noqa: PLC0415 -- heavy: after the command line's checks (above)
+    from trainer.run_dir import multirun_job_tag, redact_sweep_file  # noqa: PLC0415 -- heavy: after the command line's checks (above)
 
     try:
         cfg = to_job_config(raw)
@@ -111,7 +116,7 @@ def announce_preempted(result: dict) -> None:
     """A run stopped by SIGTERM/SIGUSR1 after its checkpoint: one line per rank. Written while the process
     group is up, before the teardown's barrier: the first rank to exit makes torchrun SIGTERM the others,
     which must have written theirs by then."""
-    from trainer import distributed  # heavy (torch): loaded by then; the command line's checks never get here
+    from trainer import distributed  # noqa: PLC0415 -- heavy (torch): loaded by then; the command line's checks never get here
 
     sys.stderr.write(
         f"packfsdp: rank {distributed.rank()}: preempted ({result['preempted']}) after step {result['step']}: "

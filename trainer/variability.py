@@ -1,4 +1,5 @@
-"""Alias kept for ``python -m trainer.variability``: the tool lives in ``trainer.tools.variability`` (``packfsdp variability``)."""
+"""Alias kept for ``python -m trainer.variability``: the tool lives in ``trainer.tools.variability``
+(``packfsdp variability``)."""
 
 from trainer.tools.variability import main
 

@@ -20,7 +20,9 @@ def overrides(cache_dir: str, **extra) -> list[str]:
         "data.cache_dir": cache_dir,
         "packing.token_budget": 512,
         # ++: the preset leaves config_overrides empty, and Hydra refuses new keys in an existing mapping without it
-        "++model.config_overrides": "{n_layer:2,n_embd:32,n_head:4,n_positions:512,resid_pdrop:0.1,embd_pdrop:0.1,attn_pdrop:0.0}",
+        "++model.config_overrides": (
+            "{n_layer:2,n_embd:32,n_head:4,n_positions:512,resid_pdrop:0.1,embd_pdrop:0.1,attn_pdrop:0.0}"
+        ),
         "max_steps": 10,
         "grad_accum": 2,
         "optim.warmup_steps": 2,

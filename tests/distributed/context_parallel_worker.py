@@ -9,10 +9,10 @@ import torch
 import torch.distributed as dist
 
 from trainer.collate import collate_packed
+from trainer.model import VarlenCausalLM, resolve_backend
 from trainer.parallel import cp_attention
 from trainer.parallel.cp_layout import attention_cost, shard_batch
 from trainer.parallel.route import ContextParallelRoute, CPRoute, step_skew
-from trainer.model import VarlenCausalLM, resolve_backend
 
 TOL = 1e-5
 
@@ -78,7 +78,7 @@ def context_parallel(model, data: Examples, items, cp: int, split: str, group) -
     index = [torch.empty_like(local.shard.index) for _ in range(cp)]
     dist.all_gather(index, local.shard.index, group=group)
     full = torch.zeros(int(row.cu_seqlens[-1]), logits.shape[-1])
-    for part, idx in zip(parts, index):
+    for part, idx in zip(parts, index, strict=True):
         full[idx[idx >= 0]] = part[idx >= 0]
     total = torch.tensor([float(loss)], dtype=torch.float64)
     dist.all_reduce(total, group=group)

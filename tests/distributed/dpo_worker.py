@@ -17,9 +17,9 @@ from trainer.config import DataConfig, DPOConfig, ModelConfig, ParallelConfig, P
 from trainer.data import load_dataset, load_tokenizer
 from trainer.model import build_model, resolve_backend
 from trainer.model.lora import apply_peft
-from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.objectives.dpo import PairLoss
 from trainer.objectives.reference import plan_reference
+from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 
 SIZES = {"gpt2": LORA_SIZES["gpt2"],
          "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -22,9 +22,9 @@ from trainer import distributed
 from trainer.collate import collate_packed
 from trainer.config import DataConfig, ModelConfig, ParallelConfig
 from trainer.data import load_dataset, load_tokenizer
+from trainer.loss import summed_token_loss
 from trainer.model import build_model, resolve_backend
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
-from trainer.loss import summed_token_loss
 
 FP32 = ParallelConfig(device="cpu", backend="gloo", param_dtype="float32", reduce_dtype="float32")
 CASES = {
@@ -75,7 +75,7 @@ def run_cases(cache: str) -> dict[str, dict]:
         model = copy.deepcopy(base)
         attn_calls = [0]
         for layer in model.decoder_layers():
-            layer.attn.register_forward_hook(lambda *_: attn_calls.__setitem__(0, attn_calls[0] + 1))
+            layer.attn.register_forward_hook(lambda *_, calls=attn_calls: calls.__setitem__(0, calls[0] + 1))
         mesh = build_mesh(device, distributed.world_size(), cfg)
         model = parallelize(model, mesh, cfg)
         loss = 0.0

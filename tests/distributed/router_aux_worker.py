@@ -53,7 +53,7 @@ def run_cases(cache: str) -> dict[str, dict]:
     use_router_aux(base, cp=1, objective="sft")
     sizes = (3, 5, 2, 6)  # micro-batches of different sizes: their weights differ
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    batches = [collate_packed(dataset, list(range(s, s + n)), tokenizer.pad_token_id) for s, n in zip(starts, sizes)]
+    batches = [collate_packed(dataset, list(range(s, s + n)), tokenizer.pad_token_id) for s, n in zip(starts, sizes, strict=True)]
     labels = float(sum(b.num_label_tokens for b in batches))
     tokens = float(sum(b.num_tokens for b in batches))
     ref_objective, ref_aux, ref_grads = step(copy.deepcopy(base), batches, labels, tokens)

@@ -37,8 +37,8 @@ def lora_reference(tmp_path_factory, cache_dir):
 
 
 def test_two_ranks_give_the_one_process_adapter_gradients(worker_results):
-    """GPT-2 and Llama, fp32 and bf16 compute, activation checkpointing: adapters sharded, frozen weights without gradient or optimizer
-    state, the optimizer holding the adapters only (tests/distributed/lora_worker.py)."""
+    """GPT-2 and Llama, fp32 and bf16 compute, activation checkpointing: adapters sharded, frozen weights
+    without gradient or optimizer state, the optimizer holding the adapters only (tests/distributed/lora_worker.py)."""
     cases = worker_cases(worker_results, "lora_worker")
     assert set(cases) == {"gpt2_fp32", "gpt2_bf16", "llama_fp32", "llama_bf16", "llama_fp32_ac"}
     for name, case in cases.items():

@@ -42,9 +42,9 @@ def trainer(tmp_path_factory):
 @contextlib.contextmanager
 def one_rank_world():
     """Trainers built in this process (a world of one gloo rank), the environment and logging restored after."""
-    from trainer import distributed
-
     import torch
+
+    from trainer import distributed
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # other tests and helpers share the CPU cores: no oversubscription

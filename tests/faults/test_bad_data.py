@@ -8,10 +8,10 @@ import logging
 
 import pytest
 
+from tests.data_oracle import render_records
 from trainer.config import DataConfig
 from trainer.data import load_records
 from trainer.data.bad_records import BadRecordError
-from tests.data_oracle import render_records
 
 
 def _cfg(path, source="jsonl", **kw) -> DataConfig:

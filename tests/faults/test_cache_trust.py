@@ -17,7 +17,6 @@ from transformers import AutoConfig
 
 from trainer.data.arrays import open_arrays
 from trainer.data.bad_records import BadRecordError
-
 from trainer.data.tokenizer import local_tokenizer
 from trainer.model.certification import Stage, certify_config, replica
 from trainer.model.certification import cache as verdict_cache
@@ -117,7 +116,7 @@ def test_a_data_cache_changed_during_a_run_stops_it_before_a_step_trains_on_it(c
         # CacheChanged, a BadRecordError: "packfsdp: data error: ...", exit code 2
         with pytest.raises(BadRecordError, match=rf"{copy / 'tokens.npy'} was .* while this run read it .*nothing was trained"):
             trainer.train_step()
-        assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters()))
+        assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     finally:
         trainer.dataset = saved
 
@@ -141,7 +140,8 @@ def unsealed(folder):
 
 @pytest.mark.parametrize("change", [edit_vocab, add_template, unsealed])
 def test_a_changed_local_tokenizer_is_trained_again(change, tmp_path, caplog):
-    texts = lambda: iter(["hello there, general kenobi", "you are a bold one"] * 50)  # noqa: E731
+    def texts():
+        return iter(["hello there, general kenobi", "you are a bold one"] * 50)
     first = local_tokenizer(texts, 300, tmp_path, "key")
     [folder] = list((tmp_path / "tokenizers").iterdir())
     change(folder)

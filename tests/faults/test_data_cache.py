@@ -3,7 +3,6 @@ tampered, truncated or broken one is rebuilt, never trained on; two jobs buildin
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import time
 

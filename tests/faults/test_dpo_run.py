@@ -69,7 +69,8 @@ def assert_same_run(a, b, run_a, run_b) -> None:
     """Bitwise: every step's loss, gradient norm, useful tokens and DPO metrics, every eval, every weight."""
     keys = ("step", "loss", "grad_norm", "useful_tokens", "preference")
     assert [[r[k] for k in keys] for r in records(run_b)] == [[r[k] for k in keys] for r in records(run_a)]
-    same = lambda es: [(e["step"], e["eval_loss"], e["preference"]) for e in es]  # noqa: E731 (times differ)
+    def same(es):  # what two runs share (their times differ)
+        return [(e["step"], e["eval_loss"], e["preference"]) for e in es]
     assert same(records(run_a, "eval.jsonl")) == same(records(run_b, "eval.jsonl"))
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.full_tensor())

@@ -27,8 +27,8 @@ def test_every_group_made_after_the_start_honours_the_collective_timeout():
 
     from trainer import distributed
     from trainer.config import ParallelConfig
-    from trainer.parallel.route import new_cp_group
     from trainer.parallel import build_mesh
+    from trainer.parallel.route import new_cp_group
 
     def timeout_s(group) -> float:
         return group._get_backend(torch.device("cpu")).options._timeout.total_seconds()

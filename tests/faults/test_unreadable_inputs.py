@@ -12,10 +12,9 @@ import pytest
 from torch.distributed.checkpoint import FileSystemWriter
 
 from tests.unit.test_checkpoint import make_state
-from trainer.checkpoint import CheckpointError, Checkpointer
+from trainer.checkpoint import Checkpointer, CheckpointError
 from trainer.config import CheckpointConfig, DataConfig
-from trainer.data import load_records
-from trainer.data import tables
+from trainer.data import load_records, tables
 from trainer.data.bad_records import BadRecordError
 from trainer.guard import describe_failure
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from trainer.checkpoint import CheckpointError, Checkpointer, TrainingState
+from trainer.checkpoint import Checkpointer, CheckpointError, TrainingState
 from trainer.checkpoint.manifest import write_manifest
 from trainer.config import CheckpointConfig
 

@@ -50,6 +50,7 @@ import importlib.machinery
 import sys
 import types
 from collections.abc import Iterator
+from itertools import pairwise
 
 import torch
 
@@ -102,7 +103,7 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> No
 def _bounds(cu: torch.Tensor, total: int, max_seqlen: int, name: str) -> list[int]:
     """Host copy of ``cu``, checked where the real kernel trusts it (see the module docstring)."""
     bounds = cu.tolist()
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    lengths = [e - s for s, e in pairwise(bounds)]
     _check(bounds[0] == 0 and bounds[-1] == total and min(lengths) >= 0, f"{name} must run from 0 to {total} without decreasing")
     _check(max(lengths) <= max_seqlen, f"max_seqlen ({max_seqlen}) is below the longest sequence in {name} ({max(lengths)})")
     return bounds
@@ -155,8 +156,8 @@ def varlen_fwd(
                 q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float(), softmax_scale,
                 window_size_left, window_size_right, softcap, dropout_p,
             )
-            for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:])
-        ])
+            for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:], strict=True)
+        ], strict=True)
     out = torch.cat(outs).to(q.dtype)
     return (out, torch.cat(lses, dim=1)) if return_lse else out
 

@@ -31,8 +31,8 @@ import torch.nn.functional as F
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tests.unit.test_model_families import VOCAB, WINDOW, tiny_model
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ParallelConfig
+from trainer.data.examples import IGNORE_INDEX
 from trainer.model.attention import BACKENDS
 from trainer.parallel import apply_compile
 
@@ -97,9 +97,9 @@ def assert_no_recompiles(backend: str, compile_backend: str, recompile_log, step
             graphs_after_warmup, reasons_after_warmup = counter.frame_count, len(recompile_log.records)
         loss, grads = train_step(compiled, lengths)
         expected_loss, expected_grads = train_step(eager, lengths)
-        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step}: {m}")
+        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
         for got, want in zip(grads, expected_grads, strict=True):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m: f"step {step} grads: {m}")
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step} grads: {m}")
     assert counter.frame_count > 0, "nothing was compiled"
     recompiles = [r.getMessage() for r in recompile_log.records[reasons_after_warmup:]]
     assert counter.frame_count == graphs_after_warmup and not recompiles, (
@@ -181,9 +181,9 @@ def test_dpo_compiles_once_per_grad_mode_and_equals_eager(recompile_log, monkeyp
         if step == 1:
             graphs_after_warmup, reasons_after_warmup = counter.frame_count, len(recompile_log.records)
         got, want = dpo_step(compiled, compiled_ref, pairs), dpo_step(eager, eager_ref, pairs)
-        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5, msg=lambda m: f"pack {step}: {m}")
-        torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5, msg=lambda m: f"pack {step} eval: {m}")
+        torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step}: {m}")
+        torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step} eval: {m}")
         for g, w in zip(got[1], want[1], strict=True):
-            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m: f"pack {step} grads: {m}")
+            torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step} grads: {m}")
     recompiles = [r.getMessage() for r in recompile_log.records[reasons_after_warmup:]]
     assert graphs_after_warmup > 0 and counter.frame_count == graphs_after_warmup and not recompiles, recompiles[:3]

@@ -10,10 +10,10 @@ from unittest import mock
 import pytest
 import torch
 
+from trainer.model.backends_sdpa import sdpa_varlen_attention
 from trainer.parallel import cp_attention as cp_attention_module
 from trainer.parallel.cp_attention import cp_attention
 from trainer.parallel.cp_layout import plan_shards
-from trainer.model.backends_sdpa import sdpa_varlen_attention
 
 LENGTHS = [3, 29, 1, 9, 14]
 CP = 4
@@ -42,7 +42,7 @@ def _cp_row(q, k, v, kernel, split, window):
         keep = s.index >= 0
         local_q = q[:, :, s.index.clamp(min=0)]
         stand_in = iter([k_all, v_all])  # the all-gather's result: the row's own keys and values
-        with mock.patch.object(cp_attention_module, "gather_tokens", lambda x, group: next(stand_in)):
+        with mock.patch.object(cp_attention_module, "gather_tokens", lambda x, group, kv=stand_in: next(kv)):
             o, _ = cp_attention(_Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel,
                                 sliding_window=window)
         out = out.index_put((torch.zeros_like(s.index[keep]), s.index[keep]), o[0][keep].to(out.dtype))
@@ -63,5 +63,5 @@ def test_cp_attention_equals_full_row(kernel, window, split, request):
     out = _cp_row(q, k, v, kernel, split, window)
     grads = torch.autograd.grad((out * out).sum(), (q, k, v))
     assert (out - ref).abs().max() < 1e-5
-    for a, b in zip(grads, ref_grads):
+    for a, b in zip(grads, ref_grads, strict=True):
         assert (a - b).abs().max() < 1e-5

@@ -78,7 +78,7 @@ def jsonl(path: Path) -> list[dict]:
 
 def relative_diffs(records: list[dict], reference: list[dict], key: str) -> list[float]:
     assert [r["step"] for r in records] == [r["step"] for r in reference]
-    return [abs(r[key] - ref[key]) / abs(ref[key]) for r, ref in zip(records, reference)]
+    return [abs(r[key] - ref[key]) / abs(ref[key]) for r, ref in zip(records, reference, strict=True)]
 
 
 @pytest.mark.parametrize("backend", KERNEL_BACKENDS)

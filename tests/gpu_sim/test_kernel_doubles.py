@@ -85,7 +85,8 @@ def test_max_seqlen_must_be_a_python_int():
 def test_the_double_matches_the_reference(kv_heads, window, dim):
     lengths = [7, 1, 30, 12]
     q, k, v = qkv(lengths, kv_heads=kv_heads, dim=dim)
-    flat = lambda x: x.detach()[0].transpose(0, 1).to(BF16).requires_grad_()  # noqa: E731
+    def flat(x):
+        return x.detach()[0].transpose(0, 1).to(BF16).requires_grad_()
     fq, fk, fv = flat(q), flat(k), flat(v)
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     window_size = (-1, 0) if window is None else (window - 1, 0)

@@ -9,7 +9,6 @@ example through the bare transformers model alone (transformers' torch fallbacks
 from __future__ import annotations
 
 import pytest
-import torch
 
 from tests.gpu_sim import mixer_kernel_doubles as doubles
 from tests.unit.test_mixers import CONFIGS, LENGTHS, TOLERANCE, alone, build, examples, gap, packed

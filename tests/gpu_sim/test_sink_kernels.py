@@ -56,5 +56,5 @@ def test_compiled_blocks_with_sinks_equal_eager(simulated_gpu_fp32):
     for lengths in ([14, 15, 3, 10], [6, 5, 10, 12]):
         (loss, grads), (loss_eager, grads_eager) = train_step(model, lengths), train_step(eager, lengths)
         torch.testing.assert_close(loss, loss_eager, rtol=1e-6, atol=1e-5)
-        for g, e in zip(grads, grads_eager):
+        for g, e in zip(grads, grads_eager, strict=True):
             torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-5)

@@ -24,7 +24,6 @@ import torch
 from tests.gpu_sim.flash_attn_double import autograd_inside_kernel, varlen_fwd
 
 
-
 def _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, left, right,
             return_lse=False):
     if cum_seq_q is None or cum_seq_k is None:

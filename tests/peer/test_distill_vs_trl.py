@@ -118,4 +118,4 @@ def test_packed_distillation_equals_trl_gkd_loss(peers, divergence, beta, trl_be
     torch.testing.assert_close(loss.detach(), trl_loss.float(), **TOL)
     assert grads.keys() == trl_grads.keys() and len(grads) > 5
     for name in grads:
-        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")

@@ -63,7 +63,8 @@ def chat_pairs(g, n=6) -> list[dict]:
         prompt = [{"role": "user", "content": sentence(g, int(g.integers(2, 8)))}]
         if k == 0:
             prompt += [{"role": "assistant", "content": sentence(g, 3)}, {"role": "user", "content": sentence(g, 4)}]
-        reply = lambda: [{"role": "assistant", "content": sentence(g, int(g.integers(1, 14)))}]  # noqa: E731
+        def reply():
+            return [{"role": "assistant", "content": sentence(g, int(g.integers(1, 14)))}]
         rows.append({"prompt": prompt, "chosen": reply(), "rejected": reply()})
     return rows
 
@@ -181,7 +182,7 @@ def test_packed_dpo_equals_trl_dpo_trainer(peers, ours, theirs, eps, beta):
     torch.testing.assert_close(loss, trl_loss.float(), **TOL)
     assert grads.keys() == trl_grads.keys() and len(grads) > 5
     for name in grads:
-        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_packed_simpo_equals_trl_cpo_trainer_simpo(tokenizer, tmp_path):
@@ -228,4 +229,4 @@ def test_packed_simpo_equals_trl_cpo_trainer_simpo(tokenizer, tmp_path):
     torch.testing.assert_close(loss.detach(), trl_loss.detach().float(), **TOL)
     assert grads.keys() == trl_grads.keys() and len(grads) > 5
     for name in grads:
-        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], trl_grads[name], **TOL, msg=lambda m, name=name: f"{name}: {m}")

@@ -103,7 +103,7 @@ def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
         assert len(runs) == 2, runs
         summaries = [json.loads((r / "summary.json").read_text()) for r in runs]
         assert {s["strategy"] for s in summaries} == {"none", "bfd"}
-        for run, summary in zip(runs, summaries):
+        for run, summary in zip(runs, summaries, strict=True):
             assert summary["steps"] == 2 and summary["world_size"] == 2 and summary["useful_tokens_per_s"] > 0
             saved = yaml.safe_load((run / "config.yaml").read_text())  # the resolved config of the run
             assert saved["name"] == name and "${" not in json.dumps(saved)
@@ -187,8 +187,13 @@ def test_own_recipe_and_source_from_a_folder_outside_the_package(tmp_path):
     (tmp_path / "myconf" / "recipe" / "faq_sft.yaml").write_text(OWN_RECIPE)
     (tmp_path / "my_sources.py").write_text(OWN_SOURCE)
     words = "where when is the train bus shop open closed today tomorrow at nine ten it".split()
-    lines = [f"{' '.join(words[(i + k) % len(words)] for k in range(6))}?\t{' '.join(words[(3 * i + k) % len(words)] for k in range(9))}."
-             for i in range(120)]
+    def question(i: int) -> str:
+        return " ".join(words[(i + k) % len(words)] for k in range(6)) + "?"
+
+    def answer(i: int) -> str:
+        return " ".join(words[(3 * i + k) % len(words)] for k in range(9)) + "."
+
+    lines = [f"{question(i)}\t{answer(i)}" for i in range(120)]
     (tmp_path / "faq.tsv").write_text("\n".join(lines) + "\n")
 
     # data.plugins imports code: taken from the command line only, never from a YAML (trainer.cli)

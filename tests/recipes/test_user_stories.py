@@ -61,14 +61,14 @@ def test_pretokenized_parquet_trains_with_the_models_tokenizer(my_model, tmp_pat
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    from tests.data_oracle import render_records
     from trainer.config import DataConfig
     from trainer.data import load_records
-    from tests.data_oracle import render_records
 
     folder, data, tokenizer = my_model
     cfg = DataConfig(source="jsonl", path=str(data), cache_dir=cache_dir)
     text = render_records(load_records(cfg), tokenizer, cfg, max_length=384)
-    rows = [{"input_ids": ids.tolist(), "labels": [t if m else -100 for t, m in zip(ids.tolist(), mask)]}
+    rows = [{"input_ids": ids.tolist(), "labels": [t if m else -100 for t, m in zip(ids.tolist(), mask, strict=True)]}
             for ids, mask in (text.example(i) for i in range(len(text)))]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ids.parquet")
     run_dir = tmp_path / "run"

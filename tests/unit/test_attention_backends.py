@@ -82,7 +82,7 @@ def test_cpu_backend_matches_reference(backend, lengths, kv_heads, window, group
     grad = torch.randn_like(ref)
     got = torch.autograd.grad(out, (q, k, v), grad.float())
     want = torch.autograd.grad(ref, (q, k, v), grad)
-    for g, w in zip(got, want):
+    for g, w in zip(got, want, strict=True):
         torch.testing.assert_close(g.double(), w.double(), atol=1e-5, rtol=1e-5)
 
 

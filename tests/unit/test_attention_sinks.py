@@ -16,9 +16,8 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tests.gpu_sim import flex_double, torch_varlen_double
+from tests.gpu_sim import flash_attn_double, flex_double, torch_varlen_double
 from tests.gpu_sim.device import pretend_capable_gpu
-from tests.gpu_sim import flash_attn_double
 from tests.unit.test_attention_backends import CAUSAL
 from trainer.model import backends_cuda
 from trainer.model.attention import BACKENDS, AttentionBackendError, AttentionNeeds, resolve_backend
@@ -98,8 +97,8 @@ def test_every_backend_applies_sinks_exactly_with_gradients(name, dtype, tol, kv
     cotangent = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)  # not the global RNG's
     got = torch.autograd.grad(out, (q, k, v, sinks), cotangent.to(out.dtype))
     want = torch.autograd.grad(ref, (q, k, v, sinks), cotangent)
-    for what, g, w in zip("q k v sinks".split(), got, want):
-        torch.testing.assert_close(g.double(), w.double(), atol=tol, rtol=tol, msg=lambda m: f"grad {what}: {m}")
+    for what, g, w in zip("q k v sinks".split(), got, want, strict=True):
+        torch.testing.assert_close(g.double(), w.double(), atol=tol, rtol=tol, msg=lambda m, what=what: f"grad {what}: {m}")
     assert got[3].abs().min() > 1e-3  # every head's sink is trained
 
 
@@ -212,7 +211,7 @@ def packed_and_alone(model, lengths, seed=1, device="cpu"):
     pos = torch.cat([torch.arange(n, device=device) for n in lengths])[None]
     model.zero_grad(set_to_none=True)
     packed = model(input_ids=torch.cat(examples)[None], position_ids=pos, cu_seqlens=cu, max_seqlen=max(lengths))[0]
-    sum(loss_of(p, e) for p, e in zip(packed.split(lengths), examples)).backward()
+    sum(loss_of(p, e) for p, e in zip(packed.split(lengths), examples, strict=True)).backward()
     grads_packed = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     alone = []
@@ -226,7 +225,7 @@ def packed_and_alone(model, lengths, seed=1, device="cpu"):
 
 
 def worst(a: dict | list, b: dict | list) -> float:
-    pairs = zip(a.values(), b.values()) if isinstance(a, dict) else zip(a, b)
+    pairs = zip(a.values(), b.values(), strict=True) if isinstance(a, dict) else zip(a, b, strict=True)
     return max(float((x - y).abs().max()) / max(1.0, float(y.abs().max())) for x, y in pairs)
 
 

@@ -180,7 +180,7 @@ def test_packed_gemma2_with_softcapping_equals_one_by_one(backend, monkeypatch):
     flash_attn_double.install(monkeypatch, accept_fp32=True)  # fp32: the plumbing, exactly
     with torch.no_grad():
         packed, alone = gemma2_packed_and_alone(backend, [9, 1, 14, 5])
-    for p, a in zip(packed, alone):
+    for p, a in zip(packed, alone, strict=True):
         torch.testing.assert_close(p, a, atol=1e-5, rtol=1e-5)
 
 
@@ -200,7 +200,7 @@ def test_the_gemma2_check_would_see_softcap_dropped(monkeypatch):
     monkeypatch.setitem(GEMMA2, "attn_logit_softcapping", SOFTCAP)  # ...the reference capped
     with torch.no_grad():
         _, alone = gemma2_packed_and_alone("flash_attn", [9, 1, 14, 5])
-    assert max((p - a).abs().max() for p, a in zip(packed, alone)) > 1e-2
+    assert max((p - a).abs().max() for p, a in zip(packed, alone, strict=True)) > 1e-2
 
 
 @pytest.fixture(params=[False, True], ids=["flag_as_5.24", "flag_as_5.17"])
@@ -219,7 +219,7 @@ def test_the_padded_path_softcaps_whatever_the_class_flag_says(gemma2_sdpa_flag,
     assert gemma2_model("flash_attn").padded_attention == "eager"
     with torch.no_grad():
         packed, alone = gemma2_packed_and_alone("flash_attn", [9, 1, 14, 5])
-    for p, a in zip(packed, alone):
+    for p, a in zip(packed, alone, strict=True):
         torch.testing.assert_close(p, a, atol=1e-5, rtol=1e-5)
 
 

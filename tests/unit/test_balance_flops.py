@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from trainer.config import PackingConfig
-from trainer.packing import MicroBatchSampler, TokenCost, work_measure
 from trainer.data.synthetic import heavy_tailed_lengths
+from trainer.packing import MicroBatchSampler, TokenCost, work_measure
 
 COST = TokenCost(per_token=3.0e9, per_pair=1.3e5)  # Qwen2.5-0.5B-like: attention matches the matmuls at ~23k tokens
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 import trainer.data.chat as chat
+from tests.unit.test_chat_sources import LLAMA3_LIKE, QWEN_STYLE
 from trainer.data.chat import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, DEFAULT_CHAT_TEMPLATE, chat_segments_batch
 from trainer.data.tokenizer import train_bpe_tokenizer
-from tests.unit.test_chat_sources import LLAMA3_LIKE, QWEN_STYLE
 
 # Rewrites contents (trims them): the skeleton's check fails and each conversation is split by its prefixes.
 TRIMMING = "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] | trim }}\n{% endfor %}" \
@@ -51,7 +51,7 @@ def masked_and_whole(tokenizer, segments) -> tuple[str, list[int]]:
 def test_mask_covers_exactly_the_assistant_replies(bpe, name):
     template = TEMPLATES[name]
     segments = chat_segments_batch(CONVERSATIONS, bpe, template, "responses")
-    for messages, segs in zip(CONVERSATIONS, segments):
+    for messages, segs in zip(CONVERSATIONS, segments, strict=True):
         masked, ids = masked_and_whole(bpe, segs)
         whole = bpe.apply_chat_template(messages, chat_template=template, tokenize=False)
         assert ids == bpe(whole, add_special_tokens=False)["input_ids"]  # one tokenization of the whole text

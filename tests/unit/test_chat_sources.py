@@ -8,10 +8,10 @@ from dataclasses import replace
 
 import pytest
 
+from tests.data_oracle import render_records
 from trainer.config import ConfigError, DataConfig, ModelConfig
 from trainer.data import load_dataset, load_records, load_tokenizer, register_source
 from trainer.data.chat import CHATML_TEMPLATE, ChatTemplateError
-from tests.data_oracle import render_records
 
 CHAT = [
     {"role": "system", "content": "Be brief."},
@@ -54,7 +54,7 @@ def chatml_tokenizer(chat_cfg):
 
 def masked_text(tokenizer, ds, i=0):
     ids, mask = ds.example(i)
-    return "".join(tokenizer.decode([t]) for t, m in zip(ids.tolist(), mask.tolist()) if m)
+    return "".join(tokenizer.decode([t]) for t, m in zip(ids.tolist(), mask.tolist(), strict=True) if m)
 
 
 def render(tokenizer, records, **cfg):

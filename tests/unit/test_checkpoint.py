@@ -12,12 +12,12 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from trainer import checkpoint as ckpt
+from trainer.checkpoint import Checkpointer, CheckpointError, TrainingState
 from trainer.checkpoint import checkpointer as checkpointer_module
 from trainer.checkpoint.manifest import write_manifest
 from trainer.checkpoint.safe_load import SafeFileSystemReader
-from trainer.metrics import trim_metrics
-from trainer.checkpoint import CheckpointError, Checkpointer, TrainingState
 from trainer.config import CheckpointConfig
+from trainer.metrics import trim_metrics
 
 
 class FakeSampler:
@@ -69,9 +69,9 @@ def test_save_then_load_restores_everything(tmp_path):
     fresh = make_state(seed=1)
     restored = checkpointer.load(path, fresh, total_steps=10)
     assert (restored.step, restored.tokens_seen) == (3, 300)
-    for a, b in zip(state.model.parameters(), fresh.model.parameters()):
+    for a, b in zip(state.model.parameters(), fresh.model.parameters(), strict=True):
         assert torch.equal(a, b)
-    for pa, pb in zip(state.model.parameters(), fresh.model.parameters()):
+    for pa, pb in zip(state.model.parameters(), fresh.model.parameters(), strict=True):
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(state.optimizer.state[pa][key], fresh.optimizer.state[pb][key])
     assert fresh.scheduler.last_epoch == 3 and fresh.scheduler.get_last_lr() == state.scheduler.get_last_lr()

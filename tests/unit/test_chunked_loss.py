@@ -63,7 +63,7 @@ def loss_and_grads(model: VarlenCausalLM, inputs: dict, labels: torch.Tensor, sc
 def assert_same(naive, chunked, atol: float, rtol: float) -> None:
     torch.testing.assert_close(chunked[0], naive[0], atol=atol * 100, rtol=rtol)
     for name, grad in naive[1].items():
-        torch.testing.assert_close(chunked[1][name], grad, atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(chunked[1][name], grad, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("key", list(FAMILIES))
@@ -125,7 +125,7 @@ def test_function_matches_reference_with_bias(transform):
     ours = chunked_summed_loss(hidden, weight, bias, targets, transform, chunk_tokens=5)
     our_grads = torch.autograd.grad(ours / 7, (hidden, weight, bias))
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-6)
-    for a, b in zip(our_grads, ref_grads):
+    for a, b in zip(our_grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 

@@ -6,8 +6,7 @@ import numpy as np
 import torch
 
 from trainer.collate import collate_packed, collate_padded
-from trainer.data.examples import IGNORE_INDEX
-from trainer.data.examples import TokenizedDataset
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset
 
 
 def _dataset() -> TokenizedDataset:

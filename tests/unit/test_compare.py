@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from trainer.tools import compare
 from trainer.metrics import EvalMetrics, RunSummary, StepMetrics
+from trainer.tools import compare
 
 STEP_KEYS = ("loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
              "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction",

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 
 from trainer.collate import collate_packed
 from trainer.parallel.cp_layout import assign_tokens, attention_cost, plan_shards, shard_batch

@@ -10,9 +10,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from tests.data_oracle import render_records
 from trainer.config import DataConfig
 from trainer.data import load_dataset, load_records
-from tests.data_oracle import render_records
 from trainer.data.synthetic import generate_dialogs
 
 
@@ -72,7 +72,8 @@ def test_dailydialog_original_text_format(tmp_path, tokenizer, caplog):
     path = tmp_path / "dialogues_text.txt"
     path.write_text(
         "The kitchen stinks . __eou__ I'll throw out the garbage . __eou__\n"
-        "So Dick , how about getting some coffee for tonight ? __eou__ Coffee ? I don't honestly like that kind of stuff . __eou__ Come on , you can at least try a little . __eou__\n"
+        "So Dick , how about getting some coffee for tonight ? __eou__ Coffee ? I don't honestly like that kind of "
+        "stuff . __eou__ Come on , you can at least try a little . __eou__\n"
         "__eou__\n"
     )
     cfg = DataConfig(source="dailydialog", path=str(path), cache_dir=str(tmp_path / "cache"))

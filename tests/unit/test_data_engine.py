@@ -1,19 +1,20 @@
-"""The cache sink's table path (``trainer.data.cache``): table files read by ``datasets``, rendered by a ``map``, stored as
-memory-mapped ``.npy`` arrays; the same examples, masks and counts as rendering the records in memory."""
+"""The cache sink's table path (``trainer.data.cache``): table files read by ``datasets``, rendered by a ``map``,
+stored as memory-mapped ``.npy`` arrays; the same examples, masks and counts as rendering the records in memory."""
 
 from __future__ import annotations
 
 import json
 import logging
+from itertools import pairwise
 
 import numpy as np
 import pytest
 
 import trainer.data.cache as engine
+from tests.data_oracle import render_records
 from trainer.config import DataConfig, MixtureConfig
 from trainer.data import load_dataset, load_records
 from trainer.data.bad_records import BadRecordError
-from tests.data_oracle import render_records
 
 CHAT = {"messages": [{"role": "user", "content": "hi there"}, {"role": "assistant", "content": "hello, how are you?"}]}
 LONG = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 300}]}
@@ -32,7 +33,7 @@ def chats(n: int) -> list[dict]:
 
 def same_examples(a, b) -> bool:
     return len(a) == len(b) and all(
-        np.array_equal(x, y) for i in range(len(a)) for x, y in zip(a.example(i), b.example(i)))
+        np.array_equal(x, y) for i in range(len(a)) for x, y in zip(a.example(i), b.example(i), strict=True))
 
 
 def test_table_file_gives_the_records_path_examples_memory_mapped(tmp_path, tokenizer):
@@ -119,7 +120,7 @@ def test_mixture_shares_by_examples_and_tokens_deterministic_by_seed(tmp_path, t
     assert all(abs(s["token_share"] - 0.5) < 0.05 for s in by_tokens)
     train, held = split_holdout(ds, 0.2, seed=3)
     assert len(train) + len(held) == len(ds)
-    sides = [{(int(p), int(r)) for p, r in zip(part.part, part.row)} for part in (train, held)]
+    sides = [{(int(p), int(r)) for p, r in zip(part.part, part.row, strict=True)} for part in (train, held)]
     assert not sides[0] & sides[1]  # a repeated example never straddles the split
     assert np.array_equal(np.sort(np.concatenate([train.lengths, held.lengths])), np.sort(ds.lengths))
 
@@ -193,7 +194,6 @@ def test_local_bpe_trains_on_an_even_sample_streamed(tmp_path, monkeypatch):
 
 def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenizer, monkeypatch):
     import csv as csv_module
-
     from dataclasses import replace
 
     from trainer.data.tables import FORMATS
@@ -232,7 +232,7 @@ def test_example_hashes_are_each_examples_keyed_blake2b():
     for seed in (0, 7, -3):
         expected = [int.from_bytes(hashlib.blake2b(tokens[lo:hi].tobytes(), digest_size=8,
                                                    key=seed.to_bytes(8, "little", signed=True)).digest(), "little")
-                    for lo, hi in zip(offsets, offsets[1:])]
+                    for lo, hi in pairwise(offsets)]
         assert example_hashes(tokens, offsets, seed).tolist() == expected
 
 

@@ -104,7 +104,7 @@ def test_packed_equals_padded_and_chunked_equals_naive(setup):
     for loss, sums, grads in results[1:]:
         torch.testing.assert_close(loss, results[0][0], rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(sums, results[0][1], rtol=1e-5, atol=1e-4)
-        for a, b in zip(grads, results[0][2]):
+        for a, b in zip(grads, results[0][2], strict=True):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 

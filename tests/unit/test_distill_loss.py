@@ -68,7 +68,7 @@ def test_chunked_equals_full_logits(cfg, transform):
     grads = torch.autograd.grad(sums[0] * 0.5, ours)  # backward scales what forward computed
 
     torch.testing.assert_close(sums[0], want.detach(), rtol=1e-5, atol=1e-5)
-    for ours_g, want_g in zip(grads, want_grads):
+    for ours_g, want_g in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(ours_g, want_g * 0.5, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # eval: the same sums, no gradient pass
         torch.testing.assert_close(chunked_distill_loss(hidden, weight, bias, targets, teacher, cfg, transform, 5), sums.detach())
@@ -97,7 +97,7 @@ def test_topk_of_whole_vocabulary_equals_live(divergence):
         sums = chunked_distill_loss(*leaves, targets, teacher, cfg, chunk_tokens=4)
         results.append((sums.detach(), torch.autograd.grad(sums[0], leaves)))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-5, atol=1e-5)
-    for a, b in zip(results[1][1], results[0][1]):
+    for a, b in zip(results[1][1], results[0][1], strict=True):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
@@ -124,7 +124,7 @@ def test_topk_is_the_coarsened_distributions(divergence):
     sums = chunked_distill_loss(*ours, None, targets, topk_of(t_logits, k, 1.0), cfg, chunk_tokens=8)
     grads = torch.autograd.grad(sums[0], ours)
     torch.testing.assert_close(sums[0], want.detach(), rtol=1e-5, atol=1e-5)
-    for a, b in zip(grads, want_grads):
+    for a, b in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
@@ -137,7 +137,7 @@ def test_naive_equals_chunked():
     b = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
     naive = naive_distill_loss(F.linear(*b), targets, teacher, cfg, chunk_tokens=6)
     torch.testing.assert_close(naive.detach(), chunked.detach())
-    for ga, gb in zip(torch.autograd.grad(chunked[0], a), torch.autograd.grad(naive[0], b)):
+    for ga, gb in zip(torch.autograd.grad(chunked[0], a), torch.autograd.grad(naive[0], b), strict=True):
         torch.testing.assert_close(ga, gb, rtol=1e-5, atol=1e-6)
 
 

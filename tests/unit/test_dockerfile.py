@@ -17,7 +17,7 @@ from trainer.config import JobConfig
 
 def instructions(text: str) -> list[tuple[str, str]]:
     """``(INSTRUCTION, arguments)`` per instruction, continuation lines joined, comments dropped."""
-    joined = re.sub(r"\\\n", " ", "\n".join(l for l in text.splitlines() if not l.lstrip().startswith("#")))
+    joined = re.sub(r"\\\n", " ", "\n".join(ln for ln in text.splitlines() if not ln.lstrip().startswith("#")))
     return [(line.split()[0].upper(), line.split(None, 1)[1]) for line in joined.splitlines() if line.strip()]
 
 

@@ -34,7 +34,8 @@ def pair_dataset(shapes=PAIRS, seed: int = 3):
     examples, splits = [], []
     for p, c, r in shapes:
         prompt = g.integers(0, VOCAB, p).tolist()
-        side = lambda n: (prompt + g.integers(0, VOCAB, n).tolist(), [False] * p + [True] * n)  # noqa: E731
+        def side(n, prompt=prompt):
+            return prompt + g.integers(0, VOCAB, n).tolist(), [False] * len(prompt) + [True] * n
         ids, mask, split = join_pair(side(c), side(r))
         examples.append((ids, mask))
         splits.append(split)
@@ -113,7 +114,7 @@ def test_packed_pairs_equal_each_sequence_alone(family, lora):
     torch.testing.assert_close(loss_sum.detach() / batch.num_pairs, loss.detach(), atol=1e-5, rtol=1e-5)
     assert packed_grads.keys() == alone_grads.keys() and packed_grads
     for name in packed_grads:
-        torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
         assert packed_grads[name].abs().sum() > 0 or "wpe" in name, name
     assert sums[3] >= 0 and abs(float(sums[0]) - float(loss_sum.detach())) < 1e-6  # the metric sums carry the same loss
 

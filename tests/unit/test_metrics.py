@@ -5,15 +5,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from datetime import datetime, timezone
 import math
+from datetime import datetime, timezone
 
 import pytest
 import torch
 
 from trainer.config import LoggerConfig
 from trainer.metrics import (
-    EvalMetrics, MetricsLogger, RunSummary, StepMetrics, format_step, read_evals, read_metrics,
+    EvalMetrics,
+    MetricsLogger,
+    RunSummary,
+    StepMetrics,
+    format_step,
+    read_evals,
+    read_metrics,
 )
 from trainer.throughput import StepCounts
 

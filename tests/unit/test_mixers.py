@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from itertools import pairwise
 
 import pytest
 import torch
@@ -19,13 +20,13 @@ from torch.distributed._composable import checkpoint as checkpoint_activations
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.config import ConfigError
-from trainer.parallel.route import refuse_unshardable
 from trainer.model import prepare
 from trainer.model.attention import AttentionNeeds, resolve_backend
 from trainer.model.certification.shrink import replica_config
 from trainer.model.mixers import PackedMixerForward, find_token_mixers
 from trainer.model.certification import measure, packed_batch
 from trainer.model.prepare import prepare_model
+from trainer.parallel.route import refuse_unshardable
 
 VOCAB = 96
 LENGTHS = (23, 1, 9, 9, 3)
@@ -105,8 +106,8 @@ def packed(wrapped, exs):
     cu = torch.tensor([0, *torch.tensor([len(e) for e in exs]).cumsum(0).tolist()], dtype=torch.int32)
     positions = torch.cat([torch.arange(len(e)) for e in exs])[None]
     out = wrapped(torch.cat(exs)[None], positions, cu, max(len(e) for e in exs))[0]
-    pieces = [out[s:t] for s, t in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    sum(token_loss(p, e) for p, e in zip(pieces, exs)).backward()
+    pieces = [out[s:t] for s, t in pairwise(cu.tolist())]
+    sum(token_loss(p, e) for p, e in zip(pieces, exs, strict=True)).backward()
     return [p.detach() for p in pieces], grads_of(wrapped)
 
 
@@ -119,14 +120,14 @@ def padded(wrapped, exs):
         ids[i, : len(e)], mask[i, : len(e)] = e, 1
     out = wrapped(ids, torch.arange(width).expand(len(exs), -1), attention_mask=mask)
     pieces = [out[i, : len(e)] for i, e in enumerate(exs)]
-    sum(token_loss(p, e) for p, e in zip(pieces, exs)).backward()
+    sum(token_loss(p, e) for p, e in zip(pieces, exs, strict=True)).backward()
     return [p.detach() for p in pieces], grads_of(wrapped)
 
 
 def gap(run, reference) -> float:
     """The worst relative gap of logits and gradients (a gradient in one run only: infinite)."""
     (logits, grads), (ref_logits, ref_grads) = run, reference
-    worst = max(float((a - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(logits, ref_logits))
+    worst = max(float((a - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(logits, ref_logits, strict=True))
     if grads.keys() != ref_grads.keys():
         return float("inf")
     return max(worst, *(float((grads[k] - ref_grads[k]).abs().max()) / max(1.0, float(ref_grads[k].abs().max()))
@@ -216,7 +217,8 @@ def test_the_config_verdicts_replica_keeps_a_layer_of_each_kind(family):
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(family)
         replica = replica_config(config)
-    kinds = lambda c: set(getattr(c, "layers_block_type", None) or c.layer_types)  # noqa: E731
+    def kinds(c):
+        return set(getattr(c, "layers_block_type", None) or c.layer_types)
     assert kinds(replica) == kinds(config)
     assert getattr(replica, "chunk_size", 8) <= 8
     if family == "zamba2":

@@ -12,6 +12,8 @@ dims (64 for every family, 128 for Qwen2), which the kernels and Inductor's flex
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -97,8 +99,8 @@ def packed_vs_alone(model: VarlenCausalLM, exs: list[torch.Tensor]):
 
     model.zero_grad(set_to_none=True)
     logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=max(LENGTHS))[0]
-    pieces = [logits[s:e] for s, e in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    sum(token_loss_sum(p, e) for p, e in zip(pieces, exs)).backward()
+    pieces = [logits[s:e] for s, e in pairwise(cu.tolist())]
+    sum(token_loss_sum(p, e) for p, e in zip(pieces, exs, strict=True)).backward()
     packed_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
 
     model.zero_grad(set_to_none=True)
@@ -114,12 +116,12 @@ def packed_vs_alone(model: VarlenCausalLM, exs: list[torch.Tensor]):
 
 def assert_equivalent(model, exs, atol, rtol):
     packed, alone, g_packed, g_alone = packed_vs_alone(model, exs)
-    for i, (p, a) in enumerate(zip(packed, alone)):
-        torch.testing.assert_close(p.float(), a.float(), atol=atol, rtol=rtol, msg=lambda m: f"example {i}: {m}")
+    for i, (p, a) in enumerate(zip(packed, alone, strict=True)):
+        torch.testing.assert_close(p.float(), a.float(), atol=atol, rtol=rtol, msg=lambda m, i=i: f"example {i}: {m}")
     assert g_packed.keys() == g_alone.keys()
     for name in g_packed:
         torch.testing.assert_close(
-            g_packed[name].float(), g_alone[name].float(), atol=atol, rtol=rtol, msg=lambda m: f"grad {name}: {m}"
+            g_packed[name].float(), g_alone[name].float(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"grad {name}: {m}"
         )
 
 
@@ -145,7 +147,7 @@ def test_flex_forward_matches_on_cpu(family):
         cu = torch.tensor([0] + LENGTHS).cumsum(0).to(torch.int32)
         pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
         logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=max(LENGTHS))[0]
-        for e, s, t in zip(exs, cu[:-1].tolist(), cu[1:].tolist()):
+        for e, s, t in zip(exs, cu[:-1].tolist(), cu[1:].tolist(), strict=True):
             alone = model(input_ids=e[None], position_ids=torch.arange(len(e))[None],
                           attention_mask=torch.ones_like(e)[None])[0]
             torch.testing.assert_close(logits[s:t], alone, atol=1e-5, rtol=1e-5)

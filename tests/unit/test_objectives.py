@@ -11,8 +11,8 @@ import torch
 from tests.conftest import compose_job
 from tests.faults.conftest import SMALL_RUN, one_rank_world
 from trainer.collate import Batch
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import OBJECTIVES
+from trainer.data.examples import IGNORE_INDEX
 from trainer.evaluate import eval_batches
 from trainer.loss import LabelHidden, sequence_of_labels
 from trainer.model.certification import TokenLossCheck

@@ -6,14 +6,14 @@ import numpy as np
 import pytest
 
 from trainer.config import PackingConfig
+from trainer.data.synthetic import dailydialog_like_lengths
 from trainer.packing import build_sampler
 from trainer.packing.balance import deal_grid, deal_order, even_out_bins
 from trainer.packing.bins import Bins
-from trainer.data.synthetic import dailydialog_like_lengths
 
 
 def _same(a, b) -> bool:
-    return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b))
+    return len(a) == len(b) and all(x.shape == y.shape and np.array_equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_bins_round_trip_take_and_sums():

@@ -13,6 +13,7 @@ For random length lists, budgets, caps and world sizes 1-8, with every strategy:
 from __future__ import annotations
 
 from collections import Counter
+from itertools import pairwise
 
 import numpy as np
 from hypothesis import HealthCheck, given, settings
@@ -43,7 +44,7 @@ def check_coverage(all_items: list[tuple[int, int, int]], lengths: np.ndarray, e
     for ex, pieces in by_example.items():
         pieces.sort()
         assert pieces[0][0] == 0 and pieces[-1][1] == lengths[ex]
-        for (_, prev_end), (start, end) in zip(pieces, pieces[1:]):
+        for (_, prev_end), (start, end) in pairwise(pieces):
             assert start == prev_end - 1 and end > start + 1  # one overlap token, at least one label
         assert len(set(pieces)) == len(pieces)
 
@@ -132,7 +133,7 @@ def test_sampler_equal_steps_same_seed_same_order(lengths, cfg, world_size):
     expected = {ex for b in reference.bins for ex, _, _ in items(b, lengths)}
     check_coverage(flat_items(epoch, lengths), lengths, expected)
     again = take(make_samplers(lengths, cfg, world_size), n)
-    assert all(np.array_equal(a, b) for ra, rb in zip(epoch, again) for a, b in zip(ra, rb))
+    assert all(np.array_equal(a, b) for ra, rb in zip(epoch, again, strict=True) for a, b in zip(ra, rb, strict=True))
 
 
 @SETTINGS
@@ -150,7 +151,7 @@ def test_resume_exact_on_same_and_other_world_sizes(lengths, cfg, worlds, cut):
     full = take(first, n0) + take(first, first[0].microbatches_per_rank(1))  # epoch 0 and epoch 1
 
     samplers, served = make_samplers(lengths, cfg, worlds[0]), []
-    for hop, world in enumerate(worlds):
+    for hop in range(len(worlds)):
         left = samplers[0].microbatches_per_rank(0) - samplers[0].next_index
         k = min(int(cut[min(hop, 1)] * left), left - 1) if hop < len(worlds) - 1 else left
         served += take(samplers, max(k, 0))
@@ -163,7 +164,7 @@ def test_resume_exact_on_same_and_other_world_sizes(lengths, cfg, worlds, cut):
                 s.load_state_dict(dict(state))
             if nxt == worlds[0] and hop == 0:  # same world: exactly the uninterrupted order
                 rest = take(samplers, n0 - len(served))
-                assert all(np.array_equal(a, b) for ra, rb in zip(served + rest, full) for a, b in zip(ra, rb))
+                assert all(np.array_equal(a, b) for ra, rb in zip(served + rest, full[:n0], strict=True) for a, b in zip(ra, rb, strict=True))
                 served += rest
                 break
     # The epoch is complete: everything served exactly once, whatever the world sizes.

@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from trainer.config import ConfigError, PackingConfig
+from trainer.data.synthetic import dailydialog_like_lengths, heavy_tailed_lengths
 from trainer.packing import MicroBatchSampler, PackParams, build_sampler, pack, split_into_pieces
 from trainer.packing.fit import _best_fit_decreasing_capped, best_fit_decreasing, first_fit_decreasing
-from trainer.data.synthetic import dailydialog_like_lengths, heavy_tailed_lengths
 
 
 def naive_first_fit(sizes, budget, rng):
@@ -25,6 +25,11 @@ def naive_first_fit(sizes, budget, rng):
             rooms.append(budget - sizes[i])
             out[i] = len(rooms) - 1
     return out
+
+
+def bin_loads(bin_of, sizes) -> list[float]:
+    """The sorted loads of the bins an assignment ``bin_of`` (item -> bin) fills."""
+    return sorted(np.bincount(bin_of, weights=sizes).tolist()) if len(bin_of) else []
 
 
 def test_ffd_is_exactly_first_fit_decreasing():
@@ -45,9 +50,7 @@ def test_grouped_bfd_matches_item_by_item_bfd():
         slow = _best_fit_decreasing_capped(sizes, budget, len(sizes) + 1, np.random.default_rng(t))
         # Bins with equal room are interchangeable to best fit, so the two may pick different ones; the
         # multiset of bin loads evolves identically whichever is picked.
-        def loads(bin_of):
-            return sorted(np.bincount(bin_of, weights=sizes).tolist()) if len(bin_of) else []
-        assert loads(fast) == loads(slow)
+        assert bin_loads(fast, sizes) == bin_loads(slow, sizes)
 
 
 def test_bfd_fill_on_dailydialog_like_lengths():

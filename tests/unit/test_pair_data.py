@@ -10,10 +10,10 @@ import pytest
 
 from tests.conftest import compose_job
 from trainer.collate import collate_packed
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ConfigError, DataConfig
 from trainer.data import load_dataset
 from trainer.data.bad_records import BadRecordError
+from trainer.data.examples import IGNORE_INDEX
 
 
 def write_jsonl(path, rows):
@@ -26,7 +26,7 @@ def load(tokenizer, path, cache, source="jsonl", max_length=512, **kw):
 
 
 def decode_labels(tokenizer, ids, mask):
-    return tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    return tokenizer.decode([t for t, m in zip(ids, mask, strict=True) if m])
 
 
 def test_string_pairs_keep_loss_on_the_replies(tokenizer, tmp_path):
@@ -81,7 +81,7 @@ BAD_ROWS = [
 def test_a_bad_pair_is_named_by_file_and_line(tokenizer, tmp_path, k):
     good = {"prompt": "q", "chosen": "yes please", "rejected": "no thanks"}
     path = write_jsonl(tmp_path / "bad.jsonl", [good, BAD_ROWS[k], good])
-    with pytest.raises(BadRecordError, match=rf"bad\.jsonl:2: .*(rejected|empty|identical)"):
+    with pytest.raises(BadRecordError, match=r"bad\.jsonl:2: .*(rejected|empty|identical)"):
         load(tokenizer, path, tmp_path / "cache")
 
 

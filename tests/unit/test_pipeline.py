@@ -10,6 +10,7 @@ from dataclasses import replace
 import pytest
 
 from tests.conftest import REPO
+from trainer.compose import compose_job_config
 from trainer.config import (
     ConfigError,
     JobConfig,
@@ -17,7 +18,6 @@ from trainer.config import (
     PackingConfig,
     stated_context,
 )
-from trainer.compose import compose_job_config
 from trainer.packing import STRATEGIES, WORK_MEASURES
 
 SMALL = ["recipe=cpu_dailydialog", "data.num_records=300"]

@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 import torch
 
+from tests.data_oracle import render_records
 from trainer.config import ConfigError, DataConfig, JobConfig, ModelConfig
 from trainer.data import load_tokenizer
 from trainer.data.bad_records import BadRecordError
-from tests.data_oracle import render_records
 from trainer.data.pretokenized import token_segments
 from trainer.data.sources import load_records
 from trainer.data.tables import detect_columns
 from trainer.pipeline import build_training_data
+
 
 @pytest.fixture(scope="module")
 def chat_tokenizer(cache_dir):
@@ -37,12 +38,12 @@ def ids_rows(ds, style: str) -> list[dict]:
     for i in range(len(ds)):
         ids, mask = (a.tolist() for a in ds.example(i))
         if style == "labels":
-            rows.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask)]})
+            rows.append({"input_ids": ids, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)]})
         elif style == "loss_mask":
             rows.append({"input_ids": ids, "loss_mask": [int(m) for m in mask]})
         else:  # right-padded to a common width, as a tokenizer's batch call leaves them
             pad = 8 + i % 3
-            rows.append({"input_ids": ids + [0] * pad, "labels": [t if m else -100 for t, m in zip(ids, mask)] + [-100] * pad,
+            rows.append({"input_ids": ids + [0] * pad, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)] + [-100] * pad,
                          "attention_mask": [1] * len(ids) + [0] * pad})
     return rows
 
@@ -114,7 +115,8 @@ def test_a_bad_row_names_its_file_and_line(tmp_path, chat_tokenizer, row, messag
 
 def test_loss_comes_from_labels_or_mask_and_loss_on_all_takes_every_token():
     ids = [4, 5, 6, 7]
-    as_mask = lambda segs: [s.loss for s in segs for _ in s.text]  # noqa: E731
+    def as_mask(segs):
+        return [s.loss for s in segs for _ in s.text]
     assert as_mask(token_segments({"input_ids": ids, "labels": [-100, -100, 6, 7]}, 10, "auto", "x")) == [0, 0, 1, 1]
     assert as_mask(token_segments({"input_ids": ids, "loss_mask": [0, 1, 1, 0]}, 10, "auto", "x")) == [0, 1, 1, 0]
     assert as_mask(token_segments({"input_ids": ids}, 10, "auto", "x")) == [1, 1, 1, 1]

@@ -16,8 +16,8 @@ import torch
 from tests.conftest import compose_job
 from tests.faults.conftest import one_rank_world
 from trainer.collate import Batch
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import ConfigError
+from trainer.data.examples import IGNORE_INDEX
 from trainer.metrics import RunSummary, StepMetrics, format_step
 from trainer.errors import SelfCheckError
 from trainer.model.certification import check_model, packed_batch

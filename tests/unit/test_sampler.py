@@ -54,8 +54,8 @@ def test_deterministic_for_a_seed_and_varies_by_epoch():
     a = _epoch(build_sampler(lengths, cfg, 0, 2, seed=3), 0)
     b = _epoch(build_sampler(lengths, cfg, 0, 2, seed=3), 0)
     c = _epoch(build_sampler(lengths, cfg, 0, 2, seed=3), 1)
-    assert all(np.array_equal(x, y) for x, y in zip(a, b))
-    assert not all(np.array_equal(x, y) for x, y in zip(a, c))
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+    assert not all(np.array_equal(x, y) for x, y in zip(a, c, strict=True))
 
 
 def test_resume_mid_epoch_continues_exactly():
@@ -69,7 +69,7 @@ def test_resume_mid_epoch_continues_exactly():
     resumed = build_sampler(lengths, cfg, 1, 2, seed=5)
     resumed.load_state_dict(first.state_dict())
     rest = [resumed.next_microbatch()[1] for _ in range(18)]
-    assert all(np.array_equal(x, y) for x, y in zip(expected[12:], rest))
+    assert all(np.array_equal(x, y) for x, y in zip(expected[12:], rest, strict=True))
 
 
 def test_bfd_fill_close_to_lower_bound_on_dialog_lengths(small_dataset):

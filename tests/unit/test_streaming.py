@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from trainer.config import ConfigError, DataConfig, JobConfig, MixtureConfig, PackingConfig, StreamConfig
-from trainer.data.bad_records import BadRecordError
 from trainer.data import stream as streaming
-from trainer.data.stream import ExampleStream, head_sets
+from trainer.data.bad_records import BadRecordError
 from trainer.data.holdout import holdout_mask
+from trainer.data.stream import ExampleStream, head_sets
 from trainer.packing.online import OnlineBestFit, StreamingSampler
 
 ON = StreamConfig(enabled=True)

@@ -10,6 +10,7 @@ shows (the real kernels, bf16 numerics) is left to the ``gpu`` tests.
 from __future__ import annotations
 
 import sys
+from itertools import pairwise
 
 import pytest
 import torch
@@ -31,7 +32,7 @@ def flash_kernel(q, k, v, cu, max_len, scale, window_size, enable_gqa=False):
     left, right = window_size
     assert right == 0, "packed attention is causal"
     bounds, outs = cu.tolist(), []
-    for start, end in zip(bounds, bounds[1:]):
+    for start, end in pairwise(bounds):
         i = torch.arange(end - start)
         ok = i[None, :] <= i[:, None]
         if left >= 0:
@@ -81,7 +82,7 @@ def check_against_reference(kv_heads: int, window: int | None) -> None:
     ref = reference(q2, k2, v2, LENGTHS, window, 0.3)
     ref.sum().backward()
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
-    for grad, x in zip(grads, (q2, k2, v2)):
+    for grad, x in zip(grads, (q2, k2, v2), strict=True):
         torch.testing.assert_close(grad, x.grad, atol=1e-5, rtol=1e-5)
 
 

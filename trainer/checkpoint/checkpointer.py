@@ -270,7 +270,7 @@ class Checkpointer:
         def finalize() -> None:
             try:
                 self._finalize(tmp, final, step)
-            except Exception as e:  # noqa: BLE001 -- raised on every rank by on_rank0_then_all, never a hang
+            except Exception as e:  # raised on every rank by on_rank0_then_all, never a hang
                 raise CheckpointError(f"saving checkpoint {final} failed: {type(e).__name__}: {e}") from e
 
         distributed.on_rank0_then_all(finalize)

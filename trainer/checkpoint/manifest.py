@@ -47,7 +47,9 @@ def verify_checkpoint(directory: str | Path) -> dict:
         manifest = json.loads((directory / MANIFEST).read_text())
         files = manifest["files"]
     except (OSError, ValueError, KeyError) as e:
-        raise CheckpointError(f"{directory}: unreadable {MANIFEST} ({e}); the checkpoint is incomplete or damaged")
+        raise CheckpointError(
+            f"{directory}: unreadable {MANIFEST} ({e}); the checkpoint is incomplete or damaged"
+        ) from e
     _check_complete(directory, files)
     for rel, expected in files.items():
         path = directory / rel

@@ -15,8 +15,13 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from safetensors.torch import load_file
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import filesystem as dcp_filesystem
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta, TensorStorageMetadata
 from torch.serialization import _get_layout  # the name torch's own weights-only unpickler allows for a layout
 
 from trainer.checkpoint.discovery import CheckpointError, dcp_failure
@@ -32,8 +37,6 @@ def load_tensor_file(path: str | Path, map_location: Any = "cpu") -> Any:
     """
     path = Path(path)
     if path.suffix == ".safetensors":
-        from safetensors.torch import load_file
-
         return load_file(str(path), device=str(map_location))
     try:
         return torch.load(path, map_location=map_location, weights_only=True)
@@ -47,10 +50,8 @@ def load_tensor_file(path: str | Path, map_location: Any = "cpu") -> Any:
 
 
 def _metadata_classes() -> dict[tuple[str, str], Any]:
-    from torch.distributed.checkpoint import filesystem, metadata
-
     allowed: dict[tuple[str, str], Any] = {}
-    for module in (metadata, filesystem):
+    for module in (dcp_metadata, dcp_filesystem):
         for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
                      "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING", "_StorageInfo"):
             if hasattr(module, name):
@@ -85,8 +86,6 @@ class SafeFileSystemReader(FileSystemReader):
     """``FileSystemReader`` whose metadata is read with the restricted unpickler."""
 
     def read_metadata(self, *args: Any, **kwargs: Any):
-        from torch.distributed.checkpoint.metadata import StorageMeta
-
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
             try:
@@ -109,8 +108,6 @@ class TensorOnlyLoadPlanner(DefaultLoadPlanner):
 def load_tensors(state: dict, path: str | Path) -> None:
     """Fill ``state`` (nested dicts of tensors / DTensors) in place from the DCP checkpoint at ``path``.
     Works in a process group of any size and without one (full tensors)."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     reader = SafeFileSystemReader(str(path))
     reader.read_metadata()  # refused metadata raises CheckpointError here, not wrapped inside DCP's errors
     try:
@@ -123,8 +120,6 @@ def read_full_tensors(path: str | Path, prefix: str = "") -> dict[str, torch.Ten
     """Every tensor of a DCP checkpoint whose flat key starts with ``prefix``, as full (unsharded) CPU
     tensors keyed by flat name (``model.<param fqn>``, ``optim.<param fqn>.<state>``). No process group
     needed: this is how export consolidates a sharded checkpoint."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     metadata = SafeFileSystemReader(str(path)).read_metadata()
     state = {
         key: torch.empty(meta.size, dtype=meta.properties.dtype)

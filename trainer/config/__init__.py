@@ -32,7 +32,16 @@ from trainer.config.distill import DistillConfig
 from trainer.config.job import JobConfig
 from trainer.config.sections import DataConfig, MixtureConfig, ModelConfig, PackingConfig, ParallelConfig, StreamConfig
 from trainer.config.training import (
-    OBJECTIVES, PEFT_METHODS, CheckpointConfig, DPOConfig, EvalConfig, GuardConfig, LoggerConfig, LossConfig, OptimConfig, PeftConfig,
+    OBJECTIVES,
+    PEFT_METHODS,
+    CheckpointConfig,
+    DPOConfig,
+    EvalConfig,
+    GuardConfig,
+    LoggerConfig,
+    LossConfig,
+    OptimConfig,
+    PeftConfig,
 )
 
 __all__ = [

@@ -6,7 +6,12 @@ import os
 from dataclasses import dataclass, field
 
 from trainer.config.common import (
-    GENERATED_SOURCES, ConfigError, check_choice, check_finite_settings, check_positive, stated_context,
+    GENERATED_SOURCES,
+    ConfigError,
+    check_choice,
+    check_finite_settings,
+    check_positive,
+    stated_context,
 )
 from trainer.config.distill import DistillConfig
 from trainer.config.sanity import check_sane_settings

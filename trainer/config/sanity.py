@@ -35,17 +35,21 @@ SANE_RANGES: list[tuple[str, Callable[[Any], Any], float, float, str]] = [
      "moment decay rates: at 1 or more the moments never forget (or grow without bound)"),
     ("optim.optimizer.momentum", _optimizer("momentum"), 0.0, 1.0, "at 1 or more momentum grows without bound"),
     ("optim.optimizer.eps", _optimizer("eps"), 0.0, 1.0,
-     "an update is divided by the gradient's RMS + eps, and gradient RMS is far under 1: a larger eps trains nothing"),
+     "an update is divided by the gradient's RMS + eps, and gradient RMS is far under 1: "
+     "a larger eps trains nothing"),
     ("dpo.beta", lambda job: job.dpo.beta, 0.0, 100.0,
-     "rewards are beta x log-prob ratios: past 100 a tenth of a nat saturates the loss (published values are 0.01-10)"),
+     "rewards are beta x log-prob ratios: past 100 a tenth of a nat saturates the loss "
+     "(published values are 0.01-10)"),
     ("dpo.simpo_gamma", lambda job: job.dpo.simpo_gamma, 0.0, 100.0,
-     "simpo's target reward margin, in the units of beta x mean token log-prob (published values are 0.3-1.6 x beta)"),
+     "simpo's target reward margin, in the units of beta x mean token log-prob "
+     "(published values are 0.3-1.6 x beta)"),
     ("peft.alpha / peft.rank", lambda job: job.peft.alpha / job.peft.rank if job.peft.rank else None, 0.0, 100.0,
      "the scale of every LoRA update: recipes use 0.5-4, and 100 or more blows the adapters' output up"),
     ("model.config_overrides.router_aux_loss_coef", _model_override("router_aux_loss_coef"), 0.0, 10.0, _AUX_WHY),
     ("model.config_overrides.aux_loss_coef", _model_override("aux_loss_coef"), 0.0, 10.0, _AUX_WHY),
     ("model.self_check_tolerance", lambda job: job.model.self_check_tolerance, 0.0, 1.0,
-     "a relative logit difference: at 1 or more the self-check passes anything (model.self_check=false turns it off)"),
+     "a relative logit difference: at 1 or more the self-check passes anything "
+     "(model.self_check=false turns it off)"),
 ]
 
 

@@ -8,6 +8,7 @@ from typing import Any
 
 from trainer.config.common import LOSS_IMPLS, ConfigError, check_choice, check_positive
 
+
 @dataclass
 class LossConfig:
     impl: str = "chunked"

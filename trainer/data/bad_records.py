@@ -22,8 +22,8 @@ import codecs
 import json
 import logging
 from collections.abc import Iterator
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger(__name__)
 
@@ -115,7 +115,8 @@ def record_bytes(value: Any) -> int:
 
 
 def oversize_reason(size: int, limit: int) -> str:
-    return f"{size:,} bytes, over data.max_record_bytes={limit:,} (skipped before tokenizing; raise it to keep such records)"
+    return (f"{size:,} bytes, over data.max_record_bytes={limit:,} "
+            "(skipped before tokenizing; raise it to keep such records)")
 
 
 def check_not_empty(path: Path, rows_in_file: int, bad: BadRecords) -> None:

@@ -15,21 +15,21 @@
   and step (cost in ``docs/data.md``).
 - The local tokenizer (``trainer.data.tokenizer``) is sealed the same way (``seal_folder``: every file its
   ``save_pretrained`` wrote) and used only when ``intact``; anything else is trained again.
-- ``build_lock``: an exclusive ``flock`` on ``<cache_dir>/locks/<kind>-<folder>.lock``, so two jobs building one cache at once are
-  serialised: the second waits, then finds the cache the first sealed and reuses it.
+- ``build_lock``: an exclusive ``flock`` on ``<cache_dir>/locks/<kind>-<folder>.lock``, so two jobs building
+  one cache at once are serialised: the second waits, then finds the cache the first sealed and reuses it.
 
 CRC-32 (zlib) reads the files at memory speed; the cost at 1M examples is in ``docs/data.md``.
 """
 
 from __future__ import annotations
 
-import errno
-import shutil
 import contextlib
+import errno
 import fcntl
 import json
 import logging
 import os
+import shutil
 import zlib
 from collections.abc import Iterator
 from pathlib import Path

@@ -189,7 +189,7 @@ def chat_segments_batch(
     if backend is None:
         return [_text_segments(text, spans) for text, spans in texts_and_spans]
     encodings = backend.encode_batch([text for text, _ in texts_and_spans], add_special_tokens=False)
-    return [_token_segments(e, spans) for e, (_, spans) in zip(encodings, texts_and_spans)]
+    return [_token_segments(e, spans) for e, (_, spans) in zip(encodings, texts_and_spans, strict=True)]
 
 
 Span = tuple[int, int]
@@ -259,7 +259,7 @@ class _Skeleton:
     def apply(self, messages: list[dict], render) -> tuple[str, list[Span]] | None:
         """``messages``' text and spans, or ``None`` when its rendering is not the skeleton's."""
         starts, pieces, pos = [], [], 0
-        for literal, message in zip(self.literals, messages):
+        for literal, message in zip(self.literals, messages, strict=False):  # one literal more: the tail
             starts.append(pos)
             pieces += [literal, message["content"]]
             pos += len(literal) + len(message["content"])
@@ -347,7 +347,7 @@ def _renderer(tokenizer: PreTrainedTokenizerBase, template: str, conversations: 
 
     plain = all(set(m) == {"role", "content"} for c in conversations for m in c)
     try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
+        from transformers.utils.chat_template_utils import _compile_jinja_template  # noqa: PLC0415 -- private: a transformers without it renders slowly (below)
 
         compiled, variables = _compile_jinja_template(template), dict(tokenizer.special_tokens_map)
     except (ImportError, AttributeError):  # a transformers without the (private) compiler
@@ -366,7 +366,7 @@ def _render_empty(tokenizer: PreTrainedTokenizerBase, template: str, gen: bool) 
         return ""
     try:
         return tokenizer.apply_chat_template([], chat_template=template, tokenize=False, add_generation_prompt=True)
-    except Exception:  # templates that index messages[0] cannot render an empty conversation
+    except Exception:  # noqa: BLE001 -- templates that index messages[0] cannot render an empty conversation
         return ""
 
 

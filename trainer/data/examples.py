@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import logging
 from dataclasses import dataclass, field, fields
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -177,7 +178,7 @@ class TokenizedDataset:
         """The examples ``indices`` (in that order) as a view of the same arrays; stats carried over."""
         indices = np.asarray(indices, dtype=np.int64)
         rows = indices if self.rows is None else self.rows[indices]
-        self.label_counts(), self.lengths  # noqa: B018 (computed once on the base, shared by every view)
+        self.label_counts(), self.lengths  # computed once on the base, shared by every view
         return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
                                 self.stored_lengths, self.stored_label_counts, self.folder, self.hashes,
                                 self.stored_pair_splits, self.stored_ref_logps, self.opened)
@@ -201,7 +202,7 @@ def example_hashes(tokens: np.ndarray, offsets: np.ndarray, seed: int) -> np.nda
     data = memoryview(np.ascontiguousarray(tokens, dtype=np.int32)).cast("B")
     bounds = (np.asarray(offsets, dtype=np.int64) * 4).tolist()
     digests = bytearray()
-    for lo, hi in zip(bounds, bounds[1:]):
+    for lo, hi in pairwise(bounds):
         h = keyed.copy()
         h.update(data[lo:hi])
         digests += h.digest()

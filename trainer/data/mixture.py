@@ -3,8 +3,8 @@
 Each item of ``data.mixture.sources`` is one source's data settings (``source``, ``path``, ``columns``, ...;
 the rest comes from ``data``) plus its ``weight``. Every source is tokenized and cached on its own; the
 mixture is as large as all of them together (in examples, or in tokens with ``data.mixture.by=tokens``) and
-gives source ``i`` the share ``weight_i / sum(weights)`` of it: a source below its share is repeated (whole passes, then a
-seeded random part of one more), a source above it contributes a seeded random subset. The mixture is a
+gives source ``i`` the share ``weight_i / sum(weights)`` of it: a source below its share is repeated (whole
+passes, then a seeded random part of one more), a source above it contributes a seeded random subset. The mixture is a
 pure function of (the sources, the weights, ``data.seed``).
 
 Held-out examples stay hash-based (``trainer.evaluate``): an example's side depends on its tokens only, so
@@ -109,7 +109,7 @@ def mix(datasets: list[TokenizedDataset], weights: list[float], by: str, seed: i
     shares = np.asarray(weights, dtype=np.float64) / sum(weights)
     sizes = [int(ds.lengths.sum()) if by == "tokens" else len(ds) for ds in datasets]
     parts, rows = [], []
-    for p, (ds, share) in enumerate(zip(datasets, shares)):
+    for p, (ds, share) in enumerate(zip(datasets, shares, strict=True)):
         quota = share * sum(sizes)
         passes = int(np.ceil(quota / max(sizes[p], 1))) + 1
         rng = np.random.default_rng([seed, p])

@@ -61,8 +61,9 @@ def pair_segments(record: dict, tokenizer, where: str) -> PairToRender:
     if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
         _check_replies(chosen.strip(), rejected.strip(), chosen == rejected, where)
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
-        side = lambda reply: [Segment([bos], False), Segment(prompt, False), Segment(reply, True),  # noqa: E731
-                              Segment([tokenizer.eos_token_id], True)]
+        def side(reply):
+            return [Segment([bos], False), Segment(prompt, False), Segment(reply, True),
+                    Segment([tokenizer.eos_token_id], True)]
         return PairToRender(side(chosen), side(rejected))
     if isinstance(prompt, str):  # a plain prompt with chat replies: the user's turn
         prompt = [{"role": "user", "content": prompt}]

@@ -78,9 +78,9 @@ def _unpadded(attention_mask: list[int] | None, where: str) -> slice:
 
 
 def _labels_mask(ids: list[int], labels: list[int], where: str) -> list[bool]:
-    for i, (token, label) in enumerate(zip(ids, labels)):
+    for i, (token, label) in enumerate(zip(ids, labels, strict=True)):
         if label != IGNORE_INDEX and label != token:
-            shifted = all(lab in (IGNORE_INDEX, nxt) for lab, nxt in zip(labels, ids[1:]))
+            shifted = all(lab in (IGNORE_INDEX, nxt) for lab, nxt in zip(labels[:-1], ids[1:], strict=True))
             hint = " (they look shifted by one: give them unshifted, the model shifts)" if shifted else ""
             raise ValueError(
                 f"{where}: labels[{i}]={label} but input_ids[{i}]={token}; labels must equal input_ids where a "

@@ -24,7 +24,13 @@ from transformers import PreTrainedTokenizerBase
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecords, oversize_reason, record_bytes
 from trainer.data.chat import (
-    ChatTemplateError, Segment, chat_segments_batch, check_messages, effective_template, media_key, media_refusal,
+    ChatTemplateError,
+    Segment,
+    chat_segments_batch,
+    check_messages,
+    effective_template,
+    media_key,
+    media_refusal,
 )
 from trainer.data.examples import DatasetStats
 from trainer.data.pairs import PairToRender, is_pair_record, join_pair, only_last_replies, pair_segments
@@ -275,7 +281,7 @@ def render_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTr
     position = {index: k for k, index in enumerate(indices)}
     out = {"input_ids": [[] for _ in indices], "loss_mask": [[] for _ in indices],
            "status": [int(Outcome.BAD)] * len(indices), "reason": [""] * len(indices), "pair_split": [0] * len(indices)}
-    for record, (ids, mask, outcome, split) in zip(records, rendered):
+    for record, (ids, mask, outcome, split) in zip(records, rendered, strict=True):
         k = position[int(record.where[1:])]
         out["input_ids"][k], out["loss_mask"][k], out["status"][k], out["pair_split"][k] = ids, mask, int(outcome), split
     for index, reason in problems.reasons.items():

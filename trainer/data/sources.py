@@ -12,10 +12,10 @@ registering one function, not touching the loop; a module of your own is importe
     def my_format(cfg: DataConfig) -> list[dict]:
         ...
 
-Shipped sources: the generated ones (offline, ``trainer.config.GENERATED_SOURCES``, ``generated_source``), ``dailydialog``
-(original text, parquet or hub), ``chitchat`` (real human dialogues, from an installed package, offline),
-``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf``
-(any hub dataset id, or a local dataset folder), the table sources with ``data.columns`` mapping.
+Shipped sources: the generated ones (offline, ``trainer.config.GENERATED_SOURCES``, ``generated_source``),
+``dailydialog`` (original text, parquet or hub), ``chitchat`` (real human dialogues, from an installed package,
+offline), ``jsonl`` / ``parquet`` / ``csv`` (local files or folders) and ``hf`` (any hub dataset id, or a local
+dataset folder), the table sources with ``data.columns`` mapping.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
-import logging
 import json
+import logging
 import sys
 from collections.abc import Callable
 from dataclasses import asdict
@@ -35,7 +35,12 @@ import datasets
 from trainer.config import GENERATED_SOURCES, ConfigError, DataConfig
 from trainer.data.bad_records import BadRecords, RecordList, utf8_lines
 from trainer.data.chitchat import chitchat_file, read_chitchat
-from trainer.data.synthetic import generate_chats, generate_dialogs, generate_preference_pairs, generate_reasoning_traces
+from trainer.data.synthetic import (
+    generate_chats,
+    generate_dialogs,
+    generate_preference_pairs,
+    generate_reasoning_traces,
+)
 from trainer.library_log import library_load
 
 log = logging.getLogger(__name__)

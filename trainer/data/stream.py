@@ -31,13 +31,19 @@ import logging
 from dataclasses import asdict
 
 import numpy as np
+from datasets.distributed import split_dataset_by_node
 from transformers import PreTrainedTokenizerBase
 
 from trainer import distributed
 from trainer.config import DataConfig
 from trainer.data.bad_records import BadRecordError, BadRecords
 from trainer.data.examples import (
-    DatasetStats, Example, TokenizedDataset, count_kept, from_examples, log_dataset_stats,
+    DatasetStats,
+    Example,
+    TokenizedDataset,
+    count_kept,
+    from_examples,
+    log_dataset_stats,
 )
 from trainer.data.holdout import holdout_mask
 from trainer.data.parts import Part, Places, is_table, source_parts
@@ -65,8 +71,6 @@ class RowStream:
         if not self.table:  # records in memory: jump straight to the position
             self._rows = itertools.islice(iter(source), self.index, None)
         else:
-            from datasets.distributed import split_dataset_by_node
-
             self.dataset = split_dataset_by_node(source, rank, world_size) if split else source
             if state and state.get("datasets"):
                 self.dataset.load_state_dict(state["datasets"])
@@ -160,14 +164,14 @@ class ExampleStream:
         kept = [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
                 for ids, mask, outcome, _ in rendered if outcome <= Outcome.TRUNCATED]
         held = self.held_out_mask(kept)
-        train = [e for e, h in zip(kept, held) if not h]
+        train = [e for e, h in zip(kept, held, strict=True) if not h]
         counts = count_kept(counts, train)
         counts.records = len(rows)
         self.stats.add(counts)
         self.stats.dropped_bad = self.bad.skipped  # every bad row, whichever step noticed it
         self.held_out += len(kept) - len(train)
         self.pass_examples += len(train)
-        return train, [e for e, h in zip(kept, held) if h]
+        return train, [e for e, h in zip(kept, held, strict=True) if h]
 
     def held_out_mask(self, examples: list[Example]) -> np.ndarray:
         """The cached path's held-out rule, per example (``trainer.data.holdout``)."""

@@ -120,7 +120,7 @@ def generate_reasoning_traces(num_traces: int = 600, seed: int = 1234, mean_toke
     question_tokens = _turn_lengths(rng, num_traces)
     words = np.array(_WORDS)
     traces = []
-    for q, t in zip(question_tokens, trace_tokens):
+    for q, t in zip(question_tokens, trace_tokens, strict=True):
         question = " ".join(words[rng.integers(0, len(words), size=int(q) - 1)]) + "?"
         trace = " ".join(words[rng.integers(0, len(words), size=int(t) - 1)]) + "."
         traces.append([question[:1].upper() + question[1:], trace[:1].upper() + trace[1:]])
@@ -154,7 +154,7 @@ def generate_preference_pairs(num_pairs: int = 2000, seed: int = 1234, mean_repl
         return text[:1].upper() + text[1:] + end
 
     pairs = []
-    for (n_chosen, n_rejected), q in zip(replies, questions):
+    for (n_chosen, n_rejected), q in zip(replies, questions, strict=True):
         prompt = [{"role": "system", "content": SYSTEM_PROMPTS[rng.integers(len(SYSTEM_PROMPTS))]}] if rng.random() < 0.3 else []
         prompt.append({"role": "user", "content": sentence(int(q) - 1, words, words, "?")})
         pairs.append({

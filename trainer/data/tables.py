@@ -194,7 +194,8 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
         raise ConfigError(
             f"data.source={cfg.source}: cannot tell which column holds the data (columns: "
             f"{', '.join(map(str, rows[0].keys()))}); set data.columns, e.g. data.columns={{text: body}}, "
-            "{messages: chat}, {turns: utterances}, {prompt: question, response: answer} or {input_ids: ids, labels: lab}"
+            "{messages: chat}, {turns: utterances}, {prompt: question, response: answer} "
+            "or {input_ids: ids, labels: lab}"
         )
     kind = kinds[0]
     wanted = [c for f, c in columns.items() if f not in ("role", "content", "system")]

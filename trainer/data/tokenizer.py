@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from trainer.config import ConfigError, DataConfig, ModelConfig
@@ -39,8 +40,6 @@ def train_bpe_tokenizer(
     texts: Iterable[str], vocab_size: int, extra_special_tokens: list[str] | None = None
 ) -> PreTrainedTokenizerFast:
     """Train a byte-level BPE tokenizer on ``texts`` (``extra_special_tokens``: e.g. ChatML's markers)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
@@ -160,7 +159,8 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
     name = model_cfg.tokenizer_name()
     if name == "local_bpe":
         components = [c for c, _ in mix_components(data_cfg)]
-        texts = lambda: (t for c in components for r in bpe_sample(c) for t in record_texts(r))  # noqa: E731
+        def texts():
+            return (t for c in components for r in bpe_sample(c) for t in record_texts(r))
         extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
         key = "".join(source_fingerprint(c) for c in components) + f"|sample {BPE_SAMPLE_RECORDS}"
         tokenizer = local_tokenizer(texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, key, extra)

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from trainer.config import ATTENTION_BACKENDS
+from trainer.model.attention_needs import AttentionNeeds, attention_dropout
 from trainer.model.backends_cuda import (
     flash_attn_attention,
     flash_attn_unavailable,
@@ -43,9 +45,7 @@ from trainer.model.backends_cuda import (
     torch_varlen_sinks_unavailable,
     torch_varlen_unavailable,
 )
-from trainer.model.attention_needs import AttentionNeeds, attention_dropout
 from trainer.model.backends_sdpa import sdpa_block_mask_attention, sdpa_varlen_attention
-from trainer.config import ATTENTION_BACKENDS
 from trainer.model.packed_layout import AttentionBackendError
 
 log = logging.getLogger(__name__)

@@ -92,7 +92,7 @@ def flash_attn_attention(module, query, key, value, attention_mask, scaling=None
     refuse_unhonoured("flash_attn", kwargs, softcap=True, sinks=True)
     sinks = sinks_of("flash_attn", kwargs)
     query, key, value = _one_compute_dtype(query, key, value)
-    from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
+    from flash_attn import flash_attn_varlen_func  # noqa: PLC0415 -- an optional extra, CUDA only
 
     args = packed_args(module, query, key, kwargs)
     cu = args.cu_seqlens.to(device=query.device, dtype=torch.int32)
@@ -142,7 +142,7 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
     refuse_unhonoured("torch_varlen", kwargs, sinks=True)
     sinks = sinks_of("torch_varlen", kwargs)
     query, key, value = _one_compute_dtype(query, key, value)
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 -- absent before torch 2.10; tests swap it on its module
 
     if dropout > 0:
         raise AttentionBackendError(
@@ -162,7 +162,7 @@ def torch_varlen_attention(module, query, key, value, attention_mask, scaling=No
 
     if sinks is None:
         return attend(q, k, v).unsqueeze(0), None
-    from torch.nn.attention.varlen import AuxRequest as VarlenAuxRequest
+    from torch.nn.attention.varlen import AuxRequest as VarlenAuxRequest  # noqa: PLC0415 -- absent before torch 2.10; tests swap it on its module
 
     out, lse = attend(q, k, v, return_aux=VarlenAuxRequest(lse=True))  # lse: [heads, tokens], no gradient
     scale = options.get("scale") or q.shape[-1] ** -0.5  # torch 2.10 folds any other scale into q
@@ -190,7 +190,7 @@ def varlen_attn_parameters() -> frozenset[str] | None:
     """
     if "names" not in _varlen_attn_signature:
         try:
-            from torch.nn.attention.varlen import varlen_attn
+            from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 -- absent before torch 2.10; tests swap it on its module
         except ImportError:
             _varlen_attn_signature["names"] = None
         else:
@@ -235,7 +235,8 @@ varlen_attn_parameters()
 def flex_unavailable(device: torch.device, dtype: torch.dtype | None = None) -> str | None:
     if device.type == "cpu":
         # FlexAttention runs forward on CPU but has no backward there: training would fail at step 1.
-        return f"FlexAttention has no backward pass on CPU in torch {torch.__version__.split('+')[0]}, so it cannot train here"
+        version = torch.__version__.split("+")[0]
+        return f"FlexAttention has no backward pass on CPU in torch {version}, so it cannot train here"
     return _needs_cuda(device)
 
 
@@ -315,7 +316,7 @@ def flash_attn_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int,
     """flash-attn's varlen kernel with separate boundaries (``cu_q != cu_k``: each run of queries the last of
     its keys, bottom-right causal). ``query`` ``[1, H, S, D]``, keys back to back ``[1, Hkv, K, D]``; returns
     ``[1, S, H, D]``. A context-parallel shard's queries against the row's gathered keys."""
-    from flash_attn import flash_attn_varlen_func  # lazy: an optional extra, CUDA only
+    from flash_attn import flash_attn_varlen_func  # noqa: PLC0415 -- an optional extra, CUDA only
 
     q, k, v = _one_compute_dtype(query, key, value)
     cq, ck = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
@@ -328,7 +329,7 @@ def flash_attn_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int,
 
 def torch_varlen_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, window) -> torch.Tensor:
     """``varlen_attn`` with separate boundaries, as ``flash_attn_query_runs``."""
-    from torch.nn.attention.varlen import varlen_attn
+    from torch.nn.attention.varlen import varlen_attn  # noqa: PLC0415 -- absent before torch 2.10; tests swap it on its module
 
     q, k, v = _one_compute_dtype(query, key, value)
     cq, ck = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)

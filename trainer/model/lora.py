@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.pytorch_utils import Conv1D
 
 from trainer.config import ConfigError, ModelConfig, PeftConfig
 from trainer.model.loading import DTYPES
@@ -68,8 +69,7 @@ def base_fingerprint(model: nn.Module) -> str:
 
 def lora_config(cfg: PeftConfig, model: nn.Module):
     """``peft``'s ``LoraConfig`` for ``cfg`` (``fan_in_fan_out`` for GPT-2's transposed ``Conv1D`` layers)."""
-    from peft import LoraConfig
-    from transformers.pytorch_utils import Conv1D
+    from peft import LoraConfig  # noqa: PLC0415 -- peft is optional (the lora extra): only LoRA runs get here
 
     targets = cfg.target_modules
     return LoraConfig(
@@ -91,7 +91,7 @@ def apply_peft(model: VarlenCausalLM, cfg: PeftConfig, model_cfg: ModelConfig, s
     """
     if not cfg.enabled:
         return model
-    from peft import inject_adapter_in_model
+    from peft import inject_adapter_in_model  # noqa: PLC0415 -- peft is optional (the lora extra): only LoRA runs get here
 
     hf_model = model.model
     model.lora_base = LoraBase(model_cfg.name_or_path, seed, model_cfg.dtype, base_fingerprint(hf_model))
@@ -187,7 +187,7 @@ def peft_model_with(base: nn.Module, hf_dir: Path, trained: dict[str, torch.Tens
     """A ``PeftModel`` over ``base`` holding the ``trained`` tensors (keys as the trainer names them in the
     transformers model). ``modules_to_save=False`` loads fully trained modules into the base itself (for
     merging); ``True`` wraps them as ``peft``'s ``modules_to_save`` (for the adapter format)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 -- peft is optional (the lora extra): only LoRA runs get here
 
     config = LoraConfig.from_pretrained(str(hf_dir))
     full = sorted({key.rsplit(".", 1)[0] for key in trained if ".lora_" not in key})

@@ -15,16 +15,16 @@ adapters that call the packages' varlen kernels with the boundaries:
 | ``torch_chunk_gated_delta_rule``    | ``fla.ops.gated_delta_rule.chunk_gated_delta_rule``       | ``cu_seqlens`` |
 | ``chunk_kimi_delta_attention``      | ``fla.ops.kda.chunk_kda``                                 | ``cu_seqlens`` |
 | ``mamba2_chunk_scan``               | ``mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined`` | ``seq_idx`` |
-| ``mamba2_split_conv1d_scan_combined`` | none: returns ``None``, so the mixer takes its unfused path (the two above) | |
+| ``mamba2_split_conv1d_scan_combined`` | none: ``None``, so the mixer takes its unfused path (the two above) | |
 
-The packages are imported lazily (optional extras in pyproject.toml). The route applies to a mixer class
-only where each kind of mixing it does has a varlen kernel among its modeling file's names, each installed,
-and no token-mixing kernel without one is there (Mamba-1's ``mamba_selective_scan`` / ``mamba_inner_fn``: mamba_ssm has no varlen
-selective scan): otherwise ``per_example`` runs, and the log says why. Single-step (cached decode) kernels
-raise if a packed call reaches them. After each call the route checks that every kind of mixing the mixer
-does (a convolution, a recurrence: ``trainer.model.mixers`` reads them from its modules) went through an
-adapter: a mixer that mixed tokens some other way fails the step instead of training across the boundaries. The startup self-check runs this route
-on the GPU against each example alone. CPU CI runs it through pure-torch doubles with the kernels'
+The packages are imported lazily (optional extras in pyproject.toml). The route applies to a mixer class only where
+each kind of mixing it does has a varlen kernel among its modeling file's names, each installed, and no token-mixing
+kernel without one is there (Mamba-1's ``mamba_selective_scan`` / ``mamba_inner_fn``: mamba_ssm has no varlen
+selective scan): otherwise ``per_example`` runs, and the log says why. Single-step (cached decode) kernels raise if
+a packed call reaches them. After each call the route checks that every kind of mixing the mixer does (a
+convolution, a recurrence: ``trainer.model.mixers`` reads them from its modules) went through an adapter: a mixer
+that mixed tokens some other way fails the step instead of training across the boundaries. The startup self-check
+runs this route on the GPU against each example alone. CPU CI runs it through pure-torch doubles with the kernels'
 signatures (``tests/gpu_sim/mixer_kernel_doubles.py``).
 """
 

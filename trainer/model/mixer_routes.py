@@ -88,7 +88,7 @@ class _Cutter:
             slots = _Rows.apply(flat, self.plan.index, self.plan.token_slot, self.none)
             parts = torch.split(slots, self.sizes) if n > 1 else (slots,)
             return [p.view(rows, width, *p.shape[1:]).movedim(1, dim).contiguous()
-                    for p, (rows, width) in zip(parts, self.plan.shapes)]
+                    for p, (rows, width) in zip(parts, self.plan.shapes, strict=True)]
         if isinstance(value, (tuple, list)):
             cut = [self.cut(v) for v in value]
             return [type(value)(c[r] for c in cut) for r in range(n)]

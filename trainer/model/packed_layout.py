@@ -22,6 +22,7 @@ Sliding window, as transformers defines it: query ``t`` may attend key ``s`` iff
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import pairwise
 from typing import ClassVar
 
 import torch
@@ -51,7 +52,7 @@ def packed_attention_kwargs(cu_seqlens: torch.Tensor, num_tokens: int) -> dict:
     }
 
 
-def check_boundaries(cu: torch.Tensor, cu_k: torch.Tensor | None, num_tokens: int) -> "PackedLayout":
+def check_boundaries(cu: torch.Tensor, cu_k: torch.Tensor | None, num_tokens: int) -> PackedLayout:
     """The layout of ``cu``; raise ``AttentionBackendError`` unless it splits ``num_tokens`` tokens into
     examples and ``cu_k`` (keys) is the same split."""
     if cu_k is not None and cu_k is not cu and not torch.equal(cu_k, cu):
@@ -129,12 +130,12 @@ class PackedLayout:
     RECENT: ClassVar[int] = 2
 
     @classmethod
-    def of(cls, cu: torch.Tensor) -> "PackedLayout":
+    def of(cls, cu: torch.Tensor) -> PackedLayout:
         for seen, layout, version in cls._recent:
             if seen is cu and version == cu._version:
                 return layout
         bounds = cu.tolist()  # one host sync per forward, not per layer
-        lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+        lengths = [e - s for s, e in pairwise(bounds)]
         if bounds[0] != 0 or any(n < 0 for n in lengths):
             raise AttentionBackendError(f"cu_seqlens must start at 0 and not decrease, got {bounds[:8]}...")
         layout = cls(lengths, bounds[-1], max(lengths, default=0))

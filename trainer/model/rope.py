@@ -168,7 +168,7 @@ def verify_alone(module: nn.Module, per_example: PerExampleRope, family: str) ->
         start = 0
         for n in lengths:
             expected = copy.deepcopy(module)(x, torch.arange(n)[None], *extra)  # fresh: dynamic rope keeps state
-            if not all(torch.allclose(e[0], g[0, start : start + n], rtol=1e-5, atol=1e-6) for e, g in zip(expected, got)):
+            if not all(torch.allclose(e[0], g[0, start : start + n], rtol=1e-5, atol=1e-6) for e, g in zip(expected, got, strict=True)):
                 raise RopeError(
                     f"{family}: rope type {rope_type!r} in {type(module).__name__} depends on the sequence length "
                     f"in a way packfsdp cannot compute per packed example (an example of {n} tokens differs)"
@@ -192,7 +192,7 @@ def apply_per_example_rope(model: nn.Module) -> list[str]:
         boundaries.clear()
 
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
-    for name, module in modules:
+    for _, module in modules:
         per_example = PerExampleRope(module, boundaries)
         verify_alone(module, per_example, family)
         module.forward = per_example  # an instance attribute: nn.Module calls it

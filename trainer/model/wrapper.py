@@ -21,8 +21,17 @@ from torch import nn
 
 from trainer.data.examples import IGNORE_INDEX
 from trainer.loss import (
-    HeadLoss, LabelHidden, LogitTransform, chunk_tokens_for, chunked_token_logps, head_matches_logits, label_positions,
-    liger_available, naive_summed_loss, naive_token_logps, sequence_of_labels,
+    HeadLoss,
+    LabelHidden,
+    LogitTransform,
+    chunk_tokens_for,
+    chunked_token_logps,
+    head_matches_logits,
+    label_positions,
+    liger_available,
+    naive_summed_loss,
+    naive_token_logps,
+    sequence_of_labels,
 )
 from trainer.model.attention import AttentionBackend
 from trainer.model.attention_needs import AttentionNeeds
@@ -56,7 +65,8 @@ def decoder_of(model: nn.Module) -> nn.Module:
 
 class VarlenCausalLM(nn.Module):
     """A transformers causal LM that runs packed rows, padded batches and (``layout``) a rank's share of a row
-    laid over several ranks (context parallelism). Each pass is its own method, and an objective asks for the one it needs:
+    laid over several ranks (context parallelism). Each pass is its own method, and an objective asks for the
+    one it needs:
 
     - ``forward``: the logits ``[batch, seq, vocab]`` (the self-check's reference, tools);
     - ``token_loss``: the summed token cross-entropy (fp32 scalar), through the loss ``use_loss`` picked;

@@ -23,7 +23,8 @@ sum of pair losses over every micro-batch and rank divided by the GLOBAL pair co
 the step's counts before the backward passes), so packed, padded and every world size optimise the same
 objective, as the SFT loss is divided by the global label count.
 
-**The self-check's loss** (``PairLossCheck``). The startup self-check's loss under ``objective=dpo`` (``trainer.model.certification``'s loss of the check).
+**The self-check's loss** (``PairLossCheck``). The startup self-check's loss under ``objective=dpo``
+(``trainer.model.certification``'s loss of the check).
 
 The packed side is the run's own DPO path: ``sequence_logps`` (the per-sequence summed reply log-probs
 through the chunked head) -> ``PairLoss.from_logps`` (the pair losses of the run's ``dpo``
@@ -55,9 +56,8 @@ import torch.nn.functional as F
 
 from trainer import distributed
 from trainer.collate import Batch
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import DPOConfig
-from trainer.data.examples import TokenizedDataset
+from trainer.data.examples import IGNORE_INDEX, TokenizedDataset
 from trainer.evaluate import eval_batches
 from trainer.loss import sequence_of_labels
 from trainer.objectives.base import Objective, RunSetup
@@ -105,7 +105,7 @@ def pair_losses(
 
 def preference_metrics(sums: list[float], pairs: float, prefix: str = "") -> dict[str, float]:
     """TRL-named means over ``pairs`` from ``PAIR_SUMS``-ordered sums (all ranks)."""
-    out = {prefix + name: value / max(pairs, 1.0) for name, value in zip(PAIR_SUMS, sums)}
+    out = {prefix + name: value / max(pairs, 1.0) for name, value in zip(PAIR_SUMS, sums, strict=True)}
     out[prefix + "rewards/margins"] = out[prefix + "rewards/chosen"] - out[prefix + "rewards/rejected"]
     return out
 

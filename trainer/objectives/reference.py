@@ -19,7 +19,6 @@ import dataclasses
 import hashlib
 import logging
 
-import numpy as np
 import torch
 from torch.distributed.fsdp import FSDPModule
 
@@ -91,7 +90,7 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
 def adapters_off(model: torch.nn.Module):
     """The LoRA layers of ``model`` pass their base layer's output only (``peft``'s own switch, flipped
     without touching ``requires_grad``, which FSDP2 must not see change), and eval mode, for the block."""
-    from peft.tuners.tuners_utils import BaseTunerLayer  # peft is optional (the lora extra): only LoRA runs get here
+    from peft.tuners.tuners_utils import BaseTunerLayer  # noqa: PLC0415 -- peft is optional (the lora extra): only LoRA runs get here
 
     layers = [m for m in model.modules() if isinstance(m, BaseTunerLayer)]
     was = [m._disable_adapters for m in layers]
@@ -102,7 +101,7 @@ def adapters_off(model: torch.nn.Module):
         model.eval()
         yield
     finally:
-        for m, w in zip(layers, was):
+        for m, w in zip(layers, was, strict=True):
             m._disable_adapters = w
         model.train(was_training)
 

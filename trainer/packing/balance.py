@@ -5,9 +5,10 @@
    Only when nothing can be split is a rank given an *empty* micro-batch (a forward/backward with no label
    token). Both are counted and logged by the sampler; data is never dropped or duplicated to even up.
 2. ``deal_bins``: bins are sorted by weight (``packing.balance``: tokens, attention cost = sum of squared item
-   lengths, or model FLOPs = both terms weighed as the model's own FLOPs weigh them, ``TokenCost``; a
-   preference pair weighs what its two sequences weigh, ``item_work``) and cut into rounds of ``world_size`` neighbours, so the micro-batches that run side by side hold about the
-   same work; the rounds are then shuffled (when asked) and rank ``r`` takes the ``r``-th bin of each round.
+   lengths, or model FLOPs = both terms weighed as the model's own FLOPs weigh them, ``TokenCost``; a preference
+   pair weighs what its two sequences weigh, ``item_work``) and cut into rounds of ``world_size`` neighbours, so the
+   micro-batches that run side by side hold about the same work; the rounds are then shuffled (when asked) and rank
+   ``r`` takes the ``r``-th bin of each round.
 3. ``rank_balance``: the max/mean skew of per-rank work per optimizer step, the figure to watch.
 """
 

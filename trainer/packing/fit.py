@@ -143,7 +143,7 @@ def _best_fit_decreasing_capped(sizes: np.ndarray, budget: int, cap: int, rng: n
     counts: list[int] = []
     by_room: dict[int, list[int]] = {}
     rooms: list[int] = []
-    for i, s in zip(order.tolist(), sizes[order].tolist()):
+    for i, s in zip(order.tolist(), sizes[order].tolist(), strict=True):
         j = bisect.bisect_left(rooms, s)
         if j < len(rooms):
             room = rooms[j]
@@ -170,7 +170,7 @@ def _groups(sorted_sizes: np.ndarray) -> list[tuple[int, int]]:
     if n == 0:
         return []
     starts = np.flatnonzero(np.r_[True, sorted_sizes[1:] != sorted_sizes[:-1]])
-    return list(zip(starts.tolist(), np.r_[starts[1:], n].tolist()))
+    return list(zip(starts.tolist(), np.r_[starts[1:], n].tolist(), strict=True))
 
 
 def first_fit_decreasing(

@@ -31,6 +31,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from trainer.data.examples import Example
 
@@ -177,8 +179,6 @@ class StreamingSampler:
 
     def save_rank_state(self, path: Path) -> None:
         """This rank's stream position, waiting examples and packer, as one safetensors file (no pickle)."""
-        from safetensors.numpy import save_file
-
         ids = list(self.waiting)
         lengths = np.array([len(self.waiting[i][0]) for i in ids], dtype=np.int64)
         tensors = {
@@ -192,8 +192,6 @@ class StreamingSampler:
         save_file(tensors, str(path), metadata={"state": json.dumps(meta)})
 
     def load_rank_state(self, path: Path) -> None:
-        from safetensors import safe_open
-
         if not path.is_file():
             raise ValueError(f"{path.name} is missing: the checkpoint holds no stream state for rank {self.rank}")
         with safe_open(str(path), framework="numpy") as f:
@@ -202,7 +200,7 @@ class StreamingSampler:
         bounds = np.concatenate([[0], np.cumsum(t["lengths"])])
         self.waiting = {
             int(i): (t["tokens"][lo:hi].copy(), t["loss_mask"][lo:hi].astype(bool))
-            for i, lo, hi in zip(t["ids"], bounds[:-1], bounds[1:])
+            for i, lo, hi in zip(t["ids"], bounds[:-1], bounds[1:], strict=True)
         }
         self.stream.load_state_dict(meta["stream"])
         self.packer.load_state_dict(meta["packer"])

@@ -401,7 +401,7 @@ def _wrapped_capped(sizes: np.ndarray, order: np.ndarray, budget: int, cap: int)
     rows: list[tuple[int, int, int]] = []
     bounds: list[int] = []  # row index where each bin after the first starts
     room, in_bin = budget, 0
-    for i, length in zip(order.tolist(), sizes[order].tolist()):
+    for i, length in zip(order.tolist(), sizes[order].tolist(), strict=True):
         start = 0
         while True:
             rest = length - start

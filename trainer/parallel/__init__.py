@@ -9,7 +9,11 @@
 """
 
 from trainer.parallel.fsdp import (
-    apply_activation_checkpointing, apply_compile, build_mesh, parallelize, set_gradient_sync,
+    apply_activation_checkpointing,
+    apply_compile,
+    build_mesh,
+    parallelize,
+    set_gradient_sync,
 )
 from trainer.parallel.route import ContextParallelRoute, Route, build_route
 

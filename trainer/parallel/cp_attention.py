@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from transformers import AttentionInterface
 
 from trainer.model.attention_needs import refuse_unhonoured
 from trainer.model.backends_cuda import flash_attn_query_runs, flex_query_runs, torch_varlen_query_runs
@@ -80,8 +81,6 @@ CP_ATTENTION = "packfsdp_cp"
 
 
 def register_cp_attention() -> None:
-    from transformers import AttentionInterface
-
     AttentionInterface.register(CP_ATTENTION, torch.compiler.disable(cp_attention))
 
 

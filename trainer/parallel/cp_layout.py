@@ -37,13 +37,14 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import torch
 
 from trainer.collate import Batch
-from trainer.data.examples import IGNORE_INDEX
 from trainer.config import CP_SPLITS
+from trainer.data.examples import IGNORE_INDEX
 from trainer.parallel.cp_attention import CP_ATTENTION
 
 
@@ -131,7 +132,7 @@ class CPShard:
 
 def plan_shards(cu_seqlens: list[int], cp: int, split: str) -> list[CPShard]:
     """Every rank's ``CPShard`` of the row ``cu_seqlens`` (each rank uses its own; all derive the same)."""
-    lengths = [e - s for s, e in zip(cu_seqlens[:-1], cu_seqlens[1:])]
+    lengths = [e - s for s, e in pairwise(cu_seqlens)]
     total = cu_seqlens[-1]
     held = assign_tokens(lengths, cp, split)
     slots = max(1, max(len(h) for h in held))

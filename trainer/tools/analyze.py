@@ -23,10 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from trainer.config import ConfigError, JobConfig
-
 from trainer.cli import check_group_choices
 from trainer.compose import compose_job_config, register_configs
+from trainer.config import ConfigError, JobConfig
 from trainer.data.examples import pair_splits_of
 from trainer.metrics import setup_logging
 from trainer.packing import STRATEGIES, MicroBatchSampler, matched_padded_batch_size, pack, pack_params
@@ -50,14 +49,14 @@ def text_histogram(lengths: np.ndarray, buckets: int = 16, width: int = 50) -> l
     counts, _ = np.histogram(lengths, bins=edges)
     top = max(int(counts.max()), 1)
     return [f"  {lo:>6}-{hi - 1:<6} {c:>8}  {'#' * math.ceil(width * c / top) if c else ''}"
-            for lo, hi, c in zip(edges[:-1], edges[1:], counts)]
+            for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True)]
 
 
 def draw_histogram(lengths: np.ndarray, budget: int, title: str, path: Path) -> None:
-    import matplotlib  # heavy, for the histogram only: after the command line's checks
+    import matplotlib  # noqa: PLC0415 -- heavy, for the histogram only: after the command line's checks
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # noqa: PLC0415 -- with matplotlib above
 
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.hist(lengths, bins=60, color="#4477aa")
@@ -121,8 +120,8 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
             f"{100 * s.padding_overhead:>11.1f}% {s.positions / total:>9.2f} "
             + " ".join(f"{100 * k:>7.2f}%" for k in skews)
         )
-        figures["strategies"][name] = s.as_dict() | {"skew": dict(zip(world_sizes, skews)),
-                                                     "worst_step_skew": dict(zip(world_sizes, worst))}
+        figures["strategies"][name] = s.as_dict() | {"skew": dict(zip(world_sizes, skews, strict=True)),
+                                                     "worst_step_skew": dict(zip(world_sizes, worst, strict=True))}
     lines += rows + mixture_lines(dataset, cfg, figures)
     figures["max_speedup"] = figures["strategies"]["none"]["positions"] / total
     lines += [
@@ -170,7 +169,7 @@ def parse_args(argv: list[str]) -> tuple[list[str], Path | None, list[int]]:
 
 def run(argv: list[str]) -> dict:
     """Print the report on the examples training sees (the eval hold-out removed); return its figures."""
-    from trainer.pipeline import build_training_data  # heavy (torch, transformers): the command line is checked
+    from trainer.pipeline import build_training_data  # noqa: PLC0415 -- heavy (the model package): after the command line's checks
 
     overrides, png, worlds = parse_args(argv)
     setup_logging(0)

@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 from datetime import datetime
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import yaml
@@ -136,7 +137,7 @@ def machine() -> dict:
     def field(name: str) -> str:
         return next((line.split(":", 1)[1].strip() for line in cpuinfo if line.startswith(name)), "")
 
-    import torch  # heavy: compare and summarize read records without torch; the CPU facts need it
+    import torch  # noqa: PLC0415 -- heavy: compare and summarize read records without torch; the CPU facts need it
 
     try:
         native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
@@ -150,19 +151,17 @@ def machine() -> dict:
 
 
 def versions() -> dict[str, str]:
-    import torch  # heavy: compare and summarize read records without torch; the report's versions need it
-    import transformers
+    import torch  # noqa: PLC0415 -- heavy: compare and summarize read records without torch; the report's versions need it
+    import transformers  # noqa: PLC0415 -- with torch above
 
     try:
-        from importlib.metadata import version
-
         packfsdp = version("packfsdp")
-    except Exception:
+    except PackageNotFoundError:
         packfsdp = "source tree"
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
                                 text=True, timeout=10).stdout.strip() or "unknown"
-    except Exception:
+    except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
         commit = "unknown"
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "packfsdp": packfsdp, "git_commit": commit, "platform": platform.platform()}
@@ -325,9 +324,9 @@ def render_markdown(report: dict) -> str:
         "",
         comparison_table(report),
         "",
-        f"Packed makes {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x the useful tokens/s of the padded baseline; the "
-        f"padding limit on these lengths is {_fmt(c.get('padding_limit'), '.2f')}x (the padded run computes that many "
-        "positions per real token for each the packed run computes).",
+        f"Packed makes {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x the useful tokens/s of the padded "
+        f"baseline; the padding limit on these lengths is {_fmt(c.get('padding_limit'), '.2f')}x "
+        "(the padded run computes that many positions per real token for each the packed run computes).",
         "",
         *learning_line(report),
         f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
@@ -386,12 +385,13 @@ def main(argv: list[str] | None = None) -> dict:
         run_both(overrides, args.nproc, out)
     report = write_report(out, overrides, args.nproc, machine_facts)
     if args.variability:
-        from trainer.tools import variability  # heavy (torch, a model): only with --variability
+        from trainer.tools import variability  # noqa: PLC0415 -- heavy (torch, a model): only with --variability
 
         variability.main(["--out", str(out)])
     if args.publish:
         args.publish.mkdir(parents=True, exist_ok=True)
-        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json"):
+        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json",
+                     "variability.md"):
             if (out / name).is_file():
                 shutil.copy2(out / name, args.publish / name)
     print(f"\n{comparison_table(report)}\n")

@@ -31,13 +31,20 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from trainer.checkpoint import HF_DIR, TRAINER_STATE, CheckpointError, find_checkpoint, read_full_tensors, verify_checkpoint
+from trainer.checkpoint import (
+    HF_DIR,
+    TRAINER_STATE,
+    CheckpointError,
+    find_checkpoint,
+    read_full_tensors,
+    verify_checkpoint,
+)
 from trainer.model import DTYPES
 from trainer.model.lora import is_lora_checkpoint, peft_model_with, rebuild_base
 from trainer.model.multimodal import carried_files, is_multimodal_checkpoint
 from trainer.model.multimodal import rebuild as rebuild_multimodal
-from trainer.tools.export_folder import check_out, replace, write_record
 from trainer.stop_signals import PREEMPTED_EXIT_CODE, Interrupted, exit_interrupted, signals_interrupt
+from trainer.tools.export_folder import check_out, replace, write_record
 
 log = logging.getLogger("trainer.tools.export")
 

@@ -8,23 +8,23 @@ carry **no** loss shown inside ``[[ ]]`` (the first token of every example never
 parallelism (``parallel.cp > 1``) each row is followed by what every rank of the CP group holds of it
 (``cp_view``: its query runs, the example and positions of each, its pads and its attention pairs).
 
-Extra keys (not part of the training config): ``num_batches`` (default 2), ``rank`` (default 0),
-``world_size`` (default ``parallel.cp``, one data-parallel group: the plan a run on that many ranks would deal) and ``show_tokens`` (tokens shown
-at each end of an example, default 40; ``-1`` shows everything). Every other ``key=value`` is a normal
+Extra keys (not part of the training config): ``num_batches`` (default 2), ``rank`` (default 0), ``world_size``
+(default ``parallel.cp``, one data-parallel group: the plan a run on that many ranks would deal) and ``show_tokens``
+(tokens shown at each end of an example, default 40; ``-1`` shows everything). Every other ``key=value`` is a normal
 Hydra override (``packing=none`` shows the padded baseline's micro-batches).
 """
 
 from __future__ import annotations
 
 import sys
+from itertools import pairwise
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from trainer.config import ConfigError
-
 from trainer.cli import check_group_choices
 from trainer.compose import compose_job_config, register_configs
+from trainer.config import ConfigError
 from trainer.data.examples import IGNORE_INDEX
 from trainer.packing import piece_starts
 from trainer.safety import printable
@@ -64,7 +64,7 @@ def positions_summary(pos: np.ndarray, start: int = 0) -> str:
 
 def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] | None = None) -> list[str]:
     """Lines describing one micro-batch and each of its examples."""
-    from trainer.model.certification.engine import example_spans  # heavy (torch, transformers): after the command line's checks
+    from trainer.model.certification.engine import example_spans  # noqa: PLC0415 -- heavy (torch, transformers): after the command line's checks
 
     labels = batch.labels.numpy()
     slots = [(row, span.start, span.stop) for row, span in example_spans(batch)]
@@ -94,14 +94,14 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
 def cp_view(batch: Batch, cp: int, split: str) -> list[str]:
     """What each rank of a CP group holds of a packed row (``trainer.parallel.cp_layout.plan_shards``): per rank,
     its query runs as ``example e: tokens a-b (positions p-q)`` in slot order, its pads and its attention pairs."""
-    from trainer.parallel.cp_layout import plan_shards  # heavy (torch): after the command line's checks
+    from trainer.parallel.cp_layout import plan_shards  # noqa: PLC0415 -- heavy (the model package): after the command line's checks
 
     lines = [f"  context parallel: cp={cp}, {split} split, {plan_shards(batch.cu_seqlens.tolist(), cp, split)[0].slots} "
              "slots per rank"]
     cu = batch.cu_seqlens.tolist()
     for shard in plan_shards(cu, cp, split):
         runs, bounds = [], shard.cu_seqlens_q.tolist()
-        for a, b in zip(bounds[:-1], bounds[1:]):
+        for a, b in pairwise(bounds):
             first, last = int(shard.index[a]), int(shard.index[b - 1])
             if first < 0:
                 continue  # the pads' run
@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as e:
         sys.exit(f"packfsdp: config error: {e}")
 
-    from trainer.pipeline import build_training_data  # heavy (torch, transformers): the command line is checked
+    from trainer.pipeline import build_training_data  # noqa: PLC0415 -- heavy (the model package): after the command line's checks
 
     data = build_training_data(cfg, extra["rank"], extra["world_size"])  # the examples trainer.train sees
     dataset, sampler, tokenizer = data.dataset, data.sampler, data.tokenizer

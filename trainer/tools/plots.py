@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on training machines
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 if TYPE_CHECKING:
     from trainer.metrics import EvalMetrics, StepMetrics

@@ -98,7 +98,7 @@ def measure(lengths: np.ndarray, model, optimizer, budget: int, steps: int, seed
     warm = [collate_packed(dataset, packed_bins[0]), collate_padded(dataset, padded_bins[0], 0)]
     for batch in warm:
         time_step(model, optimizer, batch)
-    for i, j in zip(packed_pick, padded_pick):  # alternate so load on a shared machine hits both alike
+    for i, j in zip(packed_pick, padded_pick, strict=False):  # alternate so load hits both alike; the shorter ends it
         for name, batch in (("packed", collate_packed(dataset, packed_bins[i])),
                             ("padded", collate_padded(dataset, padded_bins[j], 0))):
             seconds = time_step(model, optimizer, batch, repeats=2)
@@ -151,9 +151,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
               flush=True)
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__} | vars(args) | {"out": str(out)}
     (out / "variability.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=2))
+    (out / "variability.md").write_text(markdown_table(rows, args.mean))
     plot_variability(rows, out / "variability.png")
-    print(f"wrote {out / 'variability.png'} and {out / 'variability.json'}")
+    print(f"wrote {out / 'variability.png'}, {out / 'variability.json'} and {out / 'variability.md'}")
     return rows
+
+
+def markdown_table(rows: list[dict], mean: int) -> str:
+    """The measurement as the markdown table docs/measuring.md shows (``variability.md`` beside the json)."""
+    lines = [f"| lengths (mean {mean}) | CV | padded padding | padded useful tokens/s | packed | speedup |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['name']} | {r['cv']:.2f} | {100 * r['padded']['padding_fraction']:.0f}% | "
+                     f"{r['padded']['useful_tokens_per_s']:,.0f} | {r['packed']['useful_tokens_per_s']:,.0f} | "
+                     f"{r['speedup']:.2f}x |")
+    return "\n".join(lines) + "\n"
 
 
 class _SizeOnlyTokenizer:

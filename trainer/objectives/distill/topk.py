@@ -161,7 +161,7 @@ def precompute_top_k(
         for indices in batches(base.lengths):
             batch = collate(base, indices, pad_id)
             rows = label_rows(base, batch, starts)
-            for array, values in zip(arrays, teacher_pass(batch.to(device))):
+            for array, values in zip(arrays, teacher_pass(batch.to(device)), strict=True):
                 array[rows] = values.cpu().numpy()
     for array in arrays:
         array.flush()
