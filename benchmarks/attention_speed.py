@@ -87,8 +87,12 @@ def attention_pass(packed, padded, backend: str | None, gen) -> callable:
         fn = BACKENDS[backend].fn
         for batch in packed:
             q, k, v = qkv_for((1, batch.num_tokens), gen)
-            kw = dict(cu_seq_lens_q=batch.cu_seqlens, cu_seq_lens_k=batch.cu_seqlens,
-                      max_length_q=batch.max_seqlen, max_length_k=batch.max_seqlen)
+            kw = dict(
+                cu_seq_lens_q=batch.cu_seqlens,
+                cu_seq_lens_k=batch.cu_seqlens,
+                max_length_q=batch.max_seqlen,
+                max_length_k=batch.max_seqlen,
+            )
             work.append(lambda q=q, k=k, v=v, kw=kw: fn(module, q, k, v, None, scaling=HEAD_DIM**-0.5, **kw)[0])
     else:
         for batch in padded:
@@ -110,9 +114,11 @@ def model_pass(model, batches) -> callable:
     def run():
         for batch in batches:
             logits = model(**batch.model_inputs())
-            loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(),
-                                   ignore_index=IGNORE_INDEX, reduction="sum")
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1), batch.labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+            )
             loss.backward()
+
     return run
 
 
@@ -121,8 +127,12 @@ def main() -> None:
     parser.add_argument("--budgets", type=int, nargs="+", default=[1024, 2048, 4096])
     parser.add_argument("--bins", type=int, default=4, help="packed micro-batches timed per budget")
     parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=1,
-                        help="1 by default: on a shared machine, OpenMP threads spinning at barriers turn timings into noise")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="1 by default: on a shared machine, OpenMP threads spinning at barriers turn timings into noise",
+    )
     parser.add_argument("--num-dialogs", type=int, default=13118)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -138,10 +148,14 @@ def main() -> None:
         for name in ("sdpa_varlen", "sdpa_block_mask")
     }
     lengths = dataset.lengths
-    print(f"torch {torch.__version__}, {args.threads} threads | {len(dataset)} examples, length mean "
-          f"{lengths.mean():.0f} / max {lengths.max()} | tiny GPT-2 {TINY['n_layer']} layers x {TINY['n_embd']}")
-    header = (f"{'budget':>6} {'what':>9} | {'useful':>7} {'pad %':>5} | {'padded':>9} {'sdpa_varlen':>11} "
-              f"{'block_mask':>10} | {'varlen/pad':>10} {'block/pad':>9}")
+    print(
+        f"torch {torch.__version__}, {args.threads} threads | {len(dataset)} examples, length mean "
+        f"{lengths.mean():.0f} / max {lengths.max()} | tiny GPT-2 {TINY['n_layer']} layers x {TINY['n_embd']}"
+    )
+    header = (
+        f"{'budget':>6} {'what':>9} | {'useful':>7} {'pad %':>5} | {'padded':>9} {'sdpa_varlen':>11} "
+        f"{'block_mask':>10} | {'varlen/pad':>10} {'block/pad':>9}"
+    )
     print(header + "\n" + "-" * len(header), flush=True)
     worst = float("inf")
     for budget in args.budgets:
@@ -151,17 +165,25 @@ def main() -> None:
         gen = torch.Generator().manual_seed(budget)
         rows = {
             "attention": [attention_pass(packed, padded, be, gen) for be in (None, "sdpa_varlen", "sdpa_block_mask")],
-            "model": [model_pass(models["sdpa_varlen"], padded), model_pass(models["sdpa_varlen"], packed),
-                      model_pass(models["sdpa_block_mask"], packed)],
+            "model": [
+                model_pass(models["sdpa_varlen"], padded),
+                model_pass(models["sdpa_varlen"], packed),
+                model_pass(models["sdpa_block_mask"], packed),
+            ],
         }
         for what, passes in rows.items():
             rates = [u / t for u, t in zip(useful, median_times(passes, args.reps), strict=True)]
             ratios = [r / rates[0] for r in rates[1:]]
             worst = min(worst, *ratios)
-            print(f"{budget:>6} {what:>9} | {useful[1]:>7} {100 * pad_frac:>5.1f} | {rates[0]:>9,.0f} {rates[1]:>11,.0f} "
-                  f"{rates[2]:>10,.0f} | {ratios[0]:>10.2f} {ratios[1]:>9.2f}", flush=True)
-    print(f"useful tokens/s (fwd+bwd); worst packed/padded ratio: {worst:.2f} "
-          f"({'packed never slower per useful token' if worst >= 1 else 'PACKED SLOWER SOMEWHERE'})")
+            print(
+                f"{budget:>6} {what:>9} | {useful[1]:>7} {100 * pad_frac:>5.1f} | {rates[0]:>9,.0f} {rates[1]:>11,.0f} "
+                f"{rates[2]:>10,.0f} | {ratios[0]:>10.2f} {ratios[1]:>9.2f}",
+                flush=True,
+            )
+    print(
+        f"useful tokens/s (fwd+bwd); worst packed/padded ratio: {worst:.2f} "
+        f"({'packed never slower per useful token' if worst >= 1 else 'PACKED SLOWER SOMEWHERE'})"
+    )
 
 
 if __name__ == "__main__":

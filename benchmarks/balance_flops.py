@@ -47,8 +47,15 @@ def qwen2_5_0_5b_cost() -> TokenCost:
 
     from trainer.throughput import config_flop_params, token_cost
 
-    config = Qwen2Config(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True)
+    config = Qwen2Config(
+        hidden_size=896,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        intermediate_size=4864,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    )
     return token_cost(config_flop_params(config))
 
 
@@ -88,8 +95,10 @@ def pair_costing(n: int, worlds: list[int]) -> None:
                 cells.append(f"{100 * report['skew']:.2f}% ({100 * report['worst_step_skew']:.1f}%)")
             print(f"| {budget} | {w} | " + " | ".join(cells) + " |")
     whole = cost.of(lengths).sum() / item_work(np.arange(n), lengths, cost.of, splits).sum() - 1
-    print(f"\n{n} pairs, median {int(np.median(lengths))} tokens, max {lengths.max()}; costed as one sequence, "
-          f"their FLOPs are overstated by {100 * whole:.1f}%")
+    print(
+        f"\n{n} pairs, median {int(np.median(lengths))} tokens, max {lengths.max()}; costed as one sequence, "
+        f"their FLOPs are overstated by {100 * whole:.1f}%"
+    )
 
 
 def main() -> None:
@@ -117,8 +126,11 @@ def workload_skews(n: int, worlds: list[int]) -> None:
         ("chat (dailydialog-like)", "Qwen2.5-0.5B sizes", chat, 2048, qwen),
         ("long_cot (pareto, 32k rows)", "Qwen2.5-0.5B sizes", cot, 32768, qwen),
     ]
-    print("| workload | model | attention share of FLOPs | W | " + " | ".join(
-        f"skew balance={m} (worst step)" for m in WORK_MEASURES) + " |")
+    print(
+        "| workload | model | attention share of FLOPs | W | "
+        + " | ".join(f"skew balance={m} (worst step)" for m in WORK_MEASURES)
+        + " |"
+    )
     print("|---|---|---|---|" + "---|" * len(WORK_MEASURES))
     for name, model, lengths, budget, cost in cases:
         kept = lengths[lengths <= budget]
@@ -129,8 +141,10 @@ def workload_skews(n: int, worlds: list[int]) -> None:
                 skew, worst, _ = flops_skew(lengths, budget, w, m, cost)
                 cells.append(f"{100 * skew:.2f}% ({100 * worst:.1f}%)")
             print(f"| {name} | {model} | {100 * share:.0f}% | {w} | " + " | ".join(cells) + " |")
-    print(f"\n{len(dataset)} cpu_long_context examples (mean {dataset.lengths.mean():.0f}, max {dataset.lengths.max()} "
-          f"tokens); TokenCost gpt2_tiny {tiny}; Qwen2.5-0.5B {qwen}")
+    print(
+        f"\n{len(dataset)} cpu_long_context examples (mean {dataset.lengths.mean():.0f}, max {dataset.lengths.max()} "
+        f"tokens); TokenCost gpt2_tiny {tiny}; Qwen2.5-0.5B {qwen}"
+    )
 
 
 if __name__ == "__main__":

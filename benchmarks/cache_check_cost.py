@@ -54,8 +54,10 @@ def measure(folder: Path) -> None:
         t = time.perf_counter()
         open_arrays(folder)
         mapped = time.perf_counter() - t
-        print(f"1M examples, {size / 2**20:.0f} MiB: seal {sealed:.2f} s; open check: checksums {sums:.2f} s + "
-              f"consistency {consistent:.2f} s; open_arrays alone {mapped:.3f} s")
+        print(
+            f"1M examples, {size / 2**20:.0f} MiB: seal {sealed:.2f} s; open check: checksums {sums:.2f} s + "
+            f"consistency {consistent:.2f} s; open_arrays alone {mapped:.3f} s"
+        )
     dataset, calls = open_arrays(folder), 100_000
     t = time.perf_counter()
     for _ in range(calls):

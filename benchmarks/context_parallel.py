@@ -52,9 +52,16 @@ def worker(args) -> None:
     dist.init_process_group("gloo")
     rank, cp = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    config = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_hidden_layers=args.layers,
-                         num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=args.tokens,
-                         tie_word_embeddings=False)
+    config = Qwen2Config(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        max_position_embeddings=args.tokens,
+        tie_word_embeddings=False,
+    )
     model = VarlenCausalLM(Qwen2ForCausalLM(config).float(), resolve_backend("sdpa_varlen", torch.device("cpu")))
     group = new_cp_group(cp, cp, rank) if cp > 1 else None
     lengths = row_lengths(args.tokens)
@@ -95,7 +102,9 @@ def worker(args) -> None:
     if rank == 0:
         params = sum(p.numel() for p in model.parameters())
         result = {
-            "cp": cp, "tokens": args.tokens, "params_m": params / 1e6,
+            "cp": cp,
+            "tokens": args.tokens,
+            "params_m": params / 1e6,
             "activations_mib_per_rank": max(float(g[0]) for g in gathered),
             "peak_rss_mib_per_rank": max(float(g[1]) for g in gathered),
             "useful_tokens_per_s_per_rank": float(np.mean([float(g[2]) for g in gathered])),
@@ -123,22 +132,40 @@ def main() -> None:
     rows = []
     for cp in args.cp:
         out = Path(f"/tmp/packfsdp_cp_bench_{os.getpid()}_{cp}.json")
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cp}", __file__,
-               "--worker", "--out", str(out), "--tokens", str(args.tokens), "--layers", str(args.layers),
-               "--steps", str(args.steps)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={cp}",
+            __file__,
+            "--worker",
+            "--out",
+            str(out),
+            "--tokens",
+            str(args.tokens),
+            "--layers",
+            str(args.layers),
+            "--steps",
+            str(args.steps),
+        ]
         env = os.environ | {"OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // cp)), "PYTHONPATH": str(REPO)}
         subprocess.run(cmd, check=True, env=env, cwd=REPO)
         rows.append(json.loads(out.read_text()))
         out.unlink()
     with captured() as table:
-        print("| cp | params | row tokens | activations saved / rank (MiB) | peak RSS / rank (MiB) | "
-              "useful tok/s / rank | step (s) | skew contiguous | skew balanced | K/V bytes received / rank / layer |")
+        print(
+            "| cp | params | row tokens | activations saved / rank (MiB) | peak RSS / rank (MiB) | "
+            "useful tok/s / rank | step (s) | skew contiguous | skew balanced | K/V bytes received / rank / layer |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['cp']} | {r['params_m']:.1f}M | {r['tokens']} | {r['activations_mib_per_rank']:.0f} | "
-                  f"{r['peak_rss_mib_per_rank']:.0f} | "
-                  f"{r['useful_tokens_per_s_per_rank']:.0f} | {r['step_s']:.2f} | {100 * r['skew_contiguous']:.1f}% | "
-                  f"{100 * r['skew_balanced']:.1f}% | {r['kv_bytes_received_per_layer'] / 2**20:.2f} MiB |")
+            print(
+                f"| {r['cp']} | {r['params_m']:.1f}M | {r['tokens']} | {r['activations_mib_per_rank']:.0f} | "
+                f"{r['peak_rss_mib_per_rank']:.0f} | "
+                f"{r['useful_tokens_per_s_per_rank']:.0f} | {r['step_s']:.2f} | {100 * r['skew_contiguous']:.1f}% | "
+                f"{100 * r['skew_balanced']:.1f}% | {r['kv_bytes_received_per_layer'] / 2**20:.2f} MiB |"
+            )
     publish(args.markdown, "benchmarks/context_parallel.py", table.text())
 
 

@@ -79,13 +79,16 @@ def write_sources(root: Path, chats: int) -> dict[str, dict]:
     long = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "word " * 400}]}
     empty = {"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": ""}]}
     bad = {"messages": [{"role": "asistant", "content": "typo"}]}
-    lines = [json.dumps(r) for r in chat_rows[:60]] + ["{not json", json.dumps(long), "", json.dumps(empty),
-                                                      json.dumps(bad)] + [json.dumps(r) for r in chat_rows[60:]]
+    lines = (
+        [json.dumps(r) for r in chat_rows[:60]]
+        + ["{not json", json.dumps(long), "", json.dumps(empty), json.dumps(bad)]
+        + [json.dumps(r) for r in chat_rows[60:]]
+    )
     (root / "chats.jsonl").write_text("\n".join(lines) + "\n")
     folder = root / "folder"
     folder.mkdir()
     for k in range(3):
-        (folder / f"part{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows[k * 40:(k + 1) * 40]))
+        (folder / f"part{k}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows[k * 40 : (k + 1) * 40]))
     dialogs = generate_dialogs(150, 5)
     with open(root / "qa.csv", "w", newline="") as f:
         import csv
@@ -103,7 +106,8 @@ def write_sources(root: Path, chats: int) -> dict[str, dict]:
         "import json\nfrom trainer.data import register_source\n\n"
         "@register_source('identity_plugin')\n"
         "def identity_plugin(cfg):\n"
-        "    return [json.loads(line) for line in open(cfg.path) if line.strip()][::2]\n")
+        "    return [json.loads(line) for line in open(cfg.path) if line.strip()][::2]\n"
+    )
     (root / "plugin_src.jsonl").write_text("".join(json.dumps(r) + "\n" for r in chat_rows))
     write_chats(root / "big.jsonl", chats)
     return {
@@ -117,10 +121,18 @@ def write_sources(root: Path, chats: int) -> dict[str, dict]:
         "hf_disk": {"source": "hf", "path": str(root / "hub")},
         "dailydialog_text": {"source": "dailydialog", "path": str(root / "dialogues_text.txt")},
         "pretokenized": {"source": "jsonl", "path": str(root / "ids.jsonl")},
-        "plugin": {"source": "identity_plugin", "path": str(root / "plugin_src.jsonl"),
-                   "plugins": [str(root / "plugin_jsonl.py")]},
-        "mixture": {"mix": [{"source": "chat_synthetic", "num_records": 200, "weight": 2.0},
-                            {"source": "jsonl", "path": str(folder), "weight": 1.0}], "mix_by": "examples"},
+        "plugin": {
+            "source": "identity_plugin",
+            "path": str(root / "plugin_src.jsonl"),
+            "plugins": [str(root / "plugin_jsonl.py")],
+        },
+        "mixture": {
+            "mix": [
+                {"source": "chat_synthetic", "num_records": 200, "weight": 2.0},
+                {"source": "jsonl", "path": str(folder), "weight": 1.0},
+            ],
+            "mix_by": "examples",
+        },
         f"chats_{chats}": {"source": "jsonl", "path": str(root / "big.jsonl"), "num_proc": 2},
     }
 
@@ -138,14 +150,20 @@ def cached(cfg, tokenizer) -> dict:
     ds = load_dataset(cfg, tokenizer, MAX_LENGTH)
     train, held = split_holdout(ds, HOLDOUT[0], HOLDOUT[1], None)
     out = {
-        "arrays": h(ds.tokens, ds.loss_mask, ds.offsets) if hasattr(ds, "tokens")
-        else h(*[a for i in range(len(ds)) for a in ds.example(i)]), "lengths": h(ds.lengths), "labels": h(ds.label_counts()),
-        "stats": stats_dict(ds.stats), "examples": len(ds),
+        "arrays": h(ds.tokens, ds.loss_mask, ds.offsets)
+        if hasattr(ds, "tokens")
+        else h(*[a for i in range(len(ds)) for a in ds.example(i)]),
+        "lengths": h(ds.lengths),
+        "labels": h(ds.label_counts()),
+        "stats": stats_dict(ds.stats),
+        "examples": len(ds),
         "train_rows": h(getattr(train, "rows", None) if getattr(train, "rows", None) is not None else train.lengths),
         "held_rows": (h(held.rows) if getattr(held, "rows", None) is not None else h(held.lengths)) if held else None,
     }
     for world in (1, 2):
-        sampler = build_sampler(train.lengths, PackingConfig(balance="tokens", token_budget=1024), world - 1, world, 1234)
+        sampler = build_sampler(
+            train.lengths, PackingConfig(balance="tokens", token_budget=1024), world - 1, world, 1234
+        )
         plan = sampler.plan(0)
         out[f"plan_w{world}"] = h(plan.order, *[b for r in plan.rounds for b in r])
     return out
@@ -167,11 +185,20 @@ def streamed(cfg, tokenizer) -> dict:
         while rows := stream.next_rows(256):  # one pass over this rank's share
             more, more_held = stream.examples(rows)
             examples, held = examples + more, held + more_held
-        out[f"rank{rank}"] = {"examples": len(examples), "arrays": h(*[a for e in examples for a in e]),
-                              "held": h(*[a for e in held for a in e]),
-                              "stats": stats_dict(stream.stats), "held_out": stream.held_out}
-        sampler = StreamingSampler(ExampleStream(cfg, tokenizer, MAX_LENGTH, rank, 2, HOLDOUT),
-                                   PackingConfig(balance="tokens", token_budget=1024), 64, rank, 2)
+        out[f"rank{rank}"] = {
+            "examples": len(examples),
+            "arrays": h(*[a for e in examples for a in e]),
+            "held": h(*[a for e in held for a in e]),
+            "stats": stats_dict(stream.stats),
+            "held_out": stream.held_out,
+        }
+        sampler = StreamingSampler(
+            ExampleStream(cfg, tokenizer, MAX_LENGTH, rank, 2, HOLDOUT),
+            PackingConfig(balance="tokens", token_budget=1024),
+            64,
+            rank,
+            2,
+        )
         out[f"rank{rank}"]["bins"] = h(*[np.asarray(sampler.next_microbatch()[1]) for _ in range(12)])
     eval_set, probe = head_sets(cfg, tokenizer, MAX_LENGTH, HOLDOUT, None)
     out["head_eval"] = h(eval_set.tokens, eval_set.loss_mask, eval_set.offsets) if eval_set is not None else None
@@ -197,8 +224,10 @@ def run(chats: int, workdir: Path | None) -> dict:
     try:
         sources = write_sources(root, chats)
         cache = str(root / "cache")
-        tokenizer = load_tokenizer(ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
-                                   data_cfg(source="chat_synthetic", num_records=200, cache_dir=cache))
+        tokenizer = load_tokenizer(
+            ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
+            data_cfg(source="chat_synthetic", num_records=200, cache_dir=cache),
+        )
         result = {}
         for name, keys in sources.items():
             cfg = data_cfg(cache_dir=cache, **keys)

@@ -142,8 +142,15 @@ print(json.dumps({"rss": kb["Rss"] / 2**20, "pss": kb["Pss"] / 2**20,
 def ranks_sharing(overrides: list[str], env: dict[str, str], world: int, sync: Path) -> list[dict]:
     """``world`` ranks built from the warm cache at once; each one's RSS, PSS and private memory (GB)."""
     sync.mkdir(parents=True, exist_ok=True)
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_CHILD, str(r), str(world), str(sync), *overrides],
-                              cwd=ROOT, env=env, stdout=subprocess.PIPE) for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RANK_CHILD, str(r), str(world), str(sync), *overrides],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+        )
+        for r in range(world)
+    ]
     return [json.loads(p.communicate()[0].decode().strip().splitlines()[-1]) for p in procs]
 
 
@@ -213,8 +220,12 @@ def main() -> None:
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/packfsdp_data_scale"))
     parser.add_argument("--num-proc", type=int, default=2, help="workers of the datasets reference's map")
     parser.add_argument("--skip-reference", action="store_true")
-    parser.add_argument("--warm-only", type=Path, metavar="CACHE",
-                        help="only the warm run, on the data.cache_dir of an earlier run (e.g. after a code change)")
+    parser.add_argument(
+        "--warm-only",
+        type=Path,
+        metavar="CACHE",
+        help="only the warm run, on the data.cache_dir of an earlier run (e.g. after a code change)",
+    )
     parser.add_argument("overrides", nargs="*", help="extra Hydra overrides for the packfsdp runs")
     markdown_argument(parser)
     args = parser.parse_args()
@@ -239,33 +250,53 @@ def measure(args: argparse.Namespace) -> None:
 
     cache = args.warm_only or work / f"cache-{time.time_ns()}"
     env = dict(os.environ, PYTHONPATH=str(ROOT), TOKENIZERS_PARALLELISM="false")
-    overrides = ["recipe=cpu_chat_sft", "data=jsonl", f"data.path={data}", f"model.tokenizer={tok_dir}",
-                 f"data.cache_dir={cache}", "logger.peak_tflops=1", *args.overrides]
+    overrides = [
+        "recipe=cpu_chat_sft",
+        "data=jsonl",
+        f"data.path={data}",
+        f"model.tokenizer={tok_dir}",
+        f"data.cache_dir={cache}",
+        "logger.peak_tflops=1",
+        *args.overrides,
+    ]
     runs = {"packfsdp cold": (PACKFSDP_CHILD, overrides), "packfsdp warm": (PACKFSDP_CHILD, overrides)}
     if args.warm_only:
         del runs["packfsdp cold"]
     if not (args.skip_reference or args.warm_only):
         runs[f"datasets map num_proc={args.num_proc}"] = (
-            DATASETS_CHILD, [str(data), str(tok_dir), str(cache / "hf-reference"), str(args.num_proc)])
-    print(f"{'run':<24} {'examples':>9} {'tokens':>11} {'wall s':>8} {'tokens/s':>10} {'peak RSS GB':>11} "
-          f"{'tree RSS GB':>11}")
+            DATASETS_CHILD,
+            [str(data), str(tok_dir), str(cache / "hf-reference"), str(args.num_proc)],
+        )
+    print(
+        f"{'run':<24} {'examples':>9} {'tokens':>11} {'wall s':>8} {'tokens/s':>10} {'peak RSS GB':>11} "
+        f"{'tree RSS GB':>11}"
+    )
     results = {}
     for name, (code, child_args) in runs.items():
         r = results[name] = run_child(code, child_args, env)
-        print(f"{name:<24} {r['examples']:>9} {r['tokens']:>11} {r['wall_s']:>8.1f} {r['tokens'] / r['wall_s']:>10.0f} "
-              f"{r['peak_rss_gb']:>11.2f} {r['peak_tree_rss_gb']:>11.2f}", flush=True)
+        print(
+            f"{name:<24} {r['examples']:>9} {r['tokens']:>11} {r['wall_s']:>8.1f} {r['tokens'] / r['wall_s']:>10.0f} "
+            f"{r['peak_rss_gb']:>11.2f} {r['peak_tree_rss_gb']:>11.2f}",
+            flush=True,
+        )
     warm = results["packfsdp warm"]
-    print(f"warm cache: packing {warm['packed_examples']} examples into {warm['microbatches']} micro-batches "
-          f"(the epoch plan) {warm['plan_s']:.2f} s ({warm['plan_cpu_s']:.2f} s of CPU); "
-          f"process start to first micro-batch {warm['first_microbatch_s']:.1f} s "
-          f"(of which interpreter start and imports of torch/transformers/datasets {warm['imports_s']:.1f} s)")
+    print(
+        f"warm cache: packing {warm['packed_examples']} examples into {warm['microbatches']} micro-batches "
+        f"(the epoch plan) {warm['plan_s']:.2f} s ({warm['plan_cpu_s']:.2f} s of CPU); "
+        f"process start to first micro-batch {warm['first_microbatch_s']:.1f} s "
+        f"(of which interpreter start and imports of torch/transformers/datasets {warm['imports_s']:.1f} s)"
+    )
     for rank, r in enumerate([] if args.warm_only else ranks_sharing(overrides, env, 2, cache / "sync")):
-        print(f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "
-              f"private {r['private']:.2f} GB (every token page read)")
+        print(
+            f"2 ranks from the warm cache, rank {rank}: RSS {r['rss']:.2f} GB, PSS {r['pss']:.2f} GB, "
+            f"private {r['private']:.2f} GB (every token page read)"
+        )
     print(f"load average at the end {load_average()}")
-    print(textwrap.dedent(f"""\
+    print(
+        textwrap.dedent(f"""\
         peak RSS: the child's main process (VmHWM); tree RSS: the child's process tree summed
-        (sampled every 0.2 s; pages of a shared mapping count once per process). Cache: {cache}"""))
+        (sampled every 0.2 s; pages of a shared mapping count once per process). Cache: {cache}""")
+    )
 
 
 if __name__ == "__main__":

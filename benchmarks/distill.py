@@ -65,8 +65,11 @@ SEED = 1234
 
 def shape(size: str) -> dict:
     s = SIZES[size]
-    return s | dict(num_key_value_heads=max(1, s["num_attention_heads"] // 4), max_position_embeddings=4096,
-                    tie_word_embeddings=True)
+    return s | dict(
+        num_key_value_heads=max(1, s["num_attention_heads"] // 4),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -89,14 +92,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
     """The job every arm shares."""
-    return ["recipe=cpu_distill", f"data.num_records={args.records}", f"model.tokenizer_vocab_size={VOCAB}",
-            *[f"++model.random_init.{k}={v}" for k, v in shape(args.student).items()],
-            f"distill.teacher={args.teacher_dir}", f"data.cache_dir={args.teacher_dir.parent / 'distill_data'}",
-            "parallel.device=cpu", "grad_accum=1",
-            f"packing.token_budget={args.budget}", f"data.max_length={args.budget}",
-            f"max_steps={args.warmup + args.steps}", f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0",
-            "optim.warmup_steps=0", f"seed={SEED}", "logger.peak_tflops=1", "logger.progress_bar=false",
-            "logger.log_every=1000", "checkpoint.every_steps=0", "model.self_check=false"]
+    return [
+        "recipe=cpu_distill",
+        f"data.num_records={args.records}",
+        f"model.tokenizer_vocab_size={VOCAB}",
+        *[f"++model.random_init.{k}={v}" for k, v in shape(args.student).items()],
+        f"distill.teacher={args.teacher_dir}",
+        f"data.cache_dir={args.teacher_dir.parent / 'distill_data'}",
+        "parallel.device=cpu",
+        "grad_accum=1",
+        f"packing.token_budget={args.budget}",
+        f"data.max_length={args.budget}",
+        f"max_steps={args.warmup + args.steps}",
+        f"summary_skip_steps={args.warmup}",
+        "eval.holdout_fraction=0",
+        "optim.warmup_steps=0",
+        f"seed={SEED}",
+        "logger.peak_tflops=1",
+        "logger.progress_bar=false",
+        "logger.log_every=1000",
+        "checkpoint.every_steps=0",
+        "model.self_check=false",
+    ]
 
 
 def build_teacher(args: argparse.Namespace, folder: Path) -> Path:
@@ -108,11 +125,18 @@ def build_teacher(args: argparse.Namespace, folder: Path) -> Path:
 
     if (folder / "config.json").is_file():
         return folder
-    job = compose_job(["recipe=cpu_chat_sft", f"data.num_records={args.records}", f"model.tokenizer_vocab_size={VOCAB}"])
+    job = compose_job(
+        ["recipe=cpu_chat_sft", f"data.num_records={args.records}", f"model.tokenizer_vocab_size={VOCAB}"]
+    )
     tokenizer = load_tokenizer(job.model, job.data)
     torch.manual_seed(SEED)
-    config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **shape(args.teacher))
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **shape(args.teacher),
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
@@ -160,16 +184,24 @@ def worker(arm: str, args: argparse.Namespace) -> dict:
     setup_s = time.perf_counter() - start
     objective = trainer.objective
     if arm == "pass":
-        return {"pass_s": setup_s, "store_mib": sum(f.stat().st_size for f in objective.store.folder.iterdir()) / 2**20,
-                "store": str(objective.store.folder)}
+        return {
+            "pass_s": setup_s,
+            "store_mib": sum(f.stat().st_size for f in objective.store.folder.iterdir()) / 2**20,
+            "store": str(objective.store.folder),
+        }
     with RssSampler() as rss:
         summary = trainer.train()
     store = objective.store
     return {
-        "useful_tokens_per_s": summary["useful_tokens_per_s"], "step_time_s": summary["mean_step_time_s"],
-        "padding_fraction": summary["padding_fraction"], "final_loss": summary["final_loss"],
-        "teacher_mib": 0.0 if objective.teacher is None else sum(local_bytes(p) for p in objective.teacher.parameters()) / 2**20,
-        "train_rss_gib": rss.peak / 2**30, "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "useful_tokens_per_s": summary["useful_tokens_per_s"],
+        "step_time_s": summary["mean_step_time_s"],
+        "padding_fraction": summary["padding_fraction"],
+        "final_loss": summary["final_loss"],
+        "teacher_mib": 0.0
+        if objective.teacher is None
+        else sum(local_bytes(p) for p in objective.teacher.parameters()) / 2**20,
+        "train_rss_gib": rss.peak / 2**30,
+        "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
         "store_mib": 0.0 if store is None else sum(f.stat().st_size for f in store.folder.iterdir()) / 2**20,
         "setup_s": setup_s,
     }
@@ -177,14 +209,19 @@ def worker(arm: str, args: argparse.Namespace) -> dict:
 
 def table(results: dict[str, dict]) -> str:
     packed = {k.split("_", 1)[1]: r["useful_tokens_per_s"] for k, r in results.items() if k.startswith("packed_")}
-    rows = ["| arm | useful tokens/s | packed / padded | padding | ms/step | teacher held (MiB) | RSS while training "
-            "(GiB) | peak RSS (GiB) | top-k store (MiB) | setup (s) |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    rows = [
+        "| arm | useful tokens/s | packed / padded | padding | ms/step | teacher held (MiB) | RSS while training "
+        "(GiB) | peak RSS (GiB) | top-k store (MiB) | setup (s) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
     for arm, r in results.items():
         mode, teacher = arm.split("_", 1)
         ratio = f"{packed[teacher] / r['useful_tokens_per_s']:.2f}x" if mode == "padded" and teacher in packed else ""
-        rows.append(f"| `{arm}` | {r['useful_tokens_per_s']:,.0f} | {ratio} | {100 * r['padding_fraction']:.0f}% | "
-                    f"{1000 * r['step_time_s']:,.0f} | {r['teacher_mib']:.1f} | {r['train_rss_gib']:.2f} | "
-                    f"{r['peak_rss_gib']:.2f} | {r['store_mib']:.1f} | {r['setup_s']:.1f} |")
+        rows.append(
+            f"| `{arm}` | {r['useful_tokens_per_s']:,.0f} | {ratio} | {100 * r['padding_fraction']:.0f}% | "
+            f"{1000 * r['step_time_s']:,.0f} | {r['teacher_mib']:.1f} | {r['train_rss_gib']:.2f} | "
+            f"{r['peak_rss_gib']:.2f} | {r['store_mib']:.1f} | {r['setup_s']:.1f} |"
+        )
     return "\n".join(rows)
 
 
@@ -197,28 +234,43 @@ def main(argv=None) -> dict:
 
     cache = Path(os.environ.get("PACKFSDP_CACHE", "~/.cache/packfsdp")).expanduser() / "benchmarks"
     args.teacher_dir = build_teacher(args, cache / f"distill_teacher_{args.teacher}_{args.records}")
-    print(f"distill benchmark: student Qwen2 {args.student}, teacher Qwen2 {args.teacher}, {args.records} chats, "
-          f"{args.steps} timed steps after {args.warmup}, {args.threads} thread(s), ~{args.budget} tokens per step, "
-          f"torch {torch.__version__}, load average {load_average()}")
-    flags = [f"--student={args.student}", f"--teacher={args.teacher}", f"--steps={args.steps}", f"--warmup={args.warmup}",
-             f"--threads={args.threads}", f"--budget={args.budget}", f"--records={args.records}",
-             f"--teacher-dir={args.teacher_dir}"]
+    print(
+        f"distill benchmark: student Qwen2 {args.student}, teacher Qwen2 {args.teacher}, {args.records} chats, "
+        f"{args.steps} timed steps after {args.warmup}, {args.threads} thread(s), ~{args.budget} tokens per step, "
+        f"torch {torch.__version__}, load average {load_average()}"
+    )
+    flags = [
+        f"--student={args.student}",
+        f"--teacher={args.teacher}",
+        f"--steps={args.steps}",
+        f"--warmup={args.warmup}",
+        f"--threads={args.threads}",
+        f"--budget={args.budget}",
+        f"--records={args.records}",
+        f"--teacher-dir={args.teacher_dir}",
+    ]
     store = None
     if any("precompute" in arm for arm in args.arms):  # the store first, in a process of its own
         store = run_worker(Path(__file__), "pass", flags, args.threads, "passive")
         if store is not None:
-            print(f"precompute pass: {store['pass_s']:.1f} s (setup included), store {store['store_mib']:.1f} MiB "
-                  f"({store['store']})", flush=True)
+            print(
+                f"precompute pass: {store['pass_s']:.1f} s (setup included), store {store['store_mib']:.1f} MiB "
+                f"({store['store']})",
+                flush=True,
+            )
     results = {}
     for arm in args.arms:
         r = run_worker(Path(__file__), arm, flags, args.threads, "passive")
         if r is None:
             continue
         results[arm] = r
-        print(f"{arm:18s} {r['useful_tokens_per_s']:8,.0f} useful tok/s | {1000 * r['step_time_s']:7,.0f} ms/step | "
-              f"padding {100 * r['padding_fraction']:.0f}% | teacher {r['teacher_mib']:.1f} MiB | RSS while training "
-              f"{r['train_rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f}) | store {r['store_mib']:.1f} MiB | "
-              f"setup {r['setup_s']:.1f} s", flush=True)
+        print(
+            f"{arm:18s} {r['useful_tokens_per_s']:8,.0f} useful tok/s | {1000 * r['step_time_s']:7,.0f} ms/step | "
+            f"padding {100 * r['padding_fraction']:.0f}% | teacher {r['teacher_mib']:.1f} MiB | RSS while training "
+            f"{r['train_rss_gib']:.2f} GiB (peak {r['peak_rss_gib']:.2f}) | store {r['store_mib']:.1f} MiB | "
+            f"setup {r['setup_s']:.1f} s",
+            flush=True,
+        )
     print(f"load average at the end: {load_average()}")
     md = table(results)
     print(md)
@@ -226,8 +278,9 @@ def main(argv=None) -> dict:
     note = f"{args.threads} thread(s) per arm" + (f"; precompute pass {store['pass_s']:.1f} s" if store else "")
     publish(args.markdown, "benchmarks/distill.py", f"{note}\n\n{md}", argv=shown)
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "results": results},
-                                        indent=2))
+        args.json.write_text(
+            json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "results": results}, indent=2)
+        )
     return results
 
 

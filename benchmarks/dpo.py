@@ -70,8 +70,11 @@ WORDS = 400
 
 def model_shape(size: str) -> dict:
     shape = SIZES[size]
-    return shape | dict(num_key_value_heads=max(1, shape["num_attention_heads"] // 4), max_position_embeddings=4096,
-                        tie_word_embeddings=True)
+    return shape | dict(
+        num_key_value_heads=max(1, shape["num_attention_heads"] // 4),
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -83,8 +86,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--budget", type=int, default=4096, help="tokens per packed micro-batch (a pair is at most this)")
     p.add_argument("--pairs", type=int, default=PAIRS, help="pairs generated (precompute's pass covers them all)")
     p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=SYSTEMS)
-    p.add_argument("--activation-checkpointing", default="on", choices=("on", "off"),
-                   help="recompute each block's activations in backward, in every system (on: TRL's default)")
+    p.add_argument(
+        "--activation-checkpointing",
+        default="on",
+        choices=("on", "off"),
+        help="recompute each block's activations in backward, in every system (on: TRL's default)",
+    )
     markdown_argument(p)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     p.add_argument("--data", type=Path, default=None, help=argparse.SUPPRESS)
@@ -98,29 +105,60 @@ def make_pairs(path: Path, n: int = PAIRS, seed: int = SEED) -> dict:
     """Write ``n`` plain-string pairs (TRL's format) with UltraFeedback-like lengths; return length stats."""
     g = np.random.default_rng(seed)
     vocab = [f"w{chr(97 + k // 26 % 26)}{chr(97 + k % 26)}" for k in range(WORDS)]
+
     def words(k: int) -> str:
         return " " + " ".join(vocab[w] for w in g.integers(0, WORDS, k))
+
     lengths = ultrafeedback_like_pairs(n, g)
     with path.open("w") as f:
         for i in range(n):
-            f.write(json.dumps({"prompt": "Q:" + words(lengths["prompt"][i]),
-                                "chosen": words(lengths["chosen"][i]), "rejected": words(lengths["rejected"][i])}) + "\n")
+            f.write(
+                json.dumps(
+                    {
+                        "prompt": "Q:" + words(lengths["prompt"][i]),
+                        "chosen": words(lengths["chosen"][i]),
+                        "rejected": words(lengths["rejected"][i]),
+                    }
+                )
+                + "\n"
+            )
     pair = 2 * lengths["prompt"] + lengths["chosen"] + lengths["rejected"]
     return {k: int(np.median(v)) for k, v in lengths.items()} | {
-        "pair_median": int(np.median(pair)), "pair_p95": int(np.percentile(pair, 95)), "pair_max": int(pair.max())}
+        "pair_median": int(np.median(pair)),
+        "pair_p95": int(np.percentile(pair, 95)),
+        "pair_max": int(pair.max()),
+    }
 
 
 def job_overrides(args: argparse.Namespace) -> list[str]:
     """The packfsdp job every system shares (TRL reads its tokenizer and batch size from it)."""
     shape = [f"++model.random_init.{k}={v}" for k, v in model_shape(args.model).items()]
-    return ["recipe=cpu_dpo", "data.source=jsonl", f"data.path={args.data}", f"data.max_length={args.budget}",
-            f"model.tokenizer_vocab_size={VOCAB}", *shape, "parallel=fsdp_fp32",
-            "parallel.device=cpu", "grad_accum=1", f"packing.token_budget={args.budget}", f"dpo.beta={BETA}",
-            f"max_steps={args.warmup + args.steps}", f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0",
-            f"optim.lr={LR}", "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}",
-            "logger.peak_tflops=1", "logger.progress_bar=false", "logger.log_every=1000", "checkpoint.every_steps=0",
-            "model.self_check=false",
-            f"parallel.activation_checkpointing={'full' if args.activation_checkpointing == 'on' else 'none'}"]
+    return [
+        "recipe=cpu_dpo",
+        "data.source=jsonl",
+        f"data.path={args.data}",
+        f"data.max_length={args.budget}",
+        f"model.tokenizer_vocab_size={VOCAB}",
+        *shape,
+        "parallel=fsdp_fp32",
+        "parallel.device=cpu",
+        "grad_accum=1",
+        f"packing.token_budget={args.budget}",
+        f"dpo.beta={BETA}",
+        f"max_steps={args.warmup + args.steps}",
+        f"summary_skip_steps={args.warmup}",
+        "eval.holdout_fraction=0",
+        f"optim.lr={LR}",
+        "optim.warmup_steps=0",
+        "optim.min_lr_ratio=1.0",
+        f"seed={SEED}",
+        "logger.peak_tflops=1",
+        "logger.progress_bar=false",
+        "logger.log_every=1000",
+        "checkpoint.every_steps=0",
+        "model.self_check=false",
+        f"parallel.activation_checkpointing={'full' if args.activation_checkpointing == 'on' else 'none'}",
+    ]
 
 
 def compose_job(overrides: list[str]):
@@ -186,11 +224,15 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     cfg = compose_job([*job_overrides(args), f"run_dir={tempfile.mkdtemp(prefix=f'dpo-{system}-')}", *ARMS[system]])
     with SavedForBackward() as saved:
         summary = run(cfg)
-    return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "step_time_s": summary["mean_step_time_s"],
-            "useful_tokens_per_step": summary["useful_tokens_per_s"] * summary["mean_step_time_s"],
-            "peak_mem_gib": summary["peak_mem_gib"], "padding_fraction": summary["padding_fraction"],
-            "params": summary.get("model", {}).get("parameters") if isinstance(summary.get("model"), dict) else None,
-            "saved_peak_gib": saved.peak / 2**30}
+    return {
+        "useful_tokens_per_s": summary["useful_tokens_per_s"],
+        "step_time_s": summary["mean_step_time_s"],
+        "useful_tokens_per_step": summary["useful_tokens_per_s"] * summary["mean_step_time_s"],
+        "peak_mem_gib": summary["peak_mem_gib"],
+        "padding_fraction": summary["padding_fraction"],
+        "params": summary.get("model", {}).get("parameters") if isinstance(summary.get("model"), dict) else None,
+        "saved_peak_gib": saved.peak / 2**30,
+    }
 
 
 def trl_worker(system: str, args: argparse.Namespace) -> dict:
@@ -212,20 +254,41 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
     ours = load_dataset(cfg.data, tokenizer, args.budget)  # the pairs packfsdp_padded batches, for the same size
     batch_size = matched_padded_batch_size(ours.lengths, PackingConfig(token_budget=args.budget), SEED)
     torch.manual_seed(SEED)
-    config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **model_shape(args.model))
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=len(tokenizer),
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **model_shape(args.model),
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     ref = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     ref.load_state_dict(model.state_dict())
     rows = [json.loads(line) for line in args.data.read_text().splitlines()]
     steps = args.warmup + args.steps
-    dpo_args = DPOConfig(output_dir=tempfile.mkdtemp(prefix="dpo-trl-"), report_to=[], use_cpu=True, bf16=False,
-                         per_device_train_batch_size=batch_size, max_length=None, beta=BETA, loss_type=["sigmoid"],
-                         max_steps=steps, learning_rate=LR, lr_scheduler_type="constant", weight_decay=0.0,
-                         save_strategy="no", logging_steps=10**6, disable_tqdm=True, dataloader_num_workers=0,
-                         seed=SEED, gradient_checkpointing=args.activation_checkpointing == "on")
-    trainer = DPOTrainer(model=model, ref_model=ref, args=dpo_args, train_dataset=Dataset.from_list(rows),
-                         processing_class=tokenizer)
+    dpo_args = DPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="dpo-trl-"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        per_device_train_batch_size=batch_size,
+        max_length=None,
+        beta=BETA,
+        loss_type=["sigmoid"],
+        max_steps=steps,
+        learning_rate=LR,
+        lr_scheduler_type="constant",
+        weight_decay=0.0,
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+        seed=SEED,
+        gradient_checkpointing=args.activation_checkpointing == "on",
+    )
+    trainer = DPOTrainer(
+        model=model, ref_model=ref, args=dpo_args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
     # every completion token is predicted; positions: what the padded batch computes
     with SavedForBackward() as saved:
         sizes, ends = timed_train(trainer, lambda b: (int(b["completion_mask"].sum()), b["input_ids"].numel()))
@@ -233,39 +296,62 @@ def trl_worker(system: str, args: argparse.Namespace) -> dict:
     w = args.warmup
     seconds = ends[steps - 1] - ends[w - 1]
     useful = sum(counts[w:steps])
-    return {"useful_tokens_per_s": useful / seconds, "step_time_s": seconds / args.steps,
-            "useful_tokens_per_step": useful / args.steps,
-            "peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
-            "padding_fraction": 1 - sum(counts[w:steps]) / max(1, sum(positions[w:steps])),
-            "pairs_per_batch": batch_size, "params": sum(p.numel() for p in model.parameters()),
-            "saved_peak_gib": saved.peak / 2**30}
+    return {
+        "useful_tokens_per_s": useful / seconds,
+        "step_time_s": seconds / args.steps,
+        "useful_tokens_per_step": useful / args.steps,
+        "peak_mem_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+        "padding_fraction": 1 - sum(counts[w:steps]) / max(1, sum(positions[w:steps])),
+        "pairs_per_batch": batch_size,
+        "params": sum(p.numel() for p in model.parameters()),
+        "saved_peak_gib": saved.peak / 2**30,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_system(system: str, args: argparse.Namespace) -> dict | None:
-    flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-             "--budget", str(args.budget), "--model", args.model, "--data", str(args.data),
-             "--activation-checkpointing", args.activation_checkpointing]
+    flags = [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--budget",
+        str(args.budget),
+        "--model",
+        args.model,
+        "--data",
+        str(args.data),
+        "--activation-checkpointing",
+        args.activation_checkpointing,
+    ]
     start = time.perf_counter()
     result = run_worker(Path(__file__), system, flags, args.threads, "passive")
     return None if result is None else result | {"process_s": time.perf_counter() - start}
 
 
-NOTES = {"packfsdp_packed": "pairs packed whole (bfd), live frozen reference",
-         "packfsdp_padded": "packing=none: one padded row per sequence, live reference",
-         "trl_dpo": "TRL DPOTrainer (padded: its default), ref_model a frozen copy",
-         "packfsdp_precompute": "packed, dpo.reference=precompute (one model in memory)"}
+NOTES = {
+    "packfsdp_packed": "pairs packed whole (bfd), live frozen reference",
+    "packfsdp_padded": "packing=none: one padded row per sequence, live reference",
+    "trl_dpo": "TRL DPOTrainer (padded: its default), ref_model a frozen copy",
+    "packfsdp_precompute": "packed, dpo.reference=precompute (one model in memory)",
+}
 
 
 def table(results: dict[str, dict]) -> str:
     packed = results.get("packfsdp_packed", {}).get("useful_tokens_per_s")
-    lines = ["| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) "
-             "| saved for backward (GiB) | what |",
-             "|---|---:|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "| system | useful tokens/s | packed / this | padding | ms/step | peak memory (GiB) "
+        "| saved for backward (GiB) | what |",
+        "|---|---:|---:|---:|---:|---:|---:|---|",
+    ]
     for name, r in results.items():
         ratio = f"{packed / r['useful_tokens_per_s']:.2f}x" if packed else "-"
-        lines.append(f"| `{name}` | {r['useful_tokens_per_s']:,.0f} | {ratio} | {100 * r['padding_fraction']:.0f}% | "
-                     f"{1000 * r['step_time_s']:,.0f} | {r['peak_mem_gib']:.2f} | {r['saved_peak_gib']:.2f} | {NOTES[name]} |")
+        lines.append(
+            f"| `{name}` | {r['useful_tokens_per_s']:,.0f} | {ratio} | {100 * r['padding_fraction']:.0f}% | "
+            f"{1000 * r['step_time_s']:,.0f} | {r['peak_mem_gib']:.2f} | {r['saved_peak_gib']:.2f} | {NOTES[name]} |"
+        )
     return "\n".join(lines)
 
 
@@ -281,22 +367,29 @@ def main(argv=None) -> dict:
     data_dir.mkdir(parents=True, exist_ok=True)
     args.data = data_dir / f"dpo_pairs_{SEED}_{args.pairs}.jsonl"
     stats = make_pairs(args.data, args.pairs)
-    print(f"dpo benchmark: Qwen2 {args.model} (fp32), {args.steps} timed steps after {args.warmup}, {args.threads} "
-          f"thread(s), ~{args.budget} tokens per step, activation checkpointing {args.activation_checkpointing}, "
-          f"torch {torch.__version__}, load average {load_average()}")
-    print(f"pairs: {args.pairs}, median tokens prompt {stats['prompt']} / chosen {stats['chosen']} / rejected "
-          f"{stats['rejected']}; pair (prompt twice) median {stats['pair_median']}, p95 {stats['pair_p95']}, "
-          f"max {stats['pair_max']}")
+    print(
+        f"dpo benchmark: Qwen2 {args.model} (fp32), {args.steps} timed steps after {args.warmup}, {args.threads} "
+        f"thread(s), ~{args.budget} tokens per step, activation checkpointing {args.activation_checkpointing}, "
+        f"torch {torch.__version__}, load average {load_average()}"
+    )
+    print(
+        f"pairs: {args.pairs}, median tokens prompt {stats['prompt']} / chosen {stats['chosen']} / rejected "
+        f"{stats['rejected']}; pair (prompt twice) median {stats['pair_median']}, p95 {stats['pair_p95']}, "
+        f"max {stats['pair_max']}"
+    )
     results = {}
     for system in args.systems:
         r = run_system(system, args)
         if r is None:
             continue
         results[system] = r
-        print(f"{system:20s} {r['useful_tokens_per_s']:8,.0f} useful tok/s | {r['useful_tokens_per_step']:6.0f} "
-              f"useful tok/step | {1000 * r['step_time_s']:7,.0f} ms/step | peak {r['peak_mem_gib']:.2f} GiB | "
-              f"saved for backward {r['saved_peak_gib']:.2f} GiB | "
-              f"padding {100 * r['padding_fraction']:.0f}% | process {r['process_s']:.0f} s", flush=True)
+        print(
+            f"{system:20s} {r['useful_tokens_per_s']:8,.0f} useful tok/s | {r['useful_tokens_per_step']:6.0f} "
+            f"useful tok/step | {1000 * r['step_time_s']:7,.0f} ms/step | peak {r['peak_mem_gib']:.2f} GiB | "
+            f"saved for backward {r['saved_peak_gib']:.2f} GiB | "
+            f"padding {100 * r['padding_fraction']:.0f}% | process {r['process_s']:.0f} s",
+            flush=True,
+        )
     print(f"load average at the end: {load_average()}")
     for name, r in results.items():
         if name != "packfsdp_packed" and "packfsdp_packed" in results:
@@ -310,8 +403,11 @@ def main(argv=None) -> dict:
     title = f"benchmarks/dpo.py --model {args.model} --activation-checkpointing {args.activation_checkpointing}"
     publish(args.markdown, title, md, args.threads, argv)
     if args.json:
-        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "pairs": stats,
-                                         "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"settings": {k: str(v) for k, v in vars(args).items()}, "pairs": stats, "results": results}, indent=2
+            )
+        )
     return results
 
 

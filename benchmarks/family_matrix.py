@@ -127,8 +127,11 @@ def markdown(rows: list[tuple[str, str, str]]) -> str:
         if reason:
             by_reason[f"{kind}: {reason}"].append(family)
     lines = ["| verdict | count | families |", "|---|---|---|"]
-    lines += [f"| {kind} | {len(by_kind[kind])} | {', '.join(by_kind[kind])} |" for kind in
-              ("exact", "refused", "skipped", "untested") if by_kind[kind]]
+    lines += [
+        f"| {kind} | {len(by_kind[kind])} | {', '.join(by_kind[kind])} |"
+        for kind in ("exact", "refused", "skipped", "untested")
+        if by_kind[kind]
+    ]
     lines += ["", "| why | families |", "|---|---|"]
     lines += [f"| {reason} | {', '.join(names)} |" for reason, names in sorted(by_reason.items())]
     return "\n".join(lines)
@@ -149,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
         families = [f for f in families if verdict(f).kind == "exact"]
     rows, records, mismatches = [], [], 0
     start = time.monotonic()
-    print(f"transformers {transformers.__version__} (table probed with {TESTED_WITH}): {len(families)} families",
-          file=sys.stderr)
+    print(
+        f"transformers {transformers.__version__} (table probed with {TESTED_WITH}): {len(families)} families",
+        file=sys.stderr,
+    )
     probed = probe_many(families, args.timeout, args.jobs) if args.probe else ((f, None, 0.0) for f in families)
     for family, result, seconds in probed:
         v = verdict(family)

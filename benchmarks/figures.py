@@ -54,8 +54,13 @@ def captured() -> Iterator[Tee]:
 
 def markdown_argument(parser) -> None:
     """The ``--markdown FILE`` option every benchmark that measures a docs table takes."""
-    parser.add_argument("--markdown", type=Path, default=None, metavar="FILE",
-                        help="also write the figures as this benchmark's section of FILE (docs/figures/PAGE.md)")
+    parser.add_argument(
+        "--markdown",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="also write the figures as this benchmark's section of FILE (docs/figures/PAGE.md)",
+    )
 
 
 def load_average() -> str:
@@ -76,8 +81,10 @@ def conditions(threads: int | None = None) -> str:
     m, v = machine(), versions()
     flags = " ".join(m["cpu_flags"]) or "none of avx2 avx512f avx512_bf16 amx_bf16"
     threads_part = f", {threads} thread(s)" if threads else ""
-    return (f"{m['cpu']}, flags {flags}, {m['cores']} cores{threads_part}, load average {load_average()}; "
-            f"python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, commit {v['git_commit']}")
+    return (
+        f"{m['cpu']}, flags {flags}, {m['cores']} cores{threads_part}, load average {load_average()}; "
+        f"python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, commit {v['git_commit']}"
+    )
 
 
 def command_line(script: str, argv: list[str]) -> str:
@@ -104,9 +111,11 @@ def section_text(title: str, command: str, body: str, threads: int | None = None
 
 def header(path: Path) -> str:
     """The first lines of a new figures file: whose figures they are and how they are made."""
-    return (f"# Figures of [{path.stem}.md](../{path.stem}.md)\n\n"
-            "Written by the commands each section names (`--markdown` this file); a re-measurement replaces its "
-            "section.\n")
+    return (
+        f"# Figures of [{path.stem}.md](../{path.stem}.md)\n\n"
+        "Written by the commands each section names (`--markdown` this file); a re-measurement replaces its "
+        "section.\n"
+    )
 
 
 def replace_section(text: str, title: str, section: str) -> str:
@@ -118,8 +127,14 @@ def replace_section(text: str, title: str, section: str) -> str:
     return text.rstrip() + "\n\n" + section
 
 
-def publish(path: Path | None, title: str, body: str, threads: int | None = None, argv: list[str] | None = None,
-            script: str | None = None) -> None:
+def publish(
+    path: Path | None,
+    title: str,
+    body: str,
+    threads: int | None = None,
+    argv: list[str] | None = None,
+    script: str | None = None,
+) -> None:
     """Write ``body`` (a markdown table, or lines of a benchmark's output) as the section ``title`` of the
     figures file ``path`` (nothing when ``path`` is None), headed by the command and its conditions."""
     if path is None:

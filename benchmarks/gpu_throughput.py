@@ -40,12 +40,30 @@ from trainer.packing import build_sampler
 
 MODELS = {
     "gpt2": dict(model_type="gpt2", vocab_size=50257, n_positions=1024, attn_pdrop=0.0),  # GPT-2 124M
-    "qwen2.5-0.5b": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                         num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                         max_position_embeddings=32768, rms_norm_eps=1e-6, tie_word_embeddings=True,
-                         attention_dropout=0.0),  # Qwen2.5-0.5B's shape (494M), random init
-    "tiny": dict(model_type="gpt2", vocab_size=512, n_positions=1024, attn_pdrop=0.0, n_layer=2, n_embd=64, n_head=4,
-                 bos_token_id=0, eos_token_id=0),  # plumbing checks on CPU
+    "qwen2.5-0.5b": dict(
+        model_type="qwen2",
+        vocab_size=151936,
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        max_position_embeddings=32768,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        attention_dropout=0.0,
+    ),  # Qwen2.5-0.5B's shape (494M), random init
+    "tiny": dict(
+        model_type="gpt2",
+        vocab_size=512,
+        n_positions=1024,
+        attn_pdrop=0.0,
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        bos_token_id=0,
+        eos_token_id=0,
+    ),  # plumbing checks on CPU
 }
 MAX_EXAMPLE_LENGTH = 1024
 """GPT-2's context: the trainer clamps examples to it (and to the budget)."""
@@ -61,7 +79,9 @@ def sample_microbatches(lengths: np.ndarray, strategy: str, budget: int, count: 
     ``packing.strategy=strategy`` and ``packing.token_budget=budget`` trains on: the training sampler's
     shuffled epoch plan (``trainer.packing.build_sampler``), which also matches a padded strategy's batch
     size to the packed run."""
-    sampler = build_sampler(lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=budget), 0, 1, seed)
+    sampler = build_sampler(
+        lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=budget), 0, 1, seed
+    )
     return [sampler.next_microbatch()[1] for _ in range(count)]
 
 
@@ -106,8 +126,7 @@ def run(model, batches, steps: int, warmup: int, device: torch.device) -> dict:
             start = time.perf_counter()
         inputs, labels, n_useful, n_pos = batches[step % len(batches)]
         logits = model(**inputs)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(),
-                               ignore_index=IGNORE_INDEX)
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -117,8 +136,13 @@ def run(model, batches, steps: int, warmup: int, device: torch.device) -> dict:
     synchronize(device)
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
-    return {"useful_tok_s": useful / elapsed, "positions": positions, "useful": useful,
-            "peak_gib": peak, "step_ms": 1000 * elapsed / steps}
+    return {
+        "useful_tok_s": useful / elapsed,
+        "positions": positions,
+        "useful": useful,
+        "peak_gib": peak,
+        "step_ms": 1000 * elapsed / steps,
+    }
 
 
 def run_isolated(cases: dict[str, Callable[[], dict]]) -> dict[str, dict]:
@@ -148,8 +172,10 @@ def format_results(results: dict[str, dict], reference: str) -> list[str]:
         pad = 1 - r["useful"] / r["positions"]
         ratio = f"x{r['useful_tok_s'] / ref:5.2f} vs padded" if ref else "(no padded reference)"
         peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "n/a"
-        lines.append(f"  {label:<24} useful tok/s {r['useful_tok_s']:>10,.0f}  {ratio} | step "
-                     f"{r['step_ms']:7.1f} ms | non-label positions {100 * pad:4.1f}% | peak {peak}")
+        lines.append(
+            f"  {label:<24} useful tok/s {r['useful_tok_s']:>10,.0f}  {ratio} | step "
+            f"{r['step_ms']:7.1f} ms | non-label positions {100 * pad:4.1f}% | peak {peak}"
+        )
     return lines
 
 
@@ -159,8 +185,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--backends", nargs="+", default=["auto", "sdpa_varlen"])
-    parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
-                        help="cpu: a plumbing check (float32), its figures mean nothing")
+    parser.add_argument(
+        "--device",
+        choices=["cuda", "cpu"],
+        default="cuda",
+        help="cpu: a plumbing check (float32), its figures mean nothing",
+    )
     parser.add_argument("--model", choices=list(MODELS), default="gpt2")
     parser.add_argument("--examples", type=int, default=20000)
     parser.add_argument("--json", type=Path, help="also write the results (errors included) here")
@@ -179,8 +209,10 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     lengths = make_lengths(args.examples, min(MAX_EXAMPLE_LENGTH, args.budget), seed=0)
     n = args.warmup + args.steps
     gen = torch.Generator().manual_seed(0)
-    packed = [packed_batch(lengths, b, device, gen, spec["vocab_size"])
-              for b in sample_microbatches(lengths, "bfd", args.budget, n, seed=0)]
+    packed = [
+        packed_batch(lengths, b, device, gen, spec["vocab_size"])
+        for b in sample_microbatches(lengths, "bfd", args.budget, n, seed=0)
+    ]
     padded_bins = sample_microbatches(lengths, "none", args.budget, n, seed=0)
     padded = [padded_batch(lengths, b, device, gen, spec["vocab_size"]) for b in padded_bins]
 
@@ -189,24 +221,32 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
     base = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=dtype).to(device)
     base.config.use_cache = False
     device_name = torch.cuda.get_device_name() if device.type == "cuda" else "CPU"
-    print(f"{device_name} | {args.model} {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M random init, "
-          f"{dtype} | budget {args.budget}, {len(padded_bins[0])} examples per padded micro-batch, {args.steps} steps")
+    print(
+        f"{device_name} | {args.model} {sum(p.numel() for p in base.parameters()) / 1e6:.1f}M random init, "
+        f"{dtype} | budget {args.budget}, {len(padded_bins[0])} examples per padded micro-batch, {args.steps} steps"
+    )
 
     def packed_case(name: str) -> Callable[[], dict]:
         def measure() -> dict:
             backend = resolve_backend(name, device, dtype)
-            return {"backend": backend.name} | run(VarlenCausalLM(base, backend), packed, args.steps,
-                                                   args.warmup, device)
+            return {"backend": backend.name} | run(
+                VarlenCausalLM(base, backend), packed, args.steps, args.warmup, device
+            )
+
         return measure
 
     cases = {f"packed {name}": packed_case(name) for name in args.backends}
-    cases["padded sdpa"] = lambda: run(VarlenCausalLM(base, resolve_backend("sdpa_varlen", device)), padded,
-                                       args.steps, args.warmup, device)
+    cases["padded sdpa"] = lambda: run(
+        VarlenCausalLM(base, resolve_backend("sdpa_varlen", device)), padded, args.steps, args.warmup, device
+    )
     results = run_isolated(cases)
     print("\n".join(format_results(results, "padded sdpa")))
     if args.json:
-        args.json.write_text(json.dumps({"device": device_name, "args": vars(args) | {"json": str(args.json)},
-                                         "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"device": device_name, "args": vars(args) | {"json": str(args.json)}, "results": results}, indent=2
+            )
+        )
     return results
 
 

@@ -43,15 +43,32 @@ from trainer.packing.workloads import WORKLOADS
 VOCAB = 2048
 SHAPES = {
     "qwen3_next": dict(
-        hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-        head_dim=64, layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
-        mlp_only_layers=list(range(8)), linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=64,
+        hidden_size=512,
+        intermediate_size=1408,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        head_dim=64,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] + ["linear_attention"] * 3 + ["full_attention"],
+        mlp_only_layers=list(range(8)),
+        linear_num_key_heads=4,
+        linear_num_value_heads=8,
+        linear_key_head_dim=64,
         linear_value_head_dim=64,
     ),
     "nemotron_h": dict(
-        hidden_size=768, intermediate_size=2304, num_hidden_layers=8, num_attention_heads=12, num_key_value_heads=4,
-        head_dim=64, layers_block_type=["mamba", "mlp", "mamba", "attention", "mamba", "mlp", "mamba", "mlp"],
-        mamba_num_heads=24, mamba_head_dim=64, ssm_state_size=64, n_groups=1, chunk_size=128,
+        hidden_size=768,
+        intermediate_size=2304,
+        num_hidden_layers=8,
+        num_attention_heads=12,
+        num_key_value_heads=4,
+        head_dim=64,
+        layers_block_type=["mamba", "mlp", "mamba", "attention", "mamba", "mlp", "mamba", "mlp"],
+        mamba_num_heads=24,
+        mamba_head_dim=64,
+        ssm_state_size=64,
+        n_groups=1,
+        chunk_size=128,
     ),
 }
 
@@ -59,8 +76,14 @@ SHAPES = {
 def build(family: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(family, vocab_size=VOCAB, max_position_embeddings=8192, pad_token_id=0,
-                                      tie_word_embeddings=False, **SHAPES[family])
+        config = AutoConfig.for_model(
+            family,
+            vocab_size=VOCAB,
+            max_position_embeddings=8192,
+            pad_token_id=0,
+            tie_word_embeddings=False,
+            **SHAPES[family],
+        )
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     backend = resolve_backend("auto", torch.device("cpu"), torch.float32, AttentionNeeds.of(config))
@@ -72,9 +95,14 @@ def build(family: str):
 def packed_batch(tokens: list[torch.Tensor]) -> Batch:
     cu = torch.tensor([0, *np.cumsum([len(t) for t in tokens])], dtype=torch.int32)
     labels = torch.cat([torch.cat([torch.tensor([IGNORE_INDEX]), t[1:]]) for t in tokens])[None]
-    return Batch(input_ids=torch.cat(tokens)[None], labels=labels,
-                 position_ids=torch.cat([torch.arange(len(t)) for t in tokens])[None], cu_seqlens=cu,
-                 max_seqlen=max(len(t) for t in tokens), num_examples=len(tokens))
+    return Batch(
+        input_ids=torch.cat(tokens)[None],
+        labels=labels,
+        position_ids=torch.cat([torch.arange(len(t)) for t in tokens])[None],
+        cu_seqlens=cu,
+        max_seqlen=max(len(t) for t in tokens),
+        num_examples=len(tokens),
+    )
 
 
 def padded_batch(tokens: list[torch.Tensor]) -> Batch:
@@ -84,8 +112,13 @@ def padded_batch(tokens: list[torch.Tensor]) -> Batch:
     mask = torch.zeros(len(tokens), width, dtype=torch.long)
     for i, t in enumerate(tokens):
         ids[i, : len(t)], labels[i, 1 : len(t)], mask[i, : len(t)] = t, t[1:], 1
-    return Batch(input_ids=ids, labels=labels, position_ids=torch.arange(width).expand(len(tokens), -1).clone(),
-                 attention_mask=mask, num_examples=len(tokens))
+    return Batch(
+        input_ids=ids,
+        labels=labels,
+        position_ids=torch.arange(width).expand(len(tokens), -1).clone(),
+        attention_mask=mask,
+        num_examples=len(tokens),
+    )
 
 
 def batches(lengths: np.ndarray, budget: int, n_bins: int, seed: int):
@@ -107,6 +140,7 @@ def step_pass(model, micro_batches: list[Batch]):
     def run():
         for b in micro_batches:
             model(**b.model_inputs(), labels=b.labels).backward()
+
     return run
 
 
@@ -136,10 +170,14 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     model = build(args.family)
     params = sum(p.numel() for p in model.parameters()) / 1e6
-    print(f"torch {torch.__version__}, {args.threads} thread(s) | {args.family}-shaped, {params:.1f}M parameters | "
-          f"budget {args.budget}, {args.bins} packed micro-batches, median of {args.reps}")
-    header = (f"{'workload':>16} | {'useful':>7} {'pad %':>5} | {'one by one':>10} {'padded':>8} {'packed':>8} | "
-              f"{'packed/padded':>13}")
+    print(
+        f"torch {torch.__version__}, {args.threads} thread(s) | {args.family}-shaped, {params:.1f}M parameters | "
+        f"budget {args.budget}, {args.bins} packed micro-batches, median of {args.reps}"
+    )
+    header = (
+        f"{'workload':>16} | {'useful':>7} {'pad %':>5} | {'one by one':>10} {'padded':>8} {'packed':>8} | "
+        f"{'packed/padded':>13}"
+    )
     print(header + "\n" + "-" * len(header), flush=True)
     for name, draw in WORKLOADS.items():
         lengths = np.minimum(draw(args.examples, seed=1), args.budget)
@@ -148,8 +186,11 @@ def main() -> None:
         pad = 1 - sum(int(b.attention_mask.sum()) for b in padded) / sum(b.attention_mask.numel() for b in padded)
         seconds = median_times([step_pass(model, x) for x in (alone, padded, packed)], args.reps)
         rates = [useful / s for s in seconds]
-        print(f"{name:>16} | {useful:>7} {100 * pad:>5.1f} | {rates[0]:>10,.0f} {rates[1]:>8,.0f} {rates[2]:>8,.0f} | "
-              f"{rates[2] / rates[1]:>13.2f}", flush=True)
+        print(
+            f"{name:>16} | {useful:>7} {100 * pad:>5.1f} | {rates[0]:>10,.0f} {rates[1]:>8,.0f} {rates[2]:>8,.0f} | "
+            f"{rates[2] / rates[1]:>13.2f}",
+            flush=True,
+        )
     print("useful tokens per CPU second, forward + backward")
 
 

@@ -38,8 +38,17 @@ def sigterm_bpe(folder: Path) -> None:
     letters = "abcdefghij klmnop qrstuvwxyz"
     data = folder / "bpe.jsonl"
     data.write_text("".join(json.dumps({"text": "".join(rng.choices(letters, k=2_000_000))}) + "\n" for _ in range(3)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *TRAIN,
-           f"data.path={data}", "max_steps=2", f"run_dir={folder / 'run'}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        *TRAIN,
+        f"data.path={data}",
+        "max_steps=2",
+        f"run_dir={folder / 'run'}",
+    ]
     proc = subprocess.Popen(cmd, env=env(folder / "cache"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     sent = None
     for line in proc.stdout:
@@ -78,8 +87,10 @@ def many_files(folder: Path, files: int) -> None:
     data = folder / "shards"
     data.mkdir()
     for i in range(files):
-        chat = [{"role": "user", "content": f"question {i} about things"},
-                {"role": "assistant", "content": f"answer {i} with words"}]
+        chat = [
+            {"role": "user", "content": f"question {i} about things"},
+            {"role": "assistant", "content": f"answer {i} with words"},
+        ]
         (data / f"part{i:05d}.jsonl").write_text(json.dumps({"messages": chat}) + "\n")
     timed_run(folder, data)
 

@@ -32,20 +32,44 @@ from benchmarks.figures import captured, markdown_argument, publish
 REPO = Path(__file__).resolve().parents[1]
 SIZES = {
     "recipe": [],
-    "wide": ["++model.random_init.hidden_size=256", "++model.random_init.intermediate_size=512",
-             "++model.random_init.num_hidden_layers=4", "++model.random_init.num_attention_heads=4",
-             "++model.random_init.num_key_value_heads=2", "parallel.param_dtype=float32"],
+    "wide": [
+        "++model.random_init.hidden_size=256",
+        "++model.random_init.intermediate_size=512",
+        "++model.random_init.num_hidden_layers=4",
+        "++model.random_init.num_attention_heads=4",
+        "++model.random_init.num_key_value_heads=2",
+        "parallel.param_dtype=float32",
+    ],
 }
 MODES = {"full": ["peft=none"], "lora": []}
-QUICK = ["data.limit=400", "data.num_records=400", "optim.warmup_steps=1", "logger.peak_tflops=1",
-         "logger.progress_bar=false", "checkpoint.at_end=false", "eval.holdout_fraction=0"]
+QUICK = [
+    "data.limit=400",
+    "data.num_records=400",
+    "optim.warmup_steps=1",
+    "logger.peak_tflops=1",
+    "logger.progress_bar=false",
+    "checkpoint.at_end=false",
+    "eval.holdout_fraction=0",
+]
 
 
 def run(size: str, mode: str, steps: int, nproc: int, root: Path) -> dict:
     run_dir = root / f"{size}-{mode}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "trainer.train", "recipe=cpu_chat_lora", f"max_steps={steps}", f"run_dir={run_dir}",
-           *QUICK, *SIZES[size], *MODES[mode]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "trainer.train",
+        "recipe=cpu_chat_lora",
+        f"max_steps={steps}",
+        f"run_dir={run_dir}",
+        *QUICK,
+        *SIZES[size],
+        *MODES[mode],
+    ]
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -55,7 +79,8 @@ def run(size: str, mode: str, steps: int, nproc: int, root: Path) -> dict:
     params = int(trainable.group(2)) if trainable else summary["model_params"]
     trainable_params = int(trainable.group(1)) if trainable else params
     return {
-        "size": size, "mode": mode,
+        "size": size,
+        "mode": mode,
         "params": params,
         "trainable_params": trainable_params,
         # fp32 weights, plus a gradient and AdamW's two moments per trainable weight (all ranks together)
@@ -75,15 +100,18 @@ def main() -> None:
     markdown_argument(parser)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        rows = [run(size, mode, args.steps, args.nproc, Path(tmp))
-                for size in args.sizes.split(",") for mode in MODES]
+        rows = [run(size, mode, args.steps, args.nproc, Path(tmp)) for size in args.sizes.split(",") for mode in MODES]
     with captured() as table:
-        print("| model | mode | trainable / all params | useful tokens/s | peak memory (GiB, per rank) | "
-              "weights + grads + AdamW (MiB, computed) |")
+        print(
+            "| model | mode | trainable / all params | useful tokens/s | peak memory (GiB, per rank) | "
+            "weights + grads + AdamW (MiB, computed) |"
+        )
         print("|---|---|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {r['size']} | {r['mode']} | {r['trainable_params']:,} / {r['params']:,} | "
-                  f"{r['useful_tokens_per_s']:.0f} | {r['peak_mem_gib']:.3f} | {r['state_mib']:.1f} |")
+            print(
+                f"| {r['size']} | {r['mode']} | {r['trainable_params']:,} / {r['params']:,} | "
+                f"{r['useful_tokens_per_s']:.0f} | {r['peak_mem_gib']:.3f} | {r['state_mib']:.1f} |"
+            )
     publish(args.markdown, "benchmarks/lora_memory.py", table.text())
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

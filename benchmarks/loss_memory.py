@@ -32,8 +32,15 @@ sys.path.insert(0, str(REPO))
 from benchmarks.figures import captured, markdown_argument, publish  # noqa: E402
 
 QWEN25_VOCAB = 151_936
-MODEL = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, max_position_embeddings=8192, tie_word_embeddings=True)
+MODEL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=8192,
+    tie_word_embeddings=True,
+)
 GIB = 2**30
 
 
@@ -72,8 +79,10 @@ def worker(args: argparse.Namespace) -> dict:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     config = AutoConfig.for_model("qwen2", vocab_size=args.vocab, **MODEL)
-    model = VarlenCausalLM(AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"),
-                           resolve_backend("sdpa_varlen", torch.device("cpu")))
+    model = VarlenCausalLM(
+        AutoModelForCausalLM.from_config(config, attn_implementation="sdpa"),
+        resolve_backend("sdpa_varlen", torch.device("cpu")),
+    )
     line = model.use_loss(args.worker)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     length = args.budget // args.examples
@@ -83,7 +92,11 @@ def worker(args: argparse.Namespace) -> dict:
     labels[0, cu[:-1].long()] = -100  # each example's first token has no label
     batch = Batch(ids, labels, torch.arange(length).repeat(args.examples)[None], cu, length)
     for p in model.parameters():  # AdamW's state exists from the first step: allocate it up front
-        optimizer.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        optimizer.state[p] = {
+            "step": torch.tensor(0.0),
+            "exp_avg": torch.zeros_like(p),
+            "exp_avg_sq": torch.zeros_like(p),
+        }
     before = current_rss_bytes()
     start = time.perf_counter()
     loss = summed_token_loss(model, batch)
@@ -91,8 +104,14 @@ def worker(args: argparse.Namespace) -> dict:
     optimizer.step()
     seconds = time.perf_counter() - start
     peak = rss_peak_bytes()
-    return {"impl": line, "peak_rss_gib": peak / GIB, "before_step_gib": before / GIB,
-            "step_gib": (peak - before) / GIB, "loss": float(loss), "step_s": seconds}
+    return {
+        "impl": line,
+        "peak_rss_gib": peak / GIB,
+        "before_step_gib": before / GIB,
+        "step_gib": (peak - before) / GIB,
+        "loss": float(loss),
+        "step_s": seconds,
+    }
 
 
 def main(argv=None) -> dict:
@@ -101,30 +120,54 @@ def main(argv=None) -> dict:
         print(json.dumps(worker(args)))
         return {}
     with captured() as out:
-        print(f"loss memory: tiny Qwen2 (2 layers, width 64), vocab {args.vocab:,}, {args.budget:,} tokens, fp32 CPU, "
-              f"one training step per process")
+        print(
+            f"loss memory: tiny Qwen2 (2 layers, width 64), vocab {args.vocab:,}, {args.budget:,} tokens, fp32 CPU, "
+            f"one training step per process"
+        )
         results = {}
         for impl in args.impls:
-            cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", impl, "--budget", str(args.budget),
-                   "--vocab", str(args.vocab), "--examples", str(args.examples), "--threads", str(args.threads)]
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--worker",
+                impl,
+                "--budget",
+                str(args.budget),
+                "--vocab",
+                str(args.vocab),
+                "--examples",
+                str(args.examples),
+                "--threads",
+                str(args.threads),
+            ]
             env = os.environ | {"OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
             proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
             if proc.returncode != 0:
                 print(f"{impl:8s} FAILED (exit {proc.returncode}; killed for memory if -9):\n{proc.stderr[-2000:]}")
                 continue
             r = results[impl] = json.loads(proc.stdout.strip().splitlines()[-1])
-            print(f"{r['impl']:16s} peak RSS {r['peak_rss_gib']:6.2f} GiB | "
-                  f"before the step {r['before_step_gib']:5.2f} GiB | the step's own {r['step_gib']:6.2f} GiB | "
-                  f"{r['step_s']:5.1f} s | loss {r['loss']:.1f}", flush=True)
+            print(
+                f"{r['impl']:16s} peak RSS {r['peak_rss_gib']:6.2f} GiB | "
+                f"before the step {r['before_step_gib']:5.2f} GiB | the step's own {r['step_gib']:6.2f} GiB | "
+                f"{r['step_s']:5.1f} s | loss {r['loss']:.1f}",
+                flush=True,
+            )
         if {"naive", "chunked"} <= results.keys():
             naive, chunked = results["naive"], results["chunked"]
             ratio = chunked["peak_rss_gib"] / naive["peak_rss_gib"]
-            print(f"chunked / naive peak RSS: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'}) | "
-                  f"the step's own memory: {chunked['step_gib'] / naive['step_gib']:.3f} | "
-                  f"same loss: {abs(chunked['loss'] - naive['loss']) <= 1e-5 * abs(naive['loss'])}")
+            print(
+                f"chunked / naive peak RSS: {ratio:.3f} (goal <= 0.25: {'met' if ratio <= 0.25 else 'NOT met'}) | "
+                f"the step's own memory: {chunked['step_gib'] / naive['step_gib']:.3f} | "
+                f"same loss: {abs(chunked['loss'] - naive['loss']) <= 1e-5 * abs(naive['loss'])}"
+            )
     publish(args.markdown, "benchmarks/loss_memory.py", out.block(), args.threads, argv)
     if args.json:
-        args.json.write_text(json.dumps({"settings": vars(args) | {"json": str(args.json), "markdown": str(args.markdown)}, "results": results}, indent=2))
+        args.json.write_text(
+            json.dumps(
+                {"settings": vars(args) | {"json": str(args.json), "markdown": str(args.markdown)}, "results": results},
+                indent=2,
+            )
+        )
     return results
 
 

@@ -90,10 +90,14 @@ def measure(args: argparse.Namespace) -> None:
 
     for workload in args.workloads.split(","):
         raw = WORKLOADS[workload](args.n, args.seed)
-        print(f"\n{workload}: mean {raw.mean():.1f}, p50 {np.median(raw):.0f}, p99 {np.percentile(raw, 99):.0f}, "
-              f"max {raw.max()} tokens")
-        print(f"  {'budget':>6} {'strategy':<10} {'seconds':>8} {'bins':>9} {'bound':>9} {'fill':>8} "
-              f"{'vs bound':>9} {'pad overh.':>10}")
+        print(
+            f"\n{workload}: mean {raw.mean():.1f}, p50 {np.median(raw):.0f}, p99 {np.percentile(raw, 99):.0f}, "
+            f"max {raw.max()} tokens"
+        )
+        print(
+            f"  {'budget':>6} {'strategy':<10} {'seconds':>8} {'bins':>9} {'bound':>9} {'fill':>8} "
+            f"{'vs bound':>9} {'pad overh.':>10}"
+        )
         for budget in (int(b) for b in args.budgets.split(",")):
             clipped = np.minimum(raw, budget)
             results = {}
@@ -101,21 +105,27 @@ def measure(args: argparse.Namespace) -> None:
                 lengths = raw if name in ("bfd_split", "wrapped") else clipped
                 params = PackParams(budget, batch_size=max(1, round(budget / clipped.mean())))
                 seconds, result = best_time(
-                    lambda lengths=lengths, name=name, params=params: pack(lengths, name, params, np.random.default_rng(0)),
+                    lambda lengths=lengths, name=name, params=params: pack(
+                        lengths, name, params, np.random.default_rng(0)
+                    ),
                     args.repeat,
                 )
                 s = result.stats
                 results[name] = seconds
                 fill = "-" if name in ("none", "sorted") else f"{100 * s.fill:.2f}%"
                 bound = "-" if name in ("none", "sorted") else f"{100 * s.efficiency:.2f}%"
-                print(f"  {budget:>6} {name:<10} {seconds:>8.3f} {s.bins:>9} {s.lower_bound:>9} {fill:>8} {bound:>9} "
-                      f"{100 * s.padding_overhead:>9.1f}%")
+                print(
+                    f"  {budget:>6} {name:<10} {seconds:>8.3f} {s.bins:>9} {s.lower_bound:>9} {fill:>8} {bound:>9} "
+                    f"{100 * s.padding_overhead:>9.1f}%"
+                )
             if have_trl:
                 lower = math.ceil(int(clipped.sum()) / budget)
                 for label, window in (("trl bfd (map batches of 1000)", 1000), ("trl bfd (whole dataset)", None)):
                     seconds, rows = trl_pack(clipped, budget, window)
-                    print(f"  {budget:>6} {label:<30} {seconds:8.3f}s {rows:>9} bins, vs bound {100 * lower / rows:.2f}% "
-                          f"| packfsdp bfd is {seconds / results['bfd']:.1f}x faster")
+                    print(
+                        f"  {budget:>6} {label:<30} {seconds:8.3f}s {rows:>9} bins, vs bound {100 * lower / rows:.2f}% "
+                        f"| packfsdp bfd is {seconds / results['bfd']:.1f}x faster"
+                    )
 
 
 if __name__ == "__main__":

@@ -96,11 +96,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=20, help="timed optimizer steps per system")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps first")
     p.add_argument("--threads", type=int, default=2, help="torch CPU threads for every system")
-    p.add_argument("--omp-wait-policy", default="passive", choices=["passive", "active"],
-                   help="OMP_WAIT_POLICY of every system (see the docstring)")
+    p.add_argument(
+        "--omp-wait-policy",
+        default="passive",
+        choices=["passive", "active"],
+        help="OMP_WAIT_POLICY of every system (see the docstring)",
+    )
     p.add_argument("--budget", type=int, default=1024, help="tokens per packed micro-batch / packed row")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="run every system this many times, interleaved; each system's median is compared")
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=3,
+        help="run every system this many times, interleaved; each system's median is compared",
+    )
     p.add_argument("--systems", nargs="+", default=list(DEFAULT_SYSTEMS), choices=[*PEERS, *OURS])
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     markdown_argument(p)
@@ -152,32 +160,60 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
         ids.append(tok.astype(np.int64).tolist())
         labels.append(_labels_for(tok, mask).tolist())
     torch.manual_seed(SEED)
-    config = AutoConfig.for_model("gpt2", vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-                                  **model_shape(args.model))
+    config = AutoConfig.for_model(
+        "gpt2",
+        vocab_size=len(tokenizer),
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        **model_shape(args.model),
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     bf16 = args.dtype == "bf16"
     steps = args.warmup + args.steps
     out_dir = tempfile.mkdtemp(prefix=f"peer-{system}-")
-    common = dict(output_dir=out_dir, max_steps=steps, gradient_accumulation_steps=1, learning_rate=LR,
-                  weight_decay=0.1, max_grad_norm=1.0, lr_scheduler_type="constant", bf16=bf16, use_cpu=True,
-                  report_to=[], logging_steps=10**6, save_strategy="no", dataloader_num_workers=0, seed=SEED,
-                  disable_tqdm=True, remove_unused_columns=False)
+    common = dict(
+        output_dir=out_dir,
+        max_steps=steps,
+        gradient_accumulation_steps=1,
+        learning_rate=LR,
+        weight_decay=0.1,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        bf16=bf16,
+        use_cpu=True,
+        report_to=[],
+        logging_steps=10**6,
+        save_strategy="no",
+        dataloader_num_workers=0,
+        seed=SEED,
+        disable_tqdm=True,
+        remove_unused_columns=False,
+    )
 
     if system == "trl_sft_bfd":
         from trl import SFTConfig, SFTTrainer
 
-        sft_args = SFTConfig(**common, per_device_train_batch_size=1, max_length=args.budget, packing=True,
-                             packing_strategy="bfd")
-        trainer = SFTTrainer(model=model, args=sft_args, train_dataset=Dataset.from_dict({"input_ids": ids}),
-                             processing_class=tokenizer)
+        sft_args = SFTConfig(
+            **common, per_device_train_batch_size=1, max_length=args.budget, packing=True, packing_strategy="bfd"
+        )
+        trainer = SFTTrainer(
+            model=model, args=sft_args, train_dataset=Dataset.from_dict({"input_ids": ids}), processing_class=tokenizer
+        )
         batch_note = f"bfd rows of {args.budget} tokens"
     else:
         bs = matched_batch_size(dataset, args.budget)
-        collator = (DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
-                    if system == "hf_flattening" else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100))
-        trainer = Trainer(model=model, args=TrainingArguments(**common, per_device_train_batch_size=bs),
-                          train_dataset=Dataset.from_dict({"input_ids": ids, "labels": labels}), data_collator=collator)
+        collator = (
+            DataCollatorWithFlattening(return_position_ids=True, separator_id=-100)
+            if system == "hf_flattening"
+            else DataCollatorForSeq2Seq(tokenizer, padding=True, label_pad_token_id=-100)
+        )
+        trainer = Trainer(
+            model=model,
+            args=TrainingArguments(**common, per_device_train_batch_size=bs),
+            train_dataset=Dataset.from_dict({"input_ids": ids, "labels": labels}),
+            data_collator=collator,
+        )
         batch_note = f"{bs} examples per batch"
 
     # the model shifts: labels[0] is never predicted
@@ -185,8 +221,12 @@ def hf_worker(system: str, args: argparse.Namespace) -> dict:
     w = args.warmup
     seconds = ends[steps - 1] - ends[w - 1] if w > 0 else ends[steps - 1] - ends[0]
     useful = sum(counts[w:steps]) if w > 0 else sum(counts[1:steps])
-    return {"useful_tokens_per_s": useful / seconds, "useful_tokens_per_step": useful / args.steps,
-            "step_time_s": seconds / args.steps, "batches": batch_note}
+    return {
+        "useful_tokens_per_s": useful / seconds,
+        "useful_tokens_per_step": useful / args.steps,
+        "step_time_s": seconds / args.steps,
+        "batches": batch_note,
+    }
 
 
 def timed_train(trainer, count) -> tuple[list, list[float]]:
@@ -243,13 +283,26 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
 
     torch.set_num_threads(args.threads)
     shape = [f"++model.config_overrides.{k}={v}" for k, v in model_shape(args.model).items()]
-    overrides = ["recipe=cpu_dailydialog", "grad_accum=1", *shape,
-                 f"parallel={'fsdp_fp32' if args.dtype == 'fp32' else 'fsdp'}", "logger.peak_tflops=1",
-                 "packing=bfd", f"packing.token_budget={args.budget}", f"max_steps={args.warmup + args.steps}",
-                 f"summary_skip_steps={args.warmup}", "eval.holdout_fraction=0", f"optim.lr={LR}",
-                 "optim.warmup_steps=0", "optim.min_lr_ratio=1.0", f"seed={SEED}", "logger.progress_bar=false",
-                 "logger.log_every=1000", f"run_dir={tempfile.mkdtemp(prefix=f'peer-{system}-')}",
-                 *PACKFSDP_ARMS[system]]
+    overrides = [
+        "recipe=cpu_dailydialog",
+        "grad_accum=1",
+        *shape,
+        f"parallel={'fsdp_fp32' if args.dtype == 'fp32' else 'fsdp'}",
+        "logger.peak_tflops=1",
+        "packing=bfd",
+        f"packing.token_budget={args.budget}",
+        f"max_steps={args.warmup + args.steps}",
+        f"summary_skip_steps={args.warmup}",
+        "eval.holdout_fraction=0",
+        f"optim.lr={LR}",
+        "optim.warmup_steps=0",
+        "optim.min_lr_ratio=1.0",
+        f"seed={SEED}",
+        "logger.progress_bar=false",
+        "logger.log_every=1000",
+        f"run_dir={tempfile.mkdtemp(prefix=f'peer-{system}-')}",
+        *PACKFSDP_ARMS[system],
+    ]
     if system == "packfsdp_contiguous":
         trainer.collate.collate_packed = contiguous_rows(trainer.collate.collate_packed)
     register_configs()
@@ -259,19 +312,40 @@ def packfsdp_worker(system: str, args: argparse.Namespace) -> dict:
     summary = run(cfg)
     per_step = summary["useful_tokens_per_s"] * summary["mean_step_time_s"]
     untimed = time.perf_counter() - start - args.steps * summary["mean_step_time_s"]
-    layout = ("matched padded batches" if "padded" in system
-              else "bfd bins as contiguous rows" if system == "packfsdp_contiguous" else "bfd bins")
-    return {"useful_tokens_per_s": summary["useful_tokens_per_s"], "useful_tokens_per_step": per_step,
-            "step_time_s": summary["mean_step_time_s"],
-            "batches": f"{layout}, loss {summary.get('loss_impl')}, "
-                       f"compile {summary.get('compile', 'off')}, setup + warm-up {untimed:.0f} s"}
+    layout = (
+        "matched padded batches"
+        if "padded" in system
+        else "bfd bins as contiguous rows"
+        if system == "packfsdp_contiguous"
+        else "bfd bins"
+    )
+    return {
+        "useful_tokens_per_s": summary["useful_tokens_per_s"],
+        "useful_tokens_per_step": per_step,
+        "step_time_s": summary["mean_step_time_s"],
+        "batches": f"{layout}, loss {summary.get('loss_impl')}, "
+        f"compile {summary.get('compile', 'off')}, setup + warm-up {untimed:.0f} s",
+    }
 
 
 # ------------------------------------------------------------------------------------------------ driver
 def run_system(system: str, args: argparse.Namespace) -> dict | None:
-    flags = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
-             "--budget", str(args.budget), "--model", args.model, "--dtype", args.dtype,
-             "--omp-wait-policy", args.omp_wait_policy]
+    flags = [
+        "--steps",
+        str(args.steps),
+        "--warmup",
+        str(args.warmup),
+        "--threads",
+        str(args.threads),
+        "--budget",
+        str(args.budget),
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--omp-wait-policy",
+        args.omp_wait_policy,
+    ]
     return run_worker(Path(__file__), system, flags, args.threads, args.omp_wait_policy)
 
 
@@ -285,8 +359,13 @@ def run_worker(script: Path, system: str, flags: list[str], threads: int, omp_wa
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(script.resolve()), "--worker", system, "--result", str(result), *flags]
-        env = os.environ | {"OMP_NUM_THREADS": str(threads), "OMP_WAIT_POLICY": omp_wait_policy,
-                            "TOKENIZERS_PARALLELISM": "false", "WANDB_MODE": "disabled", "PYTHONPATH": str(REPO)}
+        env = os.environ | {
+            "OMP_NUM_THREADS": str(threads),
+            "OMP_WAIT_POLICY": omp_wait_policy,
+            "TOKENIZERS_PARALLELISM": "false",
+            "WANDB_MODE": "disabled",
+            "PYTHONPATH": str(REPO),
+        }
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
         if proc.returncode != 0 or not result.is_file():
             print(f"{system:16s} FAILED (exit {proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -302,9 +381,11 @@ def main(argv=None) -> dict:
         return {}
     import torch
 
-    print(f"peer benchmark: GPT-2 {args.model} ({args.dtype}), {args.steps} timed steps after {args.warmup}, "
-          f"{args.threads} thread(s), ~{args.budget} tokens per step, {args.rounds} interleaved rounds, "
-          f"OMP_WAIT_POLICY={args.omp_wait_policy}, torch {torch.__version__}, load average {load_average()}")
+    print(
+        f"peer benchmark: GPT-2 {args.model} ({args.dtype}), {args.steps} timed steps after {args.warmup}, "
+        f"{args.threads} thread(s), ~{args.budget} tokens per step, {args.rounds} interleaved rounds, "
+        f"OMP_WAIT_POLICY={args.omp_wait_policy}, torch {torch.__version__}, load average {load_average()}"
+    )
     runs: dict[str, list[dict]] = {}
     for round_ in range(1, args.rounds + 1):
         for system in args.systems:
@@ -312,9 +393,12 @@ def main(argv=None) -> dict:
             if r is None:
                 continue
             runs.setdefault(system, []).append(r)
-            print(f"round {round_} {system:22s} {r['useful_tokens_per_s']:10,.0f} useful tok/s | "
-                  f"{r['useful_tokens_per_step']:6.0f} useful tok/step | {1000 * r['step_time_s']:6.0f} ms/step | "
-                  f"{r['batches']}", flush=True)
+            print(
+                f"round {round_} {system:22s} {r['useful_tokens_per_s']:10,.0f} useful tok/s | "
+                f"{r['useful_tokens_per_step']:6.0f} useful tok/step | {1000 * r['step_time_s']:6.0f} ms/step | "
+                f"{r['batches']}",
+                flush=True,
+            )
     print(f"load average at the end: {load_average()}")
     with captured() as summary:
         results = summarize(runs)
@@ -322,8 +406,13 @@ def main(argv=None) -> dict:
     publish(args.markdown, f"benchmarks/peer_hf.py --model {args.model}", summary.block(), args.threads, argv)
     if args.json:
         skip = ("json", "result", "markdown")
-        args.json.write_text(json.dumps({"settings": {k: v for k, v in vars(args).items() if k not in skip},
-                                         "results": results}, indent=2, default=str))
+        args.json.write_text(
+            json.dumps(
+                {"settings": {k: v for k, v in vars(args).items() if k not in skip}, "results": results},
+                indent=2,
+                default=str,
+            )
+        )
     return results
 
 
@@ -334,8 +423,10 @@ def summarize(runs: dict[str, list[dict]]) -> dict[str, dict]:
     for system, rs in runs.items():
         rates = [r["useful_tokens_per_s"] for r in rs]
         results[system] = rs[-1] | {"median_useful_tokens_per_s": statistics.median(rates), "runs": rates}
-        print(f"{system:22s} {results[system]['median_useful_tokens_per_s']:10,.0f} useful tok/s  "
-              f"(runs: {', '.join(f'{x:,.0f}' for x in rates)})")
+        print(
+            f"{system:22s} {results[system]['median_useful_tokens_per_s']:10,.0f} useful tok/s  "
+            f"(runs: {', '.join(f'{x:,.0f}' for x in rates)})"
+        )
     return results
 
 
@@ -350,8 +441,10 @@ def report_ratios(results: dict[str, dict]) -> None:
             print(f"packfsdp_packed / {name}: {ours[key] / r[key]:.2f}x")
     if rows := results.get("packfsdp_contiguous"):
         ratio = ours[key] / rows[key]
-        print(f"vs the same model on boundary-free contiguous rows: {ratio:.2f}x -> target 1.0x "
-              f"{'met' if ratio >= 1.0 else 'NOT met'}")
+        print(
+            f"vs the same model on boundary-free contiguous rows: {ratio:.2f}x -> target 1.0x "
+            f"{'met' if ratio >= 1.0 else 'NOT met'}"
+        )
     peers = {k: v for k, v in results.items() if k in PEERS}
     if peers:
         best = max(peers, key=lambda k: peers[k][key])
@@ -361,8 +454,10 @@ def report_ratios(results: dict[str, dict]) -> None:
         # Within a round every system met about the same load: the ratio to that round's fastest peer.
         rounds = min(len(r["runs"]) for r in (ours, *peers.values()))
         per_round = [ours["runs"][i] / max(p["runs"][i] for p in peers.values()) for i in range(rounds)]
-        print(f"per round, vs that round's fastest peer: {', '.join(f'{x:.2f}x' for x in per_round)} "
-              f"(median {statistics.median(per_round):.2f}x)")
+        print(
+            f"per round, vs that round's fastest peer: {', '.join(f'{x:.2f}x' for x in per_round)} "
+            f"(median {statistics.median(per_round):.2f}x)"
+        )
 
 
 if __name__ == "__main__":

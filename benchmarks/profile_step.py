@@ -81,7 +81,7 @@ def by_caller(prof, steps: int, top: int) -> None:
     for op, us in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]:
         print(f"{op[:50]:50s} {us / 1000 / steps:8.1f} {100 * us / grand:5.1f}%")
     print(f"\n{'caller':42s} {'operator':28s} {'ms/step':>8s} {'share':>6s}")
-    for (caller, op), us in sorted(totals.items(), key=lambda kv: -kv[1])[:3 * top]:
+    for (caller, op), us in sorted(totals.items(), key=lambda kv: -kv[1])[: 3 * top]:
         print(f"{caller[:42]:42s} {op[:28]:28s} {us / 1000 / steps:8.1f} {100 * us / grand:5.1f}%")
 
 
@@ -110,12 +110,24 @@ def main(argv=None) -> None:
     shape = [f"++model.config_overrides.{k}={v}" for k, v in model_shape(args.model).items()]
     register_configs()
     with initialize_config_dir(str(config_dir()), version_base=None):
-        cfg = to_job_config(compose("config", overrides=[
-            "recipe=cpu_dailydialog", "grad_accum=1", "parallel=fsdp_fp32", "eval.holdout_fraction=0",
-            "logger.peak_tflops=1", "logger.progress_bar=false", "logger.log_every=1000",
-            f"max_steps={args.warmup + args.steps + 1}", f"run_dir={tempfile.mkdtemp(prefix='profile-')}",
-            *shape, *overrides,
-        ]))
+        cfg = to_job_config(
+            compose(
+                "config",
+                overrides=[
+                    "recipe=cpu_dailydialog",
+                    "grad_accum=1",
+                    "parallel=fsdp_fp32",
+                    "eval.holdout_fraction=0",
+                    "logger.peak_tflops=1",
+                    "logger.progress_bar=false",
+                    "logger.log_every=1000",
+                    f"max_steps={args.warmup + args.steps + 1}",
+                    f"run_dir={tempfile.mkdtemp(prefix='profile-')}",
+                    *shape,
+                    *overrides,
+                ],
+            )
+        )
     trainer = Trainer(cfg)
     trainer.model.train()
     for _ in range(args.warmup):
@@ -124,8 +136,10 @@ def main(argv=None) -> None:
         useful = sum(trainer.train_step().useful_tokens for _ in range(args.steps))
     total_ms = sum(e.self_cpu_time_total for e in prof.key_averages()) / 1000 / args.steps
     with captured() as out:
-        print(f"{args.model}, loss {trainer.loss_impl}, {' '.join(overrides) or 'defaults'}: "
-              f"{total_ms:.0f} ms of CPU op time per step, {useful / args.steps:.0f} useful tokens per step")
+        print(
+            f"{args.model}, loss {trainer.loss_impl}, {' '.join(overrides) or 'defaults'}: "
+            f"{total_ms:.0f} ms of CPU op time per step, {useful / args.steps:.0f} useful tokens per step"
+        )
         if args.by_caller:
             by_caller(prof, args.steps, args.top)
         else:

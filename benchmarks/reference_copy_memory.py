@@ -56,8 +56,12 @@ def measure(way: str, layers: int, width: int) -> dict:
     held = proc.memory_info().rss - base
     assert {p.dtype for p in reference.parameters()} == {torch.bfloat16}
     mib = 2**20
-    return {"way": way, "policy_mib": sum(p.numel() for p in model.parameters()) * 4 / mib,
-            "peak_rise_mib": (top[0] - base) / mib, "held_mib": held / mib}
+    return {
+        "way": way,
+        "policy_mib": sum(p.numel() for p in model.parameters()) * 4 / mib,
+        "peak_rise_mib": (top[0] - base) / mib,
+        "held_mib": held / mib,
+    }
 
 
 def main() -> None:
@@ -74,8 +78,12 @@ def main() -> None:
         print(f"GPT-2 {args.layers} layers x {args.width}, copied into a bf16 reference (RSS, MiB):")
         print(f"  {'way':<20} {'fp32 policy':>11} {'peak rise':>10} {'held after':>10}")
         for way in ("deepcopy then cast", "frozen_copy"):
-            out = subprocess.run([sys.executable, __file__, "--way", way, "--layers", str(args.layers),
-                                  "--width", str(args.width)], capture_output=True, text=True, check=True)
+            out = subprocess.run(
+                [sys.executable, __file__, "--way", way, "--layers", str(args.layers), "--width", str(args.width)],
+                capture_output=True,
+                text=True,
+                check=True,
+            )
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"  {way:<20} {r['policy_mib']:>11.0f} {r['peak_rise_mib']:>10.0f} {r['held_mib']:>10.0f}")
     publish(args.markdown, "benchmarks/reference_copy_memory.py", table.block())

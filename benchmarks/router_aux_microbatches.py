@@ -30,7 +30,9 @@ from trainer.pipeline import build_training_data
 from trainer.router_aux import RouterStats, use_router_aux
 
 DEFAULT = [
-    "model=qwen2_tiny", "model.family=mixtral", "data.num_records=400",
+    "model=qwen2_tiny",
+    "model.family=mixtral",
+    "data.num_records=400",
     "model.config_overrides={num_local_experts:8,num_experts_per_tok:2,output_router_logits:true,"
     "router_aux_loss_coef:0.01}",
 ]
@@ -65,7 +67,9 @@ def main(argv: list[str]) -> None:
     base = build_model(cfg.model, data.tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), cfg.seed)
     base.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
     aux = use_router_aux(base, 1, "sft")
-    routers = [p for name, p in base.named_parameters() if name.endswith("gate.weight") and p.shape[0] == aux.num_experts]
+    routers = [
+        p for name, p in base.named_parameters() if name.endswith("gate.weight") and p.shape[0] == aux.num_experts
+    ]
     original = [p.detach().clone() for p in routers]
     rows = []
     for scale in (float(s) for s in args.router_scale.split(",")):
@@ -75,17 +79,25 @@ def main(argv: list[str]) -> None:
         packed = epoch_stats(base, overrides)
         padded = epoch_stats(base, [*overrides, "packing=none"])
         alone = epoch_stats(base, [*overrides, "packing.max_examples_per_bin=1"])
-        row = {"router_scale": scale, "packed": step_aux(packed), "padded": step_aux(padded),
-               "alone": step_aux(alone), "epoch": float(RouterStats.merged([s for _, s in packed]).balance_loss()),
-               "packed_microbatches": len(packed), "padded_microbatches": len(padded)}
+        row = {
+            "router_scale": scale,
+            "packed": step_aux(packed),
+            "padded": step_aux(padded),
+            "alone": step_aux(alone),
+            "epoch": float(RouterStats.merged([s for _, s in packed]).balance_loss()),
+            "packed_microbatches": len(packed),
+            "padded_microbatches": len(padded),
+        }
         row["padded_minus_packed"] = row["padded"] - row["packed"]
         rows.append(row)
         print(json.dumps(row), flush=True)
     print("\n| router scale | packed | padded | padded - packed | each example alone | the epoch as one batch |")
     print("|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        print(f"| {r['router_scale']:g} | {r['packed']:.4f} | {r['padded']:.4f} | {r['padded_minus_packed']:+.4f} "
-              f"| {r['alone']:.4f} | {r['epoch']:.4f} |")
+        print(
+            f"| {r['router_scale']:g} | {r['packed']:.4f} | {r['padded']:.4f} | {r['padded_minus_packed']:+.4f} "
+            f"| {r['alone']:.4f} | {r['epoch']:.4f} |"
+        )
 
 
 if __name__ == "__main__":

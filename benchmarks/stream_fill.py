@@ -63,8 +63,10 @@ def fills(args: argparse.Namespace, data_cfg: DataConfig, tokenizer) -> None:
         print(f"  global BFD        : {glob.bins:6d} bins, fill {100 * glob.fill:6.2f}%")
         for window in args.windows:
             bins, fill = online_fill(lengths, budget, window)
-            print(f"  online, window {window:5d}: {bins:6d} bins, fill {100 * fill:6.2f}% "
-                  f"({100 * fill / glob.fill:6.2f}% of global BFD)")
+            print(
+                f"  online, window {window:5d}: {bins:6d} bins, fill {100 * fill:6.2f}% "
+                f"({100 * fill / glob.fill:6.2f}% of global BFD)"
+            )
 
 
 if __name__ == "__main__":

@@ -42,8 +42,10 @@ def pytest_collection_modifyitems(config, items):
     for item in items:  # a shared launch read outside its folder would run once per worker
         for folder, fixtures in SHARED_LAUNCH_DIRS.items():
             if set(fixtures) & set(item.fixturenames) and not item.nodeid.startswith(folder + "/"):
-                raise pytest.UsageError(f"{item.nodeid} reads a launch of {folder} ({', '.join(fixtures)}): "
-                                        "move it there or add its folder to SHARED_LAUNCH_DIRS")
+                raise pytest.UsageError(
+                    f"{item.nodeid} reads a launch of {folder} ({', '.join(fixtures)}): "
+                    "move it there or add its folder to SHARED_LAUNCH_DIRS"
+                )
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

@@ -13,7 +13,9 @@ from trainer.data.examples import TokenizedDataset, from_examples
 from trainer.data.render import Outcome, render_outcomes, stats_of
 
 
-def render_records(records: list, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int) -> TokenizedDataset:
+def render_records(
+    records: list, tokenizer: PreTrainedTokenizerBase, cfg: DataConfig, max_length: int
+) -> TokenizedDataset:
     """``records`` rendered in one chunk, over-length and empty rules applied, kept in memory."""
     bad = BadRecords(cfg.on_bad_record, cfg.source)
     rendered = render_outcomes(records, tokenizer, cfg, max_length, bad)

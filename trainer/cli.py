@@ -102,8 +102,10 @@ def check_code_sources(argv: list[str]) -> None:
     their environment variable, never by a config file. Each value of a sweep (``-m a=x,y``) is checked."""
     args, _ = get_args_parser().parse_known_args(argv)  # Hydra's own reading of its flags and overrides
     if args.config_path or args.config_name or args.config_dir:
-        config_error("--config-path/--config-name/--config-dir are not supported (a primary config outside "
-                     "packfsdp is not checked); put your YAML under hydra.searchpath=[file://DIR], use recipe=NAME")
+        config_error(
+            "--config-path/--config-name/--config-dir are not supported (a primary config outside "
+            "packfsdp is not checked); put your YAML under hydra.searchpath=[file://DIR], use recipe=NAME"
+        )
     try:
         parsed = OverridesParser.create().parse_overrides(args.overrides)
     except Exception as e:  # noqa: BLE001 - Hydra will refuse the same line; say it in one line here
@@ -126,8 +128,10 @@ def check_code_sources(argv: list[str]) -> None:
     for key, env in CODE_OPTIONS.items():
         section, name = key.split(".")
         if raw[section][name] and key not in on_command_line:
-            config_error(f"{key}={raw[section][name]} is set by a config file; options that import code are taken "
-                         f"only from the command line ({key}=...) or the environment ({env})")
+            config_error(
+                f"{key}={raw[section][name]} is set by a config file; options that import code are taken "
+                f"only from the command line ({key}=...) or the environment ({env})"
+            )
 
 
 def check_or_exit(check) -> None:
@@ -151,10 +155,15 @@ def hydra_builtin_objects() -> frozenset:
     # of the modules as they are now, not as they were when this module was imported.
     from hydra._internal.core_plugins.basic_launcher import BasicLauncher  # noqa: PLC0415 -- see above
     from hydra._internal.core_plugins.basic_sweeper import BasicSweeper  # noqa: PLC0415 -- see above
+
     return frozenset({BasicLauncher, BasicSweeper})
 
 
 def logging_objects() -> frozenset:
     """The handler, formatter and filter classes of the standard ``logging`` package."""
-    return frozenset(obj for module in (logging, logging.handlers) for obj in vars(module).values()
-                     if isinstance(obj, type) and issubclass(obj, (logging.Handler, logging.Formatter, logging.Filter)))
+    return frozenset(
+        obj
+        for module in (logging, logging.handlers)
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, (logging.Handler, logging.Formatter, logging.Filter))
+    )

@@ -68,26 +68,35 @@ class Batch:
 
     def to(self, device: torch.device) -> Batch:
         """The batch with its tensors on ``device`` (a subclass stays one)."""
-        return dataclasses.replace(self, **{
-            f.name: getattr(self, f.name).to(device, non_blocking=True) for f in dataclasses.fields(Batch)
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        })
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device, non_blocking=True)
+                for f in dataclasses.fields(Batch)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
     def model_inputs(self) -> dict:
         """Keyword arguments for ``VarlenCausalLM``'s passes (``forward``, ``token_loss``, ...)."""
         if self.packed:
-            return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                    "cu_seqlens": self.cu_seqlens, "max_seqlen": self.max_seqlen}
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                "attention_mask": self.attention_mask}
+            return {
+                "input_ids": self.input_ids,
+                "position_ids": self.position_ids,
+                "cu_seqlens": self.cu_seqlens,
+                "max_seqlen": self.max_seqlen,
+            }
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "attention_mask": self.attention_mask}
 
 
 def sequence_counts(lengths: list[int]) -> dict[str, int]:
     """``padded_positions`` and ``sum_squared_lengths`` of a micro-batch of sequences of ``lengths`` (a packed
     row's segments, a padded batch's rows): ``trainer.packing.padded_positions`` of them as one bin."""
     sizes = np.asarray(lengths, dtype=np.int64)
-    return {"padded_positions": int(padded_positions(Bins.of([np.arange(len(sizes))]), sizes)[0]),
-            "sum_squared_lengths": int((sizes * sizes).sum())}
+    return {
+        "padded_positions": int(padded_positions(Bins.of([np.arange(len(sizes))]), sizes)[0]),
+        "sum_squared_lengths": int((sizes * sizes).sum()),
+    }
 
 
 def _labels_for(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:

@@ -38,8 +38,9 @@ def eval_microbatches(lengths: np.ndarray, token_budget: int, rank: int, world_s
     return [round_[rank] for round_ in deal_bins(bins, world_size, lengths, rng=None)]
 
 
-def eval_batches(dataset: TokenizedDataset, token_budget: int, device: torch.device, pad_id: int = 0,
-                 route: Route | None = None) -> Iterator[Batch]:
+def eval_batches(
+    dataset: TokenizedDataset, token_budget: int, device: torch.device, pad_id: int = 0, route: Route | None = None
+) -> Iterator[Batch]:
     """This rank's held-out micro-batches, collated, through ``route`` (``None``: whole rows on every rank) and on
     ``device``: ``eval_microbatches`` dealt to the data-parallel groups; under context parallelism each row is
     the group's, and this rank gets its shard of it."""
@@ -49,8 +50,14 @@ def eval_batches(dataset: TokenizedDataset, token_budget: int, device: torch.dev
 
 
 @torch.no_grad()
-def evaluate(model: torch.nn.Module, dataset: TokenizedDataset, token_budget: int, device: torch.device,
-             pad_id: int = 0, route: Route | None = None) -> dict[str, float]:
+def evaluate(
+    model: torch.nn.Module,
+    dataset: TokenizedDataset,
+    token_budget: int,
+    device: torch.device,
+    pad_id: int = 0,
+    route: Route | None = None,
+) -> dict[str, float]:
     """Mean token loss over ``dataset`` (all ranks), from packed micro-batches (``eval_batches``).
 
     Every rank must call this together: the micro-batch count is equal on every rank by construction, so

@@ -113,7 +113,9 @@ def describe_failure(exc: BaseException, where: str, timeout_s: float) -> JobFai
     if isinstance(exc, (ConfigError, AttentionBackendError, UnsafeFileError, BadRecordError)):  # LoadError too
         # Fix the config or the data, then run again: a restart alone would fail the same way (exit code 2).
         kinds = {  # most specific first: a LoadError is a ConfigError
-            LoadError: "load error", ConfigError: "config error", BadRecordError: "data error",
+            LoadError: "load error",
+            ConfigError: "config error",
+            BadRecordError: "data error",
             AttentionBackendError: "attention backend error",
         }
         kind = next((k for cls, k in kinds.items() if isinstance(exc, cls)), "error")

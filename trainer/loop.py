@@ -72,7 +72,9 @@ class Trainer:
         # Resolve the backend first: a backend that cannot run here fails before any heavy work.
         self.backend = resolve_attention(cfg, self.device)
         self.tokenizer = load_tokenizer(cfg.model, cfg.data)
-        model = apply_peft(build_model(cfg.model, self.tokenizer, self.backend, cfg.seed), cfg.peft, cfg.model, cfg.seed)
+        model = apply_peft(
+            build_model(cfg.model, self.tokenizer, self.backend, cfg.seed), cfg.peft, cfg.model, cfg.seed
+        )
         if cfg.packing.packed:
             log.info("attention backend: %s (%s) for packed batches", self.backend.name, self.backend.description)
         else:
@@ -90,9 +92,18 @@ class Trainer:
         self.certificate = self.certify_model(model)  # before FSDP: the unsharded model (through the route)
         mesh = build_mesh(self.device, self.world_size, cfg.parallel)
         dtype = cfg.parallel.param_dtype
-        self.model = self.objective.setup(model, RunSetup(
-            partial(parallelize, mesh=mesh, cfg=cfg.parallel), [self.dataset, self.eval_dataset], cfg.row_budget,
-            self.device, self.tokenizer.pad_token_id, DTYPES[dtype], (dtype, self.backend.name, self.loss_impl)))
+        self.model = self.objective.setup(
+            model,
+            RunSetup(
+                partial(parallelize, mesh=mesh, cfg=cfg.parallel),
+                [self.dataset, self.eval_dataset],
+                cfg.row_budget,
+                self.device,
+                self.tokenizer.pad_token_id,
+                DTYPES[dtype],
+                (dtype, self.backend.name, self.loss_impl),
+            ),
+        )
         log.info("objective: %s", self.objective.describe())
         self.optimizer = build_optimizer(self.model, cfg.optim)
         self.total_steps = self.count_total_steps()
@@ -108,7 +119,9 @@ class Trainer:
         if not cfg.data.stream.enabled:  # a stream's length is unknown (pipeline logs its window instead)
             log.info(
                 "%d examples, %d micro-batches per rank per epoch, %d optimizer steps",
-                len(self.dataset), self.sampler.microbatches_per_rank(0), self.total_steps,
+                len(self.dataset),
+                self.sampler.microbatches_per_rank(0),
+                self.total_steps,
             )
 
     def start_distributed(self) -> None:
@@ -136,12 +149,18 @@ class Trainer:
         cfg = self.cfg
         data = build_training_data(cfg, self.rank, self.world_size, tokenizer=self.tokenizer, context=context)
         self.dataset, self.eval_dataset, self.sampler, self.collate = (
-            data.dataset, data.eval_dataset, data.sampler, data.collate
+            data.dataset,
+            data.eval_dataset,
+            data.sampler,
+            data.collate,
         )
         self.check_examples = data.check_examples()
         """The examples and plan the startup self-check draws its batch from (streaming: the stream's head)."""
-        log.info("held out for eval: %d examples (%s)", len(self.eval_dataset or []),
-                 f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off")
+        log.info(
+            "held out for eval: %d examples (%s)",
+            len(self.eval_dataset or []),
+            f"every {cfg.eval.every} steps and at the end" if self.eval_dataset else "eval off",
+        )
         if not cfg.packing.packed:
             log.info("padded baseline: %d examples per micro-batch", self.sampler.padded_batch_size)
 
@@ -154,8 +173,13 @@ class Trainer:
         dataset, sampler = self.check_examples
         first = self.objective.check_indices(worst_case_microbatch(sampler), dataset.lengths, self.cfg.row_budget)
         return certify(
-            model, self.collate(dataset, first, self.tokenizer.pad_token_id), self.cfg.model.self_check_tolerance,
-            DTYPES[self.cfg.parallel.param_dtype], first, self.route.self_check_route(model), self.objective.check_loss(),
+            model,
+            self.collate(dataset, first, self.tokenizer.pad_token_id),
+            self.cfg.model.self_check_tolerance,
+            DTYPES[self.cfg.parallel.param_dtype],
+            first,
+            self.route.self_check_route(model),
+            self.objective.check_loss(),
         )
 
     def training_state(self) -> TrainingState:
@@ -222,10 +246,17 @@ class Trainer:
             torch.cuda.synchronize(self.device)
         self.step += 1
         metrics = StepMetrics.measure(
-            counts, step=self.step, epoch=self.sampler.epoch, lr=lr, grad_norm=grad_norm, skipped=verdict.skip,
-            step_time_s=time.perf_counter() - start, peak_mem_gib=peak_memory_gib(self.device),
+            counts,
+            step=self.step,
+            epoch=self.sampler.epoch,
+            lr=lr,
+            grad_norm=grad_norm,
+            skipped=verdict.skip,
+            step_time_s=time.perf_counter() - start,
+            peak_mem_gib=peak_memory_gib(self.device),
             model_flops=model_flops(counts.tokens, counts.sum_squared_lengths, self.flop_params),
-            tokens_seen_before=self.tokens_seen, **self.objective.step_metrics(verdict.loss_sum, counts, self.device),
+            tokens_seen_before=self.tokens_seen,
+            **self.objective.step_metrics(verdict.loss_sum, counts, self.device),
             **self.route.step_metrics(),
         )
         self.tokens_seen = metrics.tokens_seen
@@ -279,48 +310,64 @@ class Trainer:
     def preempted(self, stop_signal: str) -> dict:
         """Stopped by a signal after this step's checkpoint: the entry point exits with
         ``PREEMPTED_EXIT_CODE``, and ``resume=auto`` continues from that checkpoint exactly."""
-        log.warning("%s received: stopped after step %d with checkpoint %s; resume=auto continues from there",
-                    stop_signal, self.step, self.last_checkpoint)
+        log.warning(
+            "%s received: stopped after step %d with checkpoint %s; resume=auto continues from there",
+            stop_signal,
+            self.step,
+            self.last_checkpoint,
+        )
         self.metrics.close()
         self.owner.release()
-        return {"preempted": stop_signal, "step": self.step, "checkpoint": str(self.last_checkpoint),
-                "run_dir": str(self.run_dir)}
+        return {
+            "preempted": stop_signal,
+            "step": self.step,
+            "checkpoint": str(self.last_checkpoint),
+            "run_dir": str(self.run_dir),
+        }
 
     def evaluate(self) -> EvalMetrics | None:
         """The objective's held-out loss (packed batches through the route; every rank takes part)."""
         if self.eval_dataset is None:
             return None
-        result = EvalMetrics(step=self.step, **self.objective.evaluate(
-            self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id, self.route
-        ))
+        result = EvalMetrics(
+            step=self.step,
+            **self.objective.evaluate(
+                self.model, self.eval_dataset, self.cfg.row_budget, self.device, self.tokenizer.pad_token_id, self.route
+            ),
+        )
         self.eval_dataset.check_unchanged()  # before the result counts
         self.summary.add_eval(result)
         self.metrics.log_eval(result)
         return result
 
     def finish(self) -> dict:
-        result = self.summary.result(self.peak_tflops * self.world_size) | {
-            "mode": "packed" if self.cfg.packing.packed else "padded",
-            "objective": self.cfg.objective,
-            "strategy": self.cfg.packing.strategy,
-            "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
-            "loss_impl": self.loss_impl,
-            "compile": self.cfg.parallel.compile_backend if self.cfg.parallel.compile else "off",
-            "world_size": self.world_size,
-            "device": dist_device_name(self.device),
-            "model_params": self.flop_params.params,
-            "peft": self.cfg.peft.method,  # none (full fine-tuning) or lora
-            "peak_tflops_per_device": self.peak_tflops,
-            "peak_tflops_source": self.peak_source,
-            "train_examples": len(self.dataset),
-            "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
-            "dataset": asdict(self.dataset.stats),
-            "unigram_entropy": unigram_entropy(self.dataset.label_token_counts())  # a stream has no whole set
-            if hasattr(self.dataset, "label_token_counts") else float("nan"),
-            "skipped_steps": dict(self.guard.skipped),
-            "certification": self.certificate.to_json(),
-            "run_dir": str(self.run_dir),
-        } | self.metrics.wall_clock()
+        result = (
+            self.summary.result(self.peak_tflops * self.world_size)
+            | {
+                "mode": "packed" if self.cfg.packing.packed else "padded",
+                "objective": self.cfg.objective,
+                "strategy": self.cfg.packing.strategy,
+                "attention": self.backend.name if self.cfg.packing.packed else "sdpa_padded",
+                "loss_impl": self.loss_impl,
+                "compile": self.cfg.parallel.compile_backend if self.cfg.parallel.compile else "off",
+                "world_size": self.world_size,
+                "device": dist_device_name(self.device),
+                "model_params": self.flop_params.params,
+                "peft": self.cfg.peft.method,  # none (full fine-tuning) or lora
+                "peak_tflops_per_device": self.peak_tflops,
+                "peak_tflops_source": self.peak_source,
+                "train_examples": len(self.dataset),
+                "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
+                "dataset": asdict(self.dataset.stats),
+                "unigram_entropy": unigram_entropy(self.dataset.label_token_counts())  # a stream has no whole set
+                if hasattr(self.dataset, "label_token_counts")
+                else float("nan"),
+                "skipped_steps": dict(self.guard.skipped),
+                "certification": self.certificate.to_json(),
+                "run_dir": str(self.run_dir),
+            }
+            | self.metrics.wall_clock()
+        )
         self.metrics.close()
         self.owner.release()
         if self.rank == 0:
@@ -329,9 +376,15 @@ class Trainer:
             log.info(
                 "RESULT %s (%s): useful tokens/s %.0f | padding %.1f%% | final loss %.4f | eval loss %.4f | "
                 "%s%d steps on %d rank(s)",
-                result["mode"], result["strategy"], result["useful_tokens_per_s"],
-                100 * result["padding_fraction"], result["final_loss"], result["final_eval_loss"],
-                mfu, result["steps"], self.world_size,
+                result["mode"],
+                result["strategy"],
+                result["useful_tokens_per_s"],
+                100 * result["padding_fraction"],
+                result["final_loss"],
+                result["final_eval_loss"],
+                mfu,
+                result["steps"],
+                self.world_size,
             )
         return result
 

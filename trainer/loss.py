@@ -118,15 +118,22 @@ class LabelHidden(NamedTuple):
 
 
 def _chunked_pass(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    transform: LogitTransform, chunk: int, with_grads: bool,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform,
+    chunk: int,
+    with_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Summed loss over chunks of ``chunk`` tokens and (``with_grads``) its gradients with respect to
     ``hidden``, ``weight`` (fp32) and ``bias`` (fp32)."""
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
-    grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_grads and bias is not None else None
+    grad_bias = (
+        torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_grads and bias is not None else None
+    )
     for start in range(0, hidden.shape[0], chunk):
         h, y = hidden[start : start + chunk], targets[start : start + chunk]
         logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
@@ -137,7 +144,9 @@ def _chunked_pass(
         # d loss / d logits = softmax - one_hot(y), built in place of the logits (one [chunk, vocab] buffer).
         grad = logits.sub_(lse[:, None]).exp_()
         grad[torch.arange(len(y), device=y.device), y] -= 1.0
-        grad_hidden[start : start + chunk] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
+        grad_hidden[start : start + chunk] = head_backward(
+            grad, softcap_slope, transform, h, weight, grad_weight, grad_bias
+        )
     return loss, grad_hidden, grad_weight, grad_bias
 
 
@@ -179,23 +188,29 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 
 def chunked_summed_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    transform: LogitTransform = LogitTransform(), chunk_tokens: int | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform = LogitTransform(),
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Summed cross-entropy of the LM head applied to ``hidden`` ``[n, hidden]`` against ``targets`` ``[n]``
     (every target a real label), never holding more than one chunk's logits."""
     chunk = chunk_tokens_for(weight.shape[0], chunk_tokens)
-    needs_grad = torch.is_grad_enabled() and any(
-        t is not None and t.requires_grad for t in (hidden, weight, bias)
-    )
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not needs_grad:  # eval: the loss only
         return _chunked_pass(hidden, weight, bias, targets, transform, chunk, with_grads=False)[0]
     return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, transform, chunk)
 
 
 def liger_summed_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    transform: LogitTransform = LogitTransform(), chunk_tokens: int | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform = LogitTransform(),
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """The same sum through Liger's fused linear cross-entropy (CUDA, Triton). Liger has a softcap but
     no logit scale: a scale is folded into the hidden states (and the bias)."""
@@ -271,20 +286,27 @@ class _ChunkedTokenLogprobs(torch.autograd.Function):
             grad = torch.softmax(logits, dim=-1).neg_()
             grad[torch.arange(len(y), device=y.device), y] += 1.0
             grad.mul_(grad_out[start : start + ctx.chunk, None].float())
-            grad_hidden[start : start + ctx.chunk] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
+            grad_hidden[start : start + ctx.chunk] = head_backward(
+                grad, softcap_slope, transform, h, weight, grad_weight, grad_bias
+            )
         grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
         return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
 
 
 def chunked_token_logps(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    transform: LogitTransform = LogitTransform(), chunk_tokens: int | None = None,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    transform: LogitTransform = LogitTransform(),
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Log-probability of each target ``[n]`` (fp32) under the LM head applied to ``hidden`` ``[n, hidden]``,
     never holding more than one chunk's logits (the preference objective's building block). The head reads
     ``hidden`` in its own dtype (as ``HeadLoss``)."""
-    return _ChunkedTokenLogprobs.apply(hidden.to(weight.dtype), weight, bias, targets, transform,
-                                       chunk_tokens_for(weight.shape[0], chunk_tokens))
+    return _ChunkedTokenLogprobs.apply(
+        hidden.to(weight.dtype), weight, bias, targets, transform, chunk_tokens_for(weight.shape[0], chunk_tokens)
+    )
 
 
 def naive_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

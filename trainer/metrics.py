@@ -82,7 +82,13 @@ class JsonRecord:
 
     def to_json(self) -> dict[str, Any]:
         record = asdict(self)
-        for key in ("preference", "distill", "cp_skew", "token_loss", "aux_loss"):  # the records keep the keys they always had
+        for key in (
+            "preference",
+            "distill",
+            "cp_skew",
+            "token_loss",
+            "aux_loss",
+        ):  # the records keep the keys they always had
             if record.get(key, ...) is None:
                 del record[key]
         return record
@@ -171,18 +177,39 @@ class StepMetrics(JsonRecord):
 
     @classmethod
     def measure(
-        cls, counts: StepCounts, *, step: int, epoch: int, loss: float, lr: float, grad_norm: float,
-        skipped: str | None, step_time_s: float, model_flops: float, peak_mem_gib: float, tokens_seen_before: int,
+        cls,
+        counts: StepCounts,
+        *,
+        step: int,
+        epoch: int,
+        loss: float,
+        lr: float,
+        grad_norm: float,
+        skipped: str | None,
+        step_time_s: float,
+        model_flops: float,
+        peak_mem_gib: float,
+        tokens_seen_before: int,
         **fields: Any,
     ) -> StepMetrics:
         """The record of a step from its all-reduced ``counts`` and its ``loss`` over all ranks; ``fields``: what the
         objective (``token_loss``, ``aux_loss``, ``preference``) and the parallel route (``cp_skew``) add."""
         useful = 0 if skipped else int(counts.label_tokens)  # a skipped step trained on nothing: count nothing
         return cls(
-            step=step, epoch=epoch, loss=loss, lr=lr, grad_norm=grad_norm, useful_tokens=useful,
-            tokens=int(counts.tokens), positions=int(counts.positions),
-            padded_equivalent_positions=int(counts.padded_equivalent_positions), model_flops=model_flops,
-            step_time_s=step_time_s, peak_mem_gib=peak_mem_gib, skipped=skipped, tokens_seen=tokens_seen_before + useful,
+            step=step,
+            epoch=epoch,
+            loss=loss,
+            lr=lr,
+            grad_norm=grad_norm,
+            useful_tokens=useful,
+            tokens=int(counts.tokens),
+            positions=int(counts.positions),
+            padded_equivalent_positions=int(counts.padded_equivalent_positions),
+            model_flops=model_flops,
+            step_time_s=step_time_s,
+            peak_mem_gib=peak_mem_gib,
+            skipped=skipped,
+            tokens_seen=tokens_seen_before + useful,
             **fields,
         )
 
@@ -214,7 +241,11 @@ class EvalMetrics(JsonRecord):
 def setup_logging(rank: int) -> None:
     """One logger; rank 0 logs at INFO, other ranks only warnings and errors."""
     level = logging.INFO if rank == 0 else logging.WARNING
-    fmt = "%(asctime)s [%(levelname)s] %(message)s" if rank == 0 else f"%(asctime)s [rank {rank} %(levelname)s] %(message)s"
+    fmt = (
+        "%(asctime)s [%(levelname)s] %(message)s"
+        if rank == 0
+        else f"%(asctime)s [rank {rank} %(levelname)s] %(message)s"
+    )
     root = logging.getLogger()
     root.handlers.clear()
     handler = logging.StreamHandler(sys.stdout)
@@ -280,8 +311,11 @@ class RunSummary:
             "model_tflops_per_s": model_tflops_per_s,
             "mfu": model_flops_utilization(model_tflops_per_s, peak_tflops_total),
             "final_loss": trained[-1].loss,
-            **({} if trained[-1].aux_loss is None else
-               {"final_token_loss": trained[-1].token_loss, "final_aux_loss": trained[-1].aux_loss}),
+            **(
+                {}
+                if trained[-1].aux_loss is None
+                else {"final_token_loss": trained[-1].token_loss, "final_aux_loss": trained[-1].aux_loss}
+            ),
             "final_eval_loss": self.evals[-1].eval_loss if self.evals else float("nan"),
             "peak_mem_gib": max(m.peak_mem_gib for m in self.steps),
         } | self.preference_result()
@@ -293,7 +327,9 @@ class RunSummary:
         for key in ("preference", "distill"):
             last = getattr(self.steps[-1], key) if self.steps else None
             last_eval = getattr(self.evals[-1], key) if self.evals else None
-            out |= {f"final_{k}": v for k, v in (last or {}).items()} | {f"final_{k}": v for k, v in (last_eval or {}).items()}
+            out |= {f"final_{k}": v for k, v in (last or {}).items()} | {
+                f"final_{k}": v for k, v in (last_eval or {}).items()
+            }
         return out
 
 
@@ -306,7 +342,9 @@ def model_flops_utilization(model_tflops_per_s: float, peak_tflops_total: float)
     if mfu > 1.0:
         log.warning(
             "MFU not reported: the run achieved %.3g model TFLOP/s, more than the peak of %.3g (set "
-            "logger.peak_tflops to the device's real peak)", model_tflops_per_s, peak_tflops_total,
+            "logger.peak_tflops to the device's real peak)",
+            model_tflops_per_s,
+            peak_tflops_total,
         )
         return float("nan")
     return mfu
@@ -353,17 +391,32 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in record.items() if k not in ("step", "time")}, step=metrics.step)
         log.info(
             "eval  %5d | loss %.4f on %d held-out tokens (%.1f s)%s",
-            metrics.step, metrics.eval_loss, metrics.eval_tokens, metrics.eval_time_s,
-            "" if not metrics.preference else " | {} pairs, reward acc {:.3f} margin {:.4f}".format(
-                metrics.preference["eval_pairs"], metrics.preference["eval_rewards/accuracies"],
-                metrics.preference["eval_rewards/margins"])
-            + ("" if not metrics.distill else " | ce {eval_cross_entropy:.4f} div {eval_divergence:.4f}".format(**metrics.distill)),
+            metrics.step,
+            metrics.eval_loss,
+            metrics.eval_tokens,
+            metrics.eval_time_s,
+            ""
+            if not metrics.preference
+            else " | {} pairs, reward acc {:.3f} margin {:.4f}".format(
+                metrics.preference["eval_pairs"],
+                metrics.preference["eval_rewards/accuracies"],
+                metrics.preference["eval_rewards/margins"],
+            )
+            + (
+                ""
+                if not metrics.distill
+                else " | ce {eval_cross_entropy:.4f} div {eval_divergence:.4f}".format(**metrics.distill)
+            ),
         )
 
     def wall_clock(self) -> dict[str, Any]:
         """When this process started the run and when it ended (now), for ``summary.json``."""
         now = time.time()
-        return {"started_at": utc_iso(self.started), "ended_at": utc_iso(now), "wall_time_s": round(now - self.started, 3)}
+        return {
+            "started_at": utc_iso(self.started),
+            "ended_at": utc_iso(now),
+            "wall_time_s": round(now - self.started, 3),
+        }
 
     def close(self) -> None:
         for f in (self._file, self._eval_file):
@@ -421,8 +474,9 @@ def init_wandb(cfg: LoggerConfig, run_dir: Path, run_config: dict):
     except Exception as e:  # wandb raises several types for auth and network failures
         if cfg.wandb_mode != "online":
             raise
-        log.warning("wandb online failed (%s: %s); logging offline instead (sync later with `wandb sync`)",
-                    type(e).__name__, e)
+        log.warning(
+            "wandb online failed (%s: %s); logging offline instead (sync later with `wandb sync`)", type(e).__name__, e
+        )
         return wandb.init(mode="offline", **kwargs)
 
 
@@ -446,8 +500,9 @@ class ProgressBar:
     def update(self, metrics: StepMetrics) -> None:
         if self._bar is None:
             return
-        self._bar.set_postfix_str(f"useful tok/s {metrics.useful_tokens_per_s:,.0f} | loss {metrics.loss:.3f}",
-                                  refresh=False)
+        self._bar.set_postfix_str(
+            f"useful tok/s {metrics.useful_tokens_per_s:,.0f} | loss {metrics.loss:.3f}", refresh=False
+        )
         self._bar.update(1)
 
     def __exit__(self, *exc) -> None:
@@ -466,7 +521,12 @@ def format_step(m: StepMetrics) -> str:
         + (f" | token {m.token_loss:.4f} aux {m.aux_loss:.4f}" if m.aux_loss is not None else "")
         + (f" | cp skew {100 * m.cp_skew:.1f}%" if m.cp_skew is not None else "")
         + (f" | SKIPPED ({m.skipped})" if m.skipped else "")
-        + (" | reward acc {:.3f} margin {:.4f}".format(m.preference["rewards/accuracies"], m.preference["rewards/margins"])
-           if m.preference else "")
+        + (
+            " | reward acc {:.3f} margin {:.4f}".format(
+                m.preference["rewards/accuracies"], m.preference["rewards/margins"]
+            )
+            if m.preference
+            else ""
+        )
         + (" | ce {cross_entropy:.4f} div {divergence:.4f}".format(**m.distill) if m.distill else "")
     )

@@ -95,13 +95,23 @@ def build_training_data(
         return streaming_training_data(cfg, tokenizer, max_length, rank, world_size)
     dataset = load_dataset(cfg.data, tokenizer, max_length)
     check_objective_fits_data(cfg, holds_pairs(dataset))
-    dataset, eval_dataset = split_holdout(dataset, cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples)
+    dataset, eval_dataset = split_holdout(
+        dataset, cfg.eval.holdout_fraction, cfg.eval.holdout_seed, cfg.eval.max_examples
+    )
     # Context parallel: bins of C x token_budget tokens are planned and dealt to the world / C data-parallel
     # groups; every rank of a group (cp innermost: ranks g*C .. g*C + C - 1) gets the same bin and shards it.
     cp = cfg.parallel.cp
     packing = dataclasses.replace(cfg.packing, token_budget=cfg.row_budget)
-    sampler = build_sampler(dataset.lengths, packing, rank // cp, world_size // cp, cfg.seed, grad_accum=cfg.grad_accum,
-                            cost=balance_cost(cfg, tokenizer), pair_splits=pair_splits_of(dataset))
+    sampler = build_sampler(
+        dataset.lengths,
+        packing,
+        rank // cp,
+        world_size // cp,
+        cfg.seed,
+        grad_accum=cfg.grad_accum,
+        cost=balance_cost(cfg, tokenizer),
+        pair_splits=pair_splits_of(dataset),
+    )
     collate = collate_packed if cfg.packing.packed else collate_padded
     return TrainingData(tokenizer, dataset, eval_dataset, sampler, collate, max_length)
 
@@ -111,26 +121,38 @@ def check_objective_fits_data(cfg: JobConfig, pairs: bool) -> None:
     wants_pairs = OBJECTIVE_TYPES[cfg.objective].pairs
     if pairs and not wants_pairs:
         on_pairs = " or ".join(f"objective={name}" for name, cls in OBJECTIVE_TYPES.items() if cls.pairs)
-        raise ConfigError(f"data.source={cfg.data.source} holds preference pairs (prompt/chosen/rejected); train "
-                          f"them with {on_pairs} (objective={cfg.objective} would learn the rejected replies too)")
+        raise ConfigError(
+            f"data.source={cfg.data.source} holds preference pairs (prompt/chosen/rejected); train "
+            f"them with {on_pairs} (objective={cfg.objective} would learn the rejected replies too)"
+        )
     if not pairs and wants_pairs:
-        raise ConfigError(f"objective={cfg.objective} needs preference pairs (prompt/chosen/rejected columns); "
-                          f"data.source={cfg.data.source} holds none")
+        raise ConfigError(
+            f"objective={cfg.objective} needs preference pairs (prompt/chosen/rejected columns); "
+            f"data.source={cfg.data.source} holds none"
+        )
 
 
-def streaming_training_data(cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int) -> TrainingData:
+def streaming_training_data(
+    cfg: JobConfig, tokenizer: Any, max_length: int, rank: int, world_size: int
+) -> TrainingData:
     """``data.stream.enabled=true``: this rank's share of the stream (``trainer.data.stream``), packed online
     (``trainer.packing.online``); the eval set and the self-check's examples come from the stream's head."""
     holdout = (cfg.eval.holdout_fraction, cfg.eval.holdout_seed)
     eval_dataset, probe = head_sets(cfg.data, tokenizer, max_length, holdout, cfg.eval.max_examples)
     stream = ExampleStream(cfg.data, tokenizer, max_length, rank, world_size, holdout)
-    sampler = StreamingSampler(stream, cfg.packing, cfg.data.stream.buffer, rank, world_size,
-                               fingerprint=source_fingerprint(cfg.data))
-    log.info("streaming %s: packed online from a window of %d examples per rank; the run is max_steps=%d steps",
-             cfg.data.source, cfg.data.stream.buffer, cfg.max_steps)
+    sampler = StreamingSampler(
+        stream, cfg.packing, cfg.data.stream.buffer, rank, world_size, fingerprint=source_fingerprint(cfg.data)
+    )
+    log.info(
+        "streaming %s: packed online from a window of %d examples per rank; the run is max_steps=%d steps",
+        cfg.data.source,
+        cfg.data.stream.buffer,
+        cfg.max_steps,
+    )
     probe_sampler = build_sampler(probe.lengths, cfg.packing, 0, 1, cfg.seed, cost=balance_cost(cfg, tokenizer))
-    return TrainingData(tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe,
-                        probe_sampler)
+    return TrainingData(
+        tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe, probe_sampler
+    )
 
 
 def balance_cost(cfg: JobConfig, tokenizer: Any) -> TokenCost | None:
@@ -140,7 +162,9 @@ def balance_cost(cfg: JobConfig, tokenizer: Any) -> TokenCost | None:
     if cfg.packing.balance != "flops":
         return None
     base = None if cfg.model.name_or_path else tokenizer_fields(tokenizer)
-    what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
+    what = (
+        f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
+    )
     with library_load(what):
         sizes = config_flop_params(model_config(cfg.model, base=base), cfg.model.trust_remote_code)
     if cfg.peft.method != "none":
@@ -165,7 +189,9 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     config, no weights: dropout, logit softcapping, sinks): a backend that cannot honour one is never given
     the model (``auto`` moves on, a named backend fails with one line naming the family and the argument).
     Resolved once, before any heavy work, so a backend that cannot run fails first."""
-    what = f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
+    what = (
+        f"model.name_or_path={cfg.model.name_or_path}" if cfg.model.name_or_path else f"model.family={cfg.model.family}"
+    )
     with library_load(what):  # a config transformers rejects (dbrx from a bare config): one line
         needs = AttentionNeeds.of(model_config(cfg.model))
     if reason := needs.context_parallel_refusal(cfg.parallel.cp):
@@ -173,4 +199,11 @@ def resolve_attention(cfg: JobConfig, device: torch.device) -> AttentionBackend:
     return resolve_backend(cfg.model.attention, device, DTYPES[cfg.parallel.param_dtype], needs=needs)
 
 
-__all__ = ["TrainingData", "balance_cost", "build_training_data", "model_context", "resolve_attention", "streaming_training_data"]
+__all__ = [
+    "TrainingData",
+    "balance_cost",
+    "build_training_data",
+    "model_context",
+    "resolve_attention",
+    "streaming_training_data",
+]

@@ -123,9 +123,11 @@ class StepBoundary:
             self._watchdog.start()
 
     def _stuck(self, signum: int) -> None:
-        os.write(2, f"packfsdp: rank {distributed.rank()}: {signal.Signals(signum).name} received but no step "
-                    "boundary was reached in time (a stuck collective or kernel): exiting without a checkpoint\n"
-                    .encode())
+        os.write(
+            2,
+            f"packfsdp: rank {distributed.rank()}: {signal.Signals(signum).name} received but no step "
+            "boundary was reached in time (a stuck collective or kernel): exiting without a checkpoint\n".encode(),
+        )
         os._exit(128 + signum)
 
     def _stop_watchdog(self) -> None:

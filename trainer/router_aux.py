@@ -99,8 +99,11 @@ class RouterAux:
         tokens (``tokens`` of ``step_tokens``, all micro-batches and ranks)."""
         return stats.balance_loss() * (tokens / max(step_tokens, 1.0))
 
-    def statistics(self, router_logits: tuple[torch.Tensor, ...] | None, attention_mask: torch.Tensor | None,
-                   ) -> RouterStats:
+    def statistics(
+        self,
+        router_logits: tuple[torch.Tensor, ...] | None,
+        attention_mask: torch.Tensor | None,
+    ) -> RouterStats:
         """``RouterStats`` of the real tokens from the router logits the decoder recorded (one tensor per MoE
         layer, its rows the batch's positions in order): every position of a packed row, the positions a padded
         batch's ``attention_mask`` marks. Probabilities in fp32."""
@@ -143,14 +146,20 @@ def router_aux_of(model: nn.Module) -> RouterAux | None:
     asked = bool(getattr(config, "output_router_logits", False))
     if coef_name is None:
         if asked:
-            log.warning("output_router_logits=true: transformers' %s adds no auxiliary loss to its loss, so neither "
-                        "does packfsdp (nothing extra is trained)", type(model).__name__)
+            log.warning(
+                "output_router_logits=true: transformers' %s adds no auxiliary loss to its loss, so neither "
+                "does packfsdp (nothing extra is trained)",
+                type(model).__name__,
+            )
         return None
     coef = float(getattr(model, coef_name) or 0.0)
     if not asked:
         if coef:
-            log.info("router aux loss: off (%s=%g applies only with output_router_logits=true, as in transformers)",
-                     coef_name, coef)
+            log.info(
+                "router aux loss: off (%s=%g applies only with output_router_logits=true, as in transformers)",
+                coef_name,
+                coef,
+            )
         return None
     return RouterAux(coef, int(model.num_experts), int(model.num_experts_per_tok))
 
@@ -189,17 +198,23 @@ def use_router_aux(model: nn.Module, cp: int, objective: str) -> RouterAux | Non
         return None
     what = f"output_router_logits=true ({type(model.model).__name__}'s router aux loss)"
     if cp > 1:
-        raise ConfigError(f"{what} with parallel.cp={cp}: a row's load-balancing statistic spans its context-parallel "
-                          "shards, which packfsdp does not gather; use parallel.cp=1 or output_router_logits=false")
+        raise ConfigError(
+            f"{what} with parallel.cp={cp}: a row's load-balancing statistic spans its context-parallel "
+            "shards, which packfsdp does not gather; use parallel.cp=1 or output_router_logits=false"
+        )
     if objective != "sft":
-        raise ConfigError(f"{what} with objective={objective}: packfsdp adds the router aux loss to the token loss "
-                          "only; set model.config_overrides.output_router_logits=false")
+        raise ConfigError(
+            f"{what} with objective={objective}: packfsdp adds the router aux loss to the token loss "
+            "only; set model.config_overrides.output_router_logits=false"
+        )
     model.router_aux = aux
     if not probe_router_logits(model):
         model.router_aux = None
-        raise ConfigError(f"{what}: {model.config.model_type}'s decoder records no router logits on transformers "
-                          f"{transformers.__version__}, so the aux loss cannot be computed; "
-                          "set output_router_logits=false")
+        raise ConfigError(
+            f"{what}: {model.config.model_type}'s decoder records no router logits on transformers "
+            f"{transformers.__version__}, so the aux loss cannot be computed; "
+            "set output_router_logits=false"
+        )
     if aux.coef == 0:
         log.warning("%s with coefficient 0: the load-balancing loss is logged, not trained", what)
     else:

@@ -132,16 +132,23 @@ def own_run_id(path: Path, resume: str) -> str:
             "or give a new run_dir"
         )
     run_id = uuid.uuid4().hex[:12]
-    (path / RUN_FILE).write_text(json.dumps({"run_id": run_id, "job_token": job, "created": datetime.now().isoformat()}))
+    (path / RUN_FILE).write_text(
+        json.dumps({"run_id": run_id, "job_token": job, "created": datetime.now().isoformat()})
+    )
     return run_id
 
 
 def take_lock(path: Path) -> None:
     """Create ``<path>/.lock`` for this process, taking over a stale one; refuse a live one."""
     lock = path / LOCK_FILE
-    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid()),
-          "job_token": job_token(), "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
-          "since": datetime.now().isoformat()}
+    me = {
+        "host": socket.gethostname(),
+        "pid": os.getpid(),
+        "started": _process_start(os.getpid()),
+        "job_token": job_token(),
+        "slurm_job": os.environ.get("SLURM_JOB_ID", ""),
+        "since": datetime.now().isoformat(),
+    }
     try:  # no lock yet: create it exclusively, so two runs starting at once cannot both get it
         with os.fdopen(os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY), "w") as f:
             f.write(json.dumps(me))
@@ -208,14 +215,20 @@ def choose_run_dir(cfg: JobConfig) -> Path:
     job = multirun_job_tag()
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "none")
     token = job_token()
-    marker = Path(cfg.output_root).expanduser() / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
+    marker = (
+        Path(cfg.output_root).expanduser() / cfg.name / ".by_run_id" / run_id if run_id != "none" and not job else None
+    )
     recorded = _read_json(marker) if marker is not None and not marker.is_symlink() else {}
     if cfg.run_dir:
         chosen = Path(cfg.run_dir).expanduser() / job if job else Path(cfg.run_dir).expanduser()
     elif recorded.get("job_token") == token and recorded.get("dir"):  # an attempt of this very job, not a reused id
         chosen = Path(recorded["dir"])
-        log.info("torchrun attempt %s of run %s: reusing %s",
-                 os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"), run_id, chosen)
+        log.info(
+            "torchrun attempt %s of run %s: reusing %s",
+            os.environ.get("TORCHELASTIC_RESTART_COUNT", "?"),
+            run_id,
+            chosen,
+        )
     else:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{job}" if job else "")
         chosen = Path(cfg.output_root).expanduser() / cfg.name / stamp

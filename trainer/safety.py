@@ -75,8 +75,12 @@ def builtin_targets() -> frozenset[Any]:
     from torch.optim import lr_scheduler  # noqa: PLC0415 -- with torch.optim above
 
     bases = (torch.optim.Optimizer, lr_scheduler.LRScheduler)
-    return frozenset(obj for module in (torch.optim, lr_scheduler) for obj in vars(module).values()
-                     if isinstance(obj, type) and issubclass(obj, bases))
+    return frozenset(
+        obj
+        for module in (torch.optim, lr_scheduler)
+        for obj in vars(module).values()
+        if isinstance(obj, type) and issubclass(obj, bases)
+    )
 
 
 def locate_target(name: str) -> Any:
@@ -136,7 +140,10 @@ def check_target(
 
 
 def check_targets(
-    tree: Any, path: str = "", allowed: frozenset[Any] | None = None, builtin_prefix: str = BUILTIN_TARGET_PREFIX,
+    tree: Any,
+    path: str = "",
+    allowed: frozenset[Any] | None = None,
+    builtin_prefix: str = BUILTIN_TARGET_PREFIX,
     keys: tuple[str, ...] = ("_target_",),
 ) -> list[str]:
     """Check every ``_target_`` (or other ``keys`` naming a callable) in a nested dict/list, before anything is
@@ -231,8 +238,7 @@ def redact_tree(tree: Any) -> Any:
     """A copy of a nested dict/list with secret-named keys' values and secret strings redacted."""
     if isinstance(tree, dict):
         return {
-            k: (REDACTED if secret_key(k) and v not in (None, "", False) else redact_tree(v))
-            for k, v in tree.items()
+            k: (REDACTED if secret_key(k) and v not in (None, "", False) else redact_tree(v)) for k, v in tree.items()
         }
     if isinstance(tree, (list, tuple)):
         return type(tree)(redact_tree(v) for v in tree)

@@ -30,9 +30,22 @@ log = logging.getLogger("trainer")
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, no sparsity).
 GPU_PEAK_TFLOPS = {
-    "H200": 989.0, "H100": 989.0, "H800": 989.0, "GH200": 989.0, "B200": 2250.0, "A100": 312.0, "A800": 312.0,
-    "A10G": 70.0, "A10": 125.0, "L40S": 362.0, "L40": 181.0, "L4": 121.0, "RTX 4090": 165.0, "RTX 3090": 71.0,
-    "V100": 125.0, "T4": 65.0,
+    "H200": 989.0,
+    "H100": 989.0,
+    "H800": 989.0,
+    "GH200": 989.0,
+    "B200": 2250.0,
+    "A100": 312.0,
+    "A800": 312.0,
+    "A10G": 70.0,
+    "A10": 125.0,
+    "L40S": 362.0,
+    "L40": 181.0,
+    "L4": 121.0,
+    "RTX 4090": 165.0,
+    "RTX 3090": 71.0,
+    "V100": 125.0,
+    "T4": 65.0,
 }
 
 
@@ -57,9 +70,12 @@ class StepCounts:
     def of(cls, batches: list[Batch], units: Callable[[Batch], float] = lambda b: b.num_label_tokens) -> StepCounts:
         """This rank's counts (``units``: what a micro-batch adds to the objective's denominator)."""
         return cls(
-            sum(b.num_label_tokens for b in batches), sum(b.num_tokens for b in batches),
-            sum(b.num_positions for b in batches), sum(b.padded_positions for b in batches),
-            sum(b.sum_squared_lengths for b in batches), sum(units(b) for b in batches),
+            sum(b.num_label_tokens for b in batches),
+            sum(b.num_tokens for b in batches),
+            sum(b.num_positions for b in batches),
+            sum(b.padded_positions for b in batches),
+            sum(b.sum_squared_lengths for b in batches),
+            sum(units(b) for b in batches),
         )
 
     def all_reduced(self, device: torch.device) -> StepCounts:

@@ -129,14 +129,18 @@ def announce_preempted(result: dict) -> None:
 def setup_interrupted_line(signal_name: str) -> str:
     """A stop signal during setup (before Hydra, the tokenizer, the data, the model, the verdict, the
     self-check, the DPO reference): no step was trained since the last checkpoint, nothing to save."""
-    return (f"packfsdp: rank {_rank()}: preempted ({signal_name}) during setup, before any step was trained; "
-            f"nothing to save: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})")
+    return (
+        f"packfsdp: rank {_rank()}: preempted ({signal_name}) during setup, before any step was trained; "
+        f"nothing to save: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})"
+    )
 
 
 def outside_step_line(signal_name: str) -> str:
     """A stop signal in the moments before the loop's first step or after its last boundary."""
-    return (f"packfsdp: rank {_rank()}: preempted ({signal_name}) outside a step; nothing trained since the last "
-            f"checkpoint: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})")
+    return (
+        f"packfsdp: rank {_rank()}: preempted ({signal_name}) outside a step; nothing trained since the last "
+        f"checkpoint: run again with resume=auto (exit code {PREEMPTED_EXIT_CODE})"
+    )
 
 
 def interrupted(e: Interrupted) -> None:

@@ -47,7 +47,6 @@ def reference(tmp_path_factory, cache_dir):
     return root
 
 
-
 WORKERS = ("parallel_worker", "chunked_loss_worker", "lora_worker", "dpo_worker", "router_aux_worker")
 """The worker modules of tests/distributed whose cases ``worker_results`` runs."""
 

@@ -34,14 +34,35 @@ def tiny_model(family: str) -> VarlenCausalLM:
 
     torch.manual_seed(0)
     if family == "gpt2":
-        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=32, n_head=4, n_positions=256, vocab_size=97,
-                                           resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+        model = GPT2LMHeadModel(
+            GPT2Config(
+                n_layer=2,
+                n_embd=32,
+                n_head=4,
+                n_positions=256,
+                vocab_size=97,
+                resid_pdrop=0.0,
+                embd_pdrop=0.0,
+                attn_pdrop=0.0,
+            )
+        )
     else:  # GQA, layer 1 a sliding-window layer of 5 tokens
-        model = Qwen2ForCausalLM(Qwen2Config(
-            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, use_sliding_window=True, sliding_window=5,
-            max_window_layers=1, layer_types=["full_attention", "sliding_attention"], tie_word_embeddings=False,
-        ))
+        model = Qwen2ForCausalLM(
+            Qwen2Config(
+                vocab_size=97,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                max_position_embeddings=256,
+                use_sliding_window=True,
+                sliding_window=5,
+                max_window_layers=1,
+                layer_types=["full_attention", "sliding_attention"],
+                tie_word_embeddings=False,
+            )
+        )
     return VarlenCausalLM(model.float(), resolve_backend("sdpa_varlen", torch.device("cpu")))
 
 
@@ -148,9 +169,11 @@ def composition_cases(groups) -> dict:
         items = list(range(len(lengths)))
         ref_logits, ref_loss, ref_grads = reference(model, data, items)
         logits, loss, g = context_parallel(model, data, items, cp, "balanced", group)
-        out[name] = {"logits": float((logits - ref_logits).abs().max()),
-                     "loss": abs(loss - ref_loss) / max(abs(ref_loss), 1.0),
-                     "grad": max(float((g[n] - ref_grads[n]).abs().max()) for n in g)}
+        out[name] = {
+            "logits": float((logits - ref_logits).abs().max()),
+            "loss": abs(loss - ref_loss) / max(abs(ref_loss), 1.0),
+            "grad": max(float((g[n] - ref_grads[n]).abs().max()) for n in g),
+        }
 
     model = tiny_model("qwen2")
     apply_activation_checkpointing(model.decoder_layers(), ParallelConfig(activation_checkpointing="full"))
@@ -213,8 +236,11 @@ def self_check_cases(groups) -> dict:
             broken = measure(model, row, route=route)
         finally:
             cp_attention.gather_tokens = gather
-        out[f"self_check/cp{cp}"] = {"failed": float(not good.ok), "broken_passed": float(broken.ok),
-                                     "grad_gap": good.grad_gap if good.grad_gap < 1e-4 else 1.0}
+        out[f"self_check/cp{cp}"] = {
+            "failed": float(not good.ok),
+            "broken_passed": float(broken.ok),
+            "grad_gap": good.grad_gap if good.grad_gap < 1e-4 else 1.0,
+        }
     return out
 
 

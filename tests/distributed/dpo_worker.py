@@ -21,9 +21,17 @@ from trainer.objectives.dpo import PairLoss
 from trainer.objectives.reference import plan_reference
 from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 
-SIZES = {"gpt2": LORA_SIZES["gpt2"],
-         "qwen2": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, max_position_embeddings=512)}
+SIZES = {
+    "gpt2": LORA_SIZES["gpt2"],
+    "qwen2": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+}
 CFG = DPOConfig(beta=0.5)
 
 
@@ -69,15 +77,23 @@ def run_case(family: str, lora: bool, tokenizer, microbatches, rank: int) -> dic
             p.add_(0.01 * torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())))
     model = parallelize(model, mesh, cfg)
     ref = plan.build(model, lambda m: parallelize(m, mesh, cfg), [], 0, torch.device("cpu"))
-    local = accumulate(model, PairLoss(CFG, ref), microbatches[2 * rank: 2 * rank + 2], global_pairs)
+    local = accumulate(model, PairLoss(CFG, ref), microbatches[2 * rank : 2 * rank + 2], global_pairs)
     loss_two = distributed.all_reduce_sum([local], torch.device("cpu"))[0]
     grads = {n: p.grad for n, p in one.named_parameters() if p.requires_grad}
-    diffs = {n: float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in model.named_parameters() if p.requires_grad}
+    diffs = {
+        n: float((p.grad.full_tensor() - grads[n]).abs().max()) for n, p in model.named_parameters() if p.requires_grad
+    }
     sharded_ref = ref.model if plan.kind == "copy" else None
-    return {"max_grad_diff": max(diffs.values()), "params": len(diffs), "loss_diff": abs(loss_one - loss_two),
-            "loss": loss_one / global_pairs, "reference": plan.kind,
-            "reference_sharded": sharded_ref is not None and all(hasattr(p, "full_tensor") for p in sharded_ref.parameters()),
-            "reference_frozen": sharded_ref is None or not any(p.requires_grad for p in sharded_ref.parameters())}
+    return {
+        "max_grad_diff": max(diffs.values()),
+        "params": len(diffs),
+        "loss_diff": abs(loss_one - loss_two),
+        "loss": loss_one / global_pairs,
+        "reference": plan.kind,
+        "reference_sharded": sharded_ref is not None
+        and all(hasattr(p, "full_tensor") for p in sharded_ref.parameters()),
+        "reference_frozen": sharded_ref is None or not any(p.requires_grad for p in sharded_ref.parameters()),
+    }
 
 
 def precompute_case(tokenizer, pairs, microbatches) -> dict:
@@ -104,6 +120,9 @@ def run_cases(cache: str) -> dict[str, dict]:
     tokenizer = load_tokenizer(ModelConfig(), DataConfig(num_records=300, cache_dir=cache))
     pairs = load_dataset(DataConfig(source="preference_synthetic", num_records=16, cache_dir=cache), tokenizer, 512)
     microbatches = [collate_packed(pairs, list(range(3 * i, 3 * i + 3)), tokenizer.pad_token_id) for i in range(4)]
-    cases = {f"{family}_{'lora' if lora else 'full'}": run_case(family, lora, tokenizer, microbatches, rank)
-             for family in SIZES for lora in (False, True)}
+    cases = {
+        f"{family}_{'lora' if lora else 'full'}": run_case(family, lora, tokenizer, microbatches, rank)
+        for family in SIZES
+        for lora in (False, True)
+    }
     return cases | {"precompute": precompute_case(tokenizer, pairs, microbatches)}

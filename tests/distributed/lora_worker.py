@@ -24,8 +24,14 @@ from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 
 SIZES = {
     "gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
-    "llama": dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256),
+    "llama": dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    ),
 }
 PARALLEL = {
     "fp32": dict(param_dtype="float32", reduce_dtype="float32"),
@@ -57,7 +63,7 @@ def run_case(family: str, parallel: str, tokenizer, microbatches, rank: int) -> 
     accumulate(reference, microbatches, global_labels)
     cfg = ParallelConfig(device="cpu", backend="gloo", **PARALLEL[parallel])
     model = parallelize(lora_model(family, tokenizer), build_mesh(torch.device("cpu"), 2, cfg), cfg)
-    accumulate(model, microbatches[2 * rank: 2 * rank + 2], global_labels)
+    accumulate(model, microbatches[2 * rank : 2 * rank + 2], global_labels)
     optimizer = build_optimizer(model, OptimConfig())
     held = {id(p) for group in optimizer.param_groups for p in group["params"]}
     diffs, placements = {}, set()
@@ -69,8 +75,12 @@ def run_case(family: str, parallel: str, tokenizer, microbatches, rank: int) -> 
         assert isinstance(p, DTensor) and id(p) in held, f"{name} is not a sharded parameter of the optimizer"
         placements.add(str(p.placements))
         diffs[name] = float((p.grad.full_tensor().float() - ref_grads[name]).abs().max())
-    return {"max_grad_diff": max(diffs.values()), "adapters": len(diffs), "placements": sorted(placements),
-            "optimizer_params": len(held)}
+    return {
+        "max_grad_diff": max(diffs.values()),
+        "adapters": len(diffs),
+        "placements": sorted(placements),
+        "optimizer_params": len(held),
+    }
 
 
 def run_cases(cache: str) -> dict[str, dict]:
@@ -80,5 +90,6 @@ def run_cases(cache: str) -> dict[str, dict]:
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
     microbatches = [collate_packed(dataset, list(range(3 * i, 3 * i + 3)), tokenizer.pad_token_id) for i in range(4)]
     cases = [(family, parallel) for family in SIZES for parallel in ("fp32", "bf16")] + [("llama", "fp32_ac")]
-    return {f"{family}_{parallel}": run_case(family, parallel, tokenizer, microbatches, rank)
-            for family, parallel in cases}
+    return {
+        f"{family}_{parallel}": run_case(family, parallel, tokenizer, microbatches, rank) for family, parallel in cases
+    }

@@ -46,8 +46,9 @@ def run_cases(cache: str) -> dict[str, dict]:
     data_cfg = DataConfig(num_records=300, cache_dir=cache)
     model_cfg = ModelConfig(
         family="gpt2",
-        config_overrides=dict(n_layer=3, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0,
-                              attn_pdrop=0.0),
+        config_overrides=dict(
+            n_layer=3, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0
+        ),
     )
     tokenizer = load_tokenizer(model_cfg, data_cfg)
     dataset = load_dataset(data_cfg, tokenizer, max_length=256)
@@ -90,7 +91,9 @@ def run_cases(cache: str) -> dict[str, dict]:
         placements = None
         for n, p in model.named_parameters():
             if p.grad is None:
-                raise RuntimeError(f"{name}: no gradient for {n}: missing {[m for m, q in model.named_parameters() if q.grad is None]}")
+                raise RuntimeError(
+                    f"{name}: no gradient for {n}: missing {[m for m, q in model.named_parameters() if q.grad is None]}"
+                )
             grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             diff = float((grad.float() - ref_grads[n]).abs().max())
             if diff > worst:

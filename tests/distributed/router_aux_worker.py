@@ -23,9 +23,18 @@ from trainer.parallel import build_mesh, parallelize, set_gradient_sync
 from trainer.router_aux import use_router_aux
 
 FP32 = ParallelConfig(device="cpu", backend="gloo", param_dtype="float32", reduce_dtype="float32")
-MIXTRAL = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=256, num_local_experts=4, num_experts_per_tok=2, output_router_logits=True,
-               router_aux_loss_coef=0.05)
+MIXTRAL = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    output_router_logits=True,
+    router_aux_loss_coef=0.05,
+)
 
 
 def step(model, batches, labels: float, tokens: float) -> tuple[float, float, dict[str, torch.Tensor]]:
@@ -53,7 +62,10 @@ def run_cases(cache: str) -> dict[str, dict]:
     use_router_aux(base, cp=1, objective="sft")
     sizes = (3, 5, 2, 6)  # micro-batches of different sizes: their weights differ
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    batches = [collate_packed(dataset, list(range(s, s + n)), tokenizer.pad_token_id) for s, n in zip(starts, sizes, strict=True)]
+    batches = [
+        collate_packed(dataset, list(range(s, s + n)), tokenizer.pad_token_id)
+        for s, n in zip(starts, sizes, strict=True)
+    ]
     labels = float(sum(b.num_label_tokens for b in batches))
     tokens = float(sum(b.num_tokens for b in batches))
     ref_objective, ref_aux, ref_grads = step(copy.deepcopy(base), batches, labels, tokens)
@@ -63,7 +75,13 @@ def run_cases(cache: str) -> dict[str, dict]:
     objective, aux, grads = step(model, batches[2 * rank : 2 * rank + 2], labels, tokens)
     objective, aux = distributed.all_reduce_sum([objective, aux], device)
     worst = max((float((grads[n] - g).abs().max()), n) for n, g in ref_grads.items())
-    return {"fp32": {"objective_rel_diff": abs(objective - ref_objective) / ref_objective,
-                     "aux_rel_diff": abs(aux - ref_aux) / ref_aux, "aux": aux, "max_grad_diff": worst[0],
-                     "worst_param": worst[1], "router_grad_norm": max(float(g.norm()) for n, g in ref_grads.items()
-                                                                       if n.endswith("gate.weight"))}}
+    return {
+        "fp32": {
+            "objective_rel_diff": abs(objective - ref_objective) / ref_objective,
+            "aux_rel_diff": abs(aux - ref_aux) / ref_aux,
+            "aux": aux,
+            "max_grad_diff": worst[0],
+            "worst_param": worst[1],
+            "router_grad_norm": max(float(g.norm()) for n, g in ref_grads.items() if n.endswith("gate.weight")),
+        }
+    }

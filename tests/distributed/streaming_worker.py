@@ -24,10 +24,21 @@ from trainer.data import stream as streaming
 
 def streaming_overrides(cache_dir: str, **extra) -> list[str]:
     base = {
-        "recipe": "cpu_chat_sft", "data.stream.enabled": "true", "data.num_records": 300, "data.stream.buffer": 4,
-        "data.stream.eval_records": 100, "eval.holdout_fraction": 0.1, "data.cache_dir": cache_dir,
-        "data.max_length": 256, "packing.token_budget": 256, "max_steps": 5, "checkpoint.every_steps": 2,
-        "checkpoint.keep_last": 0, "eval.every": 0, "model.self_check": "false", "logger.peak_tflops": 1,
+        "recipe": "cpu_chat_sft",
+        "data.stream.enabled": "true",
+        "data.num_records": 300,
+        "data.stream.buffer": 4,
+        "data.stream.eval_records": 100,
+        "eval.holdout_fraction": 0.1,
+        "data.cache_dir": cache_dir,
+        "data.max_length": 256,
+        "packing.token_budget": 256,
+        "max_steps": 5,
+        "checkpoint.every_steps": 2,
+        "checkpoint.keep_last": 0,
+        "eval.every": 0,
+        "model.self_check": "false",
+        "logger.peak_tflops": 1,
     }
     return [f"{k}={v}" for k, v in (base | extra).items()]
 
@@ -37,8 +48,12 @@ def run(overrides: list[str]) -> tuple[dict, dict[str, torch.Tensor]]:
         cfg = to_job_config(compose("config", overrides))
     trainer = HarnessTrainer(cfg, None)
     result = trainer.train()
-    record = {"examples": trainer.gathered_examples(), "final_eval_loss": result["final_eval_loss"],
-              "eval_examples": result["eval_examples"], "steps": result["steps"]}
+    record = {
+        "examples": trainer.gathered_examples(),
+        "final_eval_loss": result["final_eval_loss"],
+        "eval_examples": result["eval_examples"],
+        "steps": result["steps"],
+    }
     return record, full_tensors(trainer)
 
 
@@ -52,7 +67,8 @@ def main(out: Path, cache_dir: str) -> None:
     resumed, resumed_tensors = run(streaming_overrides(cache_dir, run_dir=out.parent / "resumed", resume=step2))
     if distributed.rank() == 0:
         same = whole_tensors.keys() == resumed_tensors.keys() and all(
-            torch.equal(whole_tensors[k], resumed_tensors[k]) for k in whole_tensors)
+            torch.equal(whole_tensors[k], resumed_tensors[k]) for k in whole_tensors
+        )
         out.write_text(json.dumps({"whole": whole, "resumed": resumed, "same_final_state": same}, default=str))
     distributed.destroy_distributed()
 

@@ -19,6 +19,8 @@ def test_context_parallel_equals_one_by_one(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     results = json.loads((tmp_path / "context_parallel_worker.json").read_text())
-    assert len(results) == 2 * 9 * 2 * 2 + 4 + 2 + 2 + 2  # families x cases x cp x splits; step skew; self-check; eval; compositions
+    assert (
+        len(results) == 2 * 9 * 2 * 2 + 4 + 2 + 2 + 2
+    )  # families x cases x cp x splits; step skew; self-check; eval; compositions
     bad = {name: r for name, r in results.items() if max(r.values()) > 1e-5}
     assert not bad, bad

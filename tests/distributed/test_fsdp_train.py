@@ -22,13 +22,29 @@ PACKINGS = ["bfd", "none"]
 def sweep(tmp_path_factory) -> tuple[str, dict[str, Path]]:
     """Rank 0's stdout and the run directory of each packing strategy."""
     root = tmp_path_factory.mktemp("fsdp_train")
-    out = run_torchrun([
-        "-m", "trainer.train", "-m", "recipe=cpu_dailydialog", f"packing={','.join(PACKINGS)}", "data.num_records=600",
-        "packing.token_budget=512", "data.max_length=512", "max_steps=12", "grad_accum=2", "optim.lr=3e-3", "optim.warmup_steps=2",
-        f"run_dir={root / 'runs'}", "logger.peak_tflops=1",  # MFU is not under test: skip measuring the CPU (seconds)
-    ], cwd=root)
+    out = run_torchrun(
+        [
+            "-m",
+            "trainer.train",
+            "-m",
+            "recipe=cpu_dailydialog",
+            f"packing={','.join(PACKINGS)}",
+            "data.num_records=600",
+            "packing.token_budget=512",
+            "data.max_length=512",
+            "max_steps=12",
+            "grad_accum=2",
+            "optim.lr=3e-3",
+            "optim.warmup_steps=2",
+            f"run_dir={root / 'runs'}",
+            "logger.peak_tflops=1",  # MFU is not under test: skip measuring the CPU (seconds)
+        ],
+        cwd=root,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    runs = {yaml.safe_load((d / "config.yaml").read_text())["packing"]["strategy"]: d for d in (root / "runs").iterdir()}
+    runs = {
+        yaml.safe_load((d / "config.yaml").read_text())["packing"]["strategy"]: d for d in (root / "runs").iterdir()
+    }
     assert sorted(runs) == sorted(PACKINGS)
     return out.stdout, runs
 

@@ -67,8 +67,9 @@ def test_resume_at_2_to_4_is_bitwise_equal(lora_reference, tmp_path, cache_dir):
     ref = losses(lora_reference / "run")
     assert sorted(ref) == [1, 2, 3, 4] and losses(run) == {step: ref[step] for step in (3, 4)}, second.stdout[-2000:]
     assert json.loads((tmp_path / "second" / "result.json").read_text())["resumed_step"] == 2
-    assert_tensors_equal(load_file(tmp_path / "second" / "final.safetensors"),
-                         load_file(lora_reference / "out" / "final.safetensors"))
+    assert_tensors_equal(
+        load_file(tmp_path / "second" / "final.safetensors"), load_file(lora_reference / "out" / "final.safetensors")
+    )
 
 
 def test_export_merged_and_adapter_give_the_trained_logits(lora_reference, tmp_path):

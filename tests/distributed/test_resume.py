@@ -18,6 +18,7 @@ from trainer.checkpoint import complete_checkpoints, read_full_tensors
 
 pytestmark = pytest.mark.slow
 
+
 def losses(run_dir: Path) -> dict[int, float]:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in records]
@@ -58,8 +59,9 @@ def test_stop_at_6_then_resume_to_10_is_bitwise_equal(reference, tmp_path, cache
     ref_losses, got = losses(reference / "run"), losses(run)
     assert sorted(got) == list(range(1, 11))
     assert [got[s] for s in range(7, 11)] == [ref_losses[s] for s in range(7, 11)]
-    assert_tensors_equal(load_file(tmp_path / "second" / "final.safetensors"),
-                         load_file(reference / "out" / "final.safetensors"))
+    assert_tensors_equal(
+        load_file(tmp_path / "second" / "final.safetensors"), load_file(reference / "out" / "final.safetensors")
+    )
     second = json.loads((tmp_path / "second" / "result.json").read_text())
     assert second["resumed_step"] == 6
 
@@ -78,8 +80,9 @@ def test_killed_rank_restarts_and_ends_like_the_uninterrupted_run(reference, tmp
     ref_losses, got = losses(reference / "run"), losses(run_dirs[0])
     assert sorted(got) == list(range(1, 11))
     assert got[10] == ref_losses[10]
-    assert_tensors_equal(load_file(tmp_path / "out" / "final.safetensors"),
-                         load_file(reference / "out" / "final.safetensors"))
+    assert_tensors_equal(
+        load_file(tmp_path / "out" / "final.safetensors"), load_file(reference / "out" / "final.safetensors")
+    )
 
 
 def test_reshard_2_to_1_to_2_loads_parameters_and_optimizer_exactly(reference, tmp_path, cache_dir):
@@ -105,10 +108,15 @@ def test_reshard_2_to_1_to_2_loads_parameters_and_optimizer_exactly(reference, t
     # of the 2-rank run never saw. (That every remaining bin is served exactly once on the new world size
     # is the sampler's own contract, tested in tests/unit/test_sampler.py.)
     assert sorted(losses(one)) == [7, 8] and sorted(losses(tmp_path / "two")) == [7, 8]
-    assert [p.name for p in complete_checkpoints(tmp_path / "two" / "checkpoints")] == ["step_00000006", "step_00000008"]
+    assert [p.name for p in complete_checkpoints(tmp_path / "two" / "checkpoints")] == [
+        "step_00000006",
+        "step_00000008",
+    ]
     seen = {i for step, ids in reference_examples(reference).items() if int(step) <= 6 for i in ids}
     for out in ("out1", "out2"):
-        later = [i for ids in json.loads((tmp_path / out / "result.json").read_text())["examples"].values() for i in ids]
+        later = [
+            i for ids in json.loads((tmp_path / out / "result.json").read_text())["examples"].values() for i in ids
+        ]
         assert later and not seen & set(later), f"{out}: examples of steps 1-6 repeated after the reshard"
 
 

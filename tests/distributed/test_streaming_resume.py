@@ -23,7 +23,9 @@ def test_streaming_run_resumed_at_step_2_equals_the_uninterrupted_run(tmp_path, 
     whole, resumed = record["whole"], record["resumed"]
     step2 = complete_checkpoints(tmp_path / "whole" / "checkpoints")[0]
     assert step2.name == "step_00000002" and sorted(p.name for p in (step2 / "data").iterdir()) == [
-        "rank_00000.safetensors", "rank_00001.safetensors"]
+        "rank_00000.safetensors",
+        "rank_00001.safetensors",
+    ]
 
     expected, got = losses(tmp_path / "whole"), losses(tmp_path / "resumed")
     assert sorted(got) == [3, 4, 5] and all(got[s] == expected[s] for s in got), (got, expected)

@@ -18,9 +18,16 @@ register_configs_once()  # check_overrides (test_bad_config.py) finds the recipe
 
 # The CPU recipe, shrunk so a step takes milliseconds: faults, not throughput, are under test.
 SMALL_RUN = [
-    "recipe=cpu_dailydialog", "data.num_records=300", "data.max_length=256", "packing.token_budget=256",
-    "model.config_overrides.n_embd=32", "model.config_overrides.n_positions=256", "max_steps=50", "grad_accum=1",
-    "optim.warmup_steps=0", "logger.peak_tflops=1",  # a fixed peak: measuring this CPU's bf16 rate takes seconds
+    "recipe=cpu_dailydialog",
+    "data.num_records=300",
+    "data.max_length=256",
+    "packing.token_budget=256",
+    "model.config_overrides.n_embd=32",
+    "model.config_overrides.n_positions=256",
+    "max_steps=50",
+    "grad_accum=1",
+    "optim.warmup_steps=0",
+    "logger.peak_tflops=1",  # a fixed peak: measuring this CPU's bf16 rate takes seconds
 ]
 
 

@@ -30,7 +30,10 @@ def one_error_line(capsys, overrides: list[str]) -> str:
     "override, expected",
     [
         # wrong types (OmegaConf/Hydra errors, caught and reduced to one line)
-        ("packing.token_budget=abc", "packing.token_budget: Value 'abc' of type 'str' could not be converted to Integer"),
+        (
+            "packing.token_budget=abc",
+            "packing.token_budget: Value 'abc' of type 'str' could not be converted to Integer",
+        ),
         ("max_steps=1.5", "max_steps: Value '1.5' of type 'float' could not be converted to Integer"),
         ("logger.wandb=maybe", "logger.wandb: Value 'maybe' is not a valid bool"),
         ("no_such_key=3", "Key 'no_such_key' not in 'JobConfig'"),
@@ -55,7 +58,10 @@ def one_error_line(capsys, overrides: list[str]) -> str:
         # _target_ outside the allowlist, at the top or nested (Hydra instantiates nested targets too)
         ("optim.optimizer._target_=os.system", "optim.optimizer._target_='os.system' is not allowed"),
         ("optim.optimizer._target_=torch.load", "optim.optimizer._target_='torch.load' is not allowed"),
-        ("+optim.optimizer.hook._target_=builtins.eval", "optim.optimizer.hook._target_='builtins.eval' is not allowed"),
+        (
+            "+optim.optimizer.hook._target_=builtins.eval",
+            "optim.optimizer.hook._target_='builtins.eval' is not allowed",
+        ),
     ],
 )
 def test_bad_config_is_one_line(capsys, override, expected):
@@ -107,7 +113,12 @@ def test_type_error_from_the_command_line_is_one_line(capsys, monkeypatch):
 
 @pytest.mark.parametrize(
     "strategy, oversize, outcome",
-    [("bfd", "error", "error"), ("bfd", "drop", "dropped"), ("bfd_split", "error", "split"), ("wrapped", "error", "split")],
+    [
+        ("bfd", "error", "error"),
+        ("bfd", "drop", "dropped"),
+        ("bfd_split", "error", "split"),
+        ("wrapped", "error", "split"),
+    ],
 )
 def test_example_over_the_budget_follows_the_strategy_rule_and_is_counted(strategy, oversize, outcome):
     """Item 4's last case, at the packing stage (the data stage's truncate/drop is in test_bad_data.py)."""

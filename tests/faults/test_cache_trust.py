@@ -44,12 +44,15 @@ def judged(tmp_path, monkeypatch) -> list[str]:
     return calls
 
 
-@pytest.mark.parametrize("forged", [
-    '{"outcome": "exact", "line": ""}',  # the issue's forgery: lfm2's conv layers then trained mixing examples
-    '{"outcome": "exa',  # truncated: a JSONDecodeError traceback on every later run
-    "llama",  # a genuine entry of another config, copied over this one
-    "edited",  # a genuine entry, its outcome edited (the checksum no longer matches)
-])
+@pytest.mark.parametrize(
+    "forged",
+    [
+        '{"outcome": "exact", "line": ""}',  # the issue's forgery: lfm2's conv layers then trained mixing examples
+        '{"outcome": "exa',  # truncated: a JSONDecodeError traceback on every later run
+        "llama",  # a genuine entry of another config, copied over this one
+        "edited",  # a genuine entry, its outcome edited (the checksum no longer matches)
+    ],
+)
 def test_a_damaged_or_forged_verdict_is_judged_again(forged, judged, tmp_path, caplog):
     with pytest.raises(FamilyRefusedError, match="'lfm2'.*layer_types contains 'conv'"):
         certify_config(lfm2_with_conv_layers())
@@ -114,7 +117,9 @@ def test_a_data_cache_changed_during_a_run_stops_it_before_a_step_trains_on_it(c
         change(copy / "tokens.npy")
         before = [p.detach().clone() for p in trainer.model.parameters()]
         # CacheChanged, a BadRecordError: "packfsdp: data error: ...", exit code 2
-        with pytest.raises(BadRecordError, match=rf"{copy / 'tokens.npy'} was .* while this run read it .*nothing was trained"):
+        with pytest.raises(
+            BadRecordError, match=rf"{copy / 'tokens.npy'} was .* while this run read it .*nothing was trained"
+        ):
             trainer.train_step()
         assert all(torch.equal(a, b) for a, b in zip(before, trainer.model.parameters(), strict=True))
     finally:
@@ -142,6 +147,7 @@ def unsealed(folder):
 def test_a_changed_local_tokenizer_is_trained_again(change, tmp_path, caplog):
     def texts():
         return iter(["hello there, general kenobi", "you are a bold one"] * 50)
+
     first = local_tokenizer(texts, 300, tmp_path, "key")
     [folder] = list((tmp_path / "tokenizers").iterdir())
     change(folder)

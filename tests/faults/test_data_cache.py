@@ -100,7 +100,9 @@ def test_a_full_disk_during_the_build_names_the_cache_folder(tmp_path, monkeypat
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**9, 10**9, 4096))
-    with pytest.raises(CacheBuildError, match=rf"building the data cache in {tmp_path / 'c'} failed: no space left on device"):
+    with pytest.raises(
+        CacheBuildError, match=rf"building the data cache in {tmp_path / 'c'} failed: no space left on device"
+    ):
         with build_errors(tmp_path / "c"):
             raise OSError("514943 requested and 111048 written")  # numpy's tofile on a full disk
     with pytest.raises(FileNotFoundError):  # a missing source file keeps its own error

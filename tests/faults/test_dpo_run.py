@@ -20,9 +20,17 @@ from trainer.checkpoint import complete_checkpoints
 from trainer.config import ConfigError
 
 DPO_RUN = [
-    "recipe=cpu_dpo", "data.num_records=120", "data.max_length=512", "packing.token_budget=512", "max_steps=4",
-    "checkpoint.every_steps=3", "eval.every=2", "eval.holdout_fraction=0.1", "optim.warmup_steps=0",
-    "logger.peak_tflops=1", "model.self_check=false",
+    "recipe=cpu_dpo",
+    "data.num_records=120",
+    "data.max_length=512",
+    "packing.token_budget=512",
+    "max_steps=4",
+    "checkpoint.every_steps=3",
+    "eval.every=2",
+    "eval.holdout_fraction=0.1",
+    "optim.warmup_steps=0",
+    "logger.peak_tflops=1",
+    "model.self_check=false",
 ]
 """Checkpoints by cadence after step 3 and at the end (4): one after step 1 or 2 comes from a stop signal."""
 
@@ -69,8 +77,10 @@ def assert_same_run(a, b, run_a, run_b) -> None:
     """Bitwise: every step's loss, gradient norm, useful tokens and DPO metrics, every eval, every weight."""
     keys = ("step", "loss", "grad_norm", "useful_tokens", "preference")
     assert [[r[k] for k in keys] for r in records(run_b)] == [[r[k] for k in keys] for r in records(run_a)]
+
     def same(es):  # what two runs share (their times differ)
         return [(e["step"], e["eval_loss"], e["preference"]) for e in es]
+
     assert same(records(run_a, "eval.jsonl")) == same(records(run_b, "eval.jsonl"))
     for p, q in zip(a.model.parameters(), b.model.parameters(), strict=True):
         assert torch.equal(p.full_tensor(), q.full_tensor())
@@ -100,13 +110,18 @@ def live_run(tmp_path_factory):
         for logger in loggers:
             logger.removeHandler(lines)
     log = "\n".join(lines.lines)
-    assert re.search(r"certified exact: .*; self-check packed micro-batch .* max \|sequence log-prob diff\| .* gradient gap "
-                     r"\S+ \(dpo sigmoid loss;", log), log
+    assert re.search(
+        r"certified exact: .*; self-check packed micro-batch .* max \|sequence log-prob diff\| .* gradient gap "
+        r"\S+ \(dpo sigmoid loss;",
+        log,
+    ), log
     assert re.search(r"startup self-check batch: \d+ preference pairs", log), log
     return trainer, run_dir
 
 
-def test_dpo_trains_is_preempted_in_its_eval_resumes_bitwise_and_refuses_a_changed_beta(live_run, tmp_path, monkeypatch):
+def test_dpo_trains_is_preempted_in_its_eval_resumes_bitwise_and_refuses_a_changed_beta(
+    live_run, tmp_path, monkeypatch
+):
     """SIGTERM during the step-2 DPO eval (the watchdog's grace covers the eval): the eval ends, the step-2
     checkpoint is saved, the run returns preempted; ``resume=auto`` rebuilds the frozen reference from the
     starting weights and trains steps 3-4 as the run never stopped."""
@@ -114,8 +129,7 @@ def test_dpo_trains_is_preempted_in_its_eval_resumes_bitwise_and_refuses_a_chang
 
     whole, whole_dir = live_run
     with one_rank_world():
-        resumed = preempted_then_resumed(monkeypatch, tmp_path / "cut", DPO, "evaluate",
-                                         signal.SIGTERM, 2)
+        resumed = preempted_then_resumed(monkeypatch, tmp_path / "cut", DPO, "evaluate", signal.SIGTERM, 2)
         with pytest.raises(ConfigError, match=r"dpo\.beta: 0\.1 -> 0\.3"):
             run(tmp_path / "cut", "resume=auto", "dpo.beta=0.3", "max_steps=6")
     steps = records(whole_dir)
@@ -133,7 +147,9 @@ def test_dpo_trains_is_preempted_in_its_eval_resumes_bitwise_and_refuses_a_chang
 
 
 def test_precomputed_reference_trains_is_preempted_resumes_bitwise_and_matches_the_live_one(
-    live_run, tmp_path, monkeypatch,
+    live_run,
+    tmp_path,
+    monkeypatch,
 ):
     """``dpo.reference=precompute``: one pass before training (the policy resharded after it, so the optimizer
     holds the sharded parameters and checkpoints save), then the live reference's losses; preempted after
@@ -143,12 +159,18 @@ def test_precomputed_reference_trains_is_preempted_resumes_bitwise_and_matches_t
 
     with one_rank_world():
         pre = run(tmp_path / "pre", "dpo.reference=precompute")
-        resumed = preempted_then_resumed(monkeypatch, tmp_path / "cut", Trainer, "train_step", signal.SIGUSR1, 1,
-                                         "dpo.reference=precompute")
+        resumed = preempted_then_resumed(
+            monkeypatch, tmp_path / "cut", Trainer, "train_step", signal.SIGUSR1, 1, "dpo.reference=precompute"
+        )
     held = [p for group in pre.optimizer.param_groups for p in group["params"]]
     assert all(hasattr(p, "full_tensor") for p in held)  # the sharded parameters, not gathered copies
     assert resumed.objective.reference.fingerprint == pre.objective.reference.fingerprint
     assert_same_run(pre, resumed, tmp_path / "pre", tmp_path / "cut")
     live = records(live_run[1])
-    for a, b in zip(live, records(tmp_path / "pre"), strict=True):  # bf16 compute: the pass's bins differ from training's
-        assert abs(a["loss"] - b["loss"]) < 2e-3 and abs(a["preference"]["rewards/margins"] - b["preference"]["rewards/margins"]) < 2e-3
+    for a, b in zip(
+        live, records(tmp_path / "pre"), strict=True
+    ):  # bf16 compute: the pass's bins differ from training's
+        assert (
+            abs(a["loss"] - b["loss"]) < 2e-3
+            and abs(a["preference"]["rewards/margins"] - b["preference"]["rewards/margins"]) < 2e-3
+        )

@@ -15,8 +15,12 @@ from trainer.objectives import MicroLoss
 
 
 def _batch() -> Batch:
-    return Batch(input_ids=torch.ones(1, 4, dtype=torch.long), labels=torch.ones(1, 4, dtype=torch.long),
-                 position_ids=torch.arange(4)[None], num_label_tokens=3)
+    return Batch(
+        input_ids=torch.ones(1, 4, dtype=torch.long),
+        labels=torch.ones(1, 4, dtype=torch.long),
+        position_ids=torch.arange(4)[None],
+        num_label_tokens=3,
+    )
 
 
 class _Objective:

@@ -31,8 +31,13 @@ def float_fields(obj, prefix=""):
 def test_every_float_setting_refuses_nan_and_inf():
     cfg = compose_job(BASE)
     keys = list(float_fields(cfg))
-    assert {"optim.lr", "optim.weight_decay", "optim.grad_clip", "checkpoint.every_minutes",
-            "guard.collective_timeout_s"} <= set(keys)
+    assert {
+        "optim.lr",
+        "optim.weight_decay",
+        "optim.grad_clip",
+        "checkpoint.every_minutes",
+        "guard.collective_timeout_s",
+    } <= set(keys)
     for key in keys:
         for bad in (float("nan"), float("inf"), -float("inf")):
             broken = copy.deepcopy(cfg)
@@ -82,7 +87,9 @@ def test_packing_structures_grow_with_bins_not_budget_units(pack):
 
 def test_dpo_beta_of_1e12_is_one_line():
     """Issue 33, case 11: dpo.beta=1e12 was accepted (held-out loss 7e10, no warning)."""
-    with pytest.raises(ConfigError, match=r"dpo.beta=1e\+12 has no sane meaning \(rewards are beta x log-prob ratios.*in \[0, 100\)"):
+    with pytest.raises(
+        ConfigError, match=r"dpo.beta=1e\+12 has no sane meaning \(rewards are beta x log-prob ratios.*in \[0, 100\)"
+    ):
         compose_job(["recipe=cpu_dpo", "dpo.beta=1e12"])
 
 
@@ -91,16 +98,38 @@ def base_job() -> JobConfig:
     return compose_job(BASE)
 
 
-@pytest.mark.parametrize("change, line", [
-    (lambda job: setattr(job.optim, "lr", 50.0), r"optim.lr=50 has no sane meaning"),
-    (lambda job: setattr(job.optim, "weight_decay", 2e4), r"optim.lr x optim.weight_decay=20 has no sane meaning \(AdamW's"),
-    (lambda job: job.optim.optimizer.update(betas=[0.9, 1.5]), r"optim.optimizer.betas=1.5 has no sane meaning"),
-    (lambda job: job.optim.optimizer.update(eps=1e6), r"optim.optimizer.eps=1e\+06 has no sane meaning"),
-    (lambda job: setattr(job.dpo, "simpo_gamma", 1e9), r"dpo.simpo_gamma=1e\+09 has no sane meaning"),
-    (lambda job: setattr(job.peft, "alpha", 1e6), r"peft.alpha / peft.rank=125000 has no sane meaning"),
-    (lambda job: job.model.config_overrides.update(router_aux_loss_coef=1e12), r"router_aux_loss_coef=1e\+12 has no sane"),
-    (lambda job: setattr(job.model, "self_check_tolerance", 5.0), r"self_check_tolerance=5 has no sane .*self_check=false"),
-], ids=["lr", "lr x weight_decay", "betas", "eps", "simpo_gamma", "lora scale", "router_aux_loss_coef", "self_check_tolerance"])
+@pytest.mark.parametrize(
+    "change, line",
+    [
+        (lambda job: setattr(job.optim, "lr", 50.0), r"optim.lr=50 has no sane meaning"),
+        (
+            lambda job: setattr(job.optim, "weight_decay", 2e4),
+            r"optim.lr x optim.weight_decay=20 has no sane meaning \(AdamW's",
+        ),
+        (lambda job: job.optim.optimizer.update(betas=[0.9, 1.5]), r"optim.optimizer.betas=1.5 has no sane meaning"),
+        (lambda job: job.optim.optimizer.update(eps=1e6), r"optim.optimizer.eps=1e\+06 has no sane meaning"),
+        (lambda job: setattr(job.dpo, "simpo_gamma", 1e9), r"dpo.simpo_gamma=1e\+09 has no sane meaning"),
+        (lambda job: setattr(job.peft, "alpha", 1e6), r"peft.alpha / peft.rank=125000 has no sane meaning"),
+        (
+            lambda job: job.model.config_overrides.update(router_aux_loss_coef=1e12),
+            r"router_aux_loss_coef=1e\+12 has no sane",
+        ),
+        (
+            lambda job: setattr(job.model, "self_check_tolerance", 5.0),
+            r"self_check_tolerance=5 has no sane .*self_check=false",
+        ),
+    ],
+    ids=[
+        "lr",
+        "lr x weight_decay",
+        "betas",
+        "eps",
+        "simpo_gamma",
+        "lora scale",
+        "router_aux_loss_coef",
+        "self_check_tolerance",
+    ],
+)
 def test_its_kin_are_one_line_too(change, line):
     """The settings like it (``trainer.config.sanity``: one table), each refused by the same check."""
     job = copy.deepcopy(base_job())

@@ -30,10 +30,14 @@ def _cfg(path, tmp_path, **kw) -> DataConfig:
     return DataConfig(source="jsonl", path=str(path), cache_dir=str(tmp_path / "cache"), **kw)
 
 
-@pytest.mark.parametrize("good, bad_line", [
-    (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe hi"}, {"role": "assistant", "content": "x"}]}'),
-    (PAIR, b'{"prompt": "\xff\xfe", "chosen": "a", "rejected": "b"}'),
-], ids=["sft", "dpo"])
+@pytest.mark.parametrize(
+    "good, bad_line",
+    [
+        (CHAT, b'{"messages": [{"role": "user", "content": "\xff\xfe hi"}, {"role": "assistant", "content": "x"}]}'),
+        (PAIR, b'{"prompt": "\xff\xfe", "chosen": "a", "rejected": "b"}'),
+    ],
+    ids=["sft", "dpo"],
+)
 def test_bytes_that_are_not_utf8_name_their_line_or_are_a_counted_skip(tmp_path, tokenizer, good, bad_line):
     """Case 6: pyarrow's JSON reader keeps the bytes, reading the row failed later (a UnicodeDecodeError
     traceback at setup, in the tokenizer's sample and the cache alike, also under on_bad_record=skip)."""
@@ -49,8 +53,11 @@ def test_bytes_that_are_not_utf8_name_their_line_or_are_a_counted_skip(tmp_path,
 def test_a_file_whose_every_record_is_skipped_names_every_reason(tmp_path, tokenizer):
     """Case 8: the error counted records, empty, over-long and label-less ones, but not the 20 bad lines."""
     path = _jsonl(tmp_path / "train.jsonl", [b"not json %d" % i for i in range(20)])
-    with pytest.raises(BadRecordError, match=r"no usable example \(0 records read; left out: 0 empty, 0 over-long, "
-                                             r"0 with no label token, 20 bad, 0 over data.max_record_bytes\)") as info:
+    with pytest.raises(
+        BadRecordError,
+        match=r"no usable example \(0 records read; left out: 0 empty, 0 over-long, "
+        r"0 with no label token, 20 bad, 0 over data.max_record_bytes\)",
+    ) as info:
         load_dataset(_cfg(path, tmp_path, on_bad_record="skip"), tokenizer, 256)
     failure = describe_failure(info.value, "setup", 600)
     assert failure.exit_code == 2 and str(failure).startswith("data error: data.source=jsonl: no usable example")
@@ -58,7 +65,10 @@ def test_a_file_whose_every_record_is_skipped_names_every_reason(tmp_path, token
 
 def test_a_chat_template_the_jinja_sandbox_blocks_is_one_line(tokenizer):
     """Case 8: a SecurityError traceback; now a setting error saying nothing unsafe ran (exit code 2)."""
-    for template in ("{{ messages.__class__.__mro__ }}", "{% for m in messages %}{{ m.content }}{% endfor %}{{ messages.append(1) }}"):
+    for template in (
+        "{{ messages.__class__.__mro__ }}",
+        "{% for m in messages %}{{ m.content }}{% endfor %}{{ messages.append(1) }}",
+    ):
         with pytest.raises(ChatTemplateError, match="blocked by the Jinja sandbox .*nothing unsafe ran") as info:
             chat_segments_batch([CHAT["messages"]], tokenizer, template, "responses")
         assert describe_failure(info.value, "setup", 600).exit_code == 2
@@ -77,8 +87,9 @@ def test_packfsdp_cache_pointing_at_a_file_is_one_line(tmp_path, monkeypatch):
         compose_job(["recipe=cpu_dailydialog", f"data.cache_dir={tmp_path / 'file' / 'sub'}"])
 
 
-def test_a_record_over_the_size_limit_is_skipped_before_it_is_tokenized_or_sampled(tmp_path, tokenizer, caplog,
-                                                                                   monkeypatch):
+def test_a_record_over_the_size_limit_is_skipped_before_it_is_tokenized_or_sampled(
+    tmp_path, tokenizer, caplog, monkeypatch
+):
     """Case 9: one 200 MB line grew rank 0 past 11 GB (the tokenizer trained on it, then it was tokenized)."""
     from trainer.data import render
 
@@ -88,7 +99,9 @@ def test_a_record_over_the_size_limit_is_skipped_before_it_is_tokenized_or_sampl
     assert [r["text"] for r in bpe_sample(cfg)].count(huge["text"]) == 0
     longest = []
     encode = render.encode_pieces
-    monkeypatch.setattr(render, "encode_pieces", lambda tok, texts: longest.append(max(map(len, texts))) or encode(tok, texts))
+    monkeypatch.setattr(
+        render, "encode_pieces", lambda tok, texts: longest.append(max(map(len, texts))) or encode(tok, texts)
+    )
     with caplog.at_level(logging.WARNING):
         ds = load_dataset(cfg, tokenizer, 256)
     assert max(longest) < 100 and len(ds) == 10 and ds.stats.dropped_oversize == 1

@@ -21,7 +21,8 @@ def _job(tmp_path, fault: str, *overrides: str, timeout: float = 180):
     start = time.monotonic()
     out = run_torchrun(
         ["-m", "tests.faults.fault_entry", *SMALL_RUN, f"run_dir={tmp_path}", *overrides],
-        env={"PFTEST_FAULT": fault}, timeout=timeout,
+        env={"PFTEST_FAULT": fault},
+        timeout=timeout,
     )
     return out, time.monotonic() - start
 
@@ -36,8 +37,10 @@ def test_skipped_steps_are_collective_then_a_diverged_run_stops(tmp_path):
     one line each naming the step (``guard.nonfinite=stop`` takes the same path at the first NaN step; see
     test_step_guard.py)."""
     out, _ = _job(
-        tmp_path, "nan_loss@2:1,no_labels@3,nan_grad@4:0,nan_loss@5:0",
-        "guard.nonfinite=skip", "guard.max_consecutive_skips=2",
+        tmp_path,
+        "nan_loss@2:1,no_labels@3,nan_grad@4:0,nan_loss@5:0",
+        "guard.nonfinite=skip",
+        "guard.max_consecutive_skips=2",
     )
     assert out.returncode != 0
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

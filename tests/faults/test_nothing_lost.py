@@ -50,12 +50,19 @@ def test_folders_packfsdp_did_not_write_are_never_deleted(tmp_path):
         (ckpt / name).mkdir(parents=True)
         (ckpt / name / "weights.bin").write_bytes(b"w")
     (ckpt / "step_00000002.tmp").mkdir()  # not packfsdp's .tmp either
-    with pytest.raises(CheckpointDirError, match="holds files packfsdp did not write .*step_00000002.tmp, step_00000009"):
+    with pytest.raises(
+        CheckpointDirError, match="holds files packfsdp did not write .*step_00000002.tmp, step_00000009"
+    ):
         checkpointer_of("run-a", tmp_path, ckpt).check_writable()
     legacy = checkpointer_of(None, tmp_path, ckpt)  # no claim (a library user): saves and cleans anyway
     save_steps(legacy, (4,))
     assert sorted(p.name for p in ckpt.iterdir()) == [
-        "step_00000002.tmp", "step_00000004", "step_00000009", "step_1000", "step_best", "step_by_step",
+        "step_00000002.tmp",
+        "step_00000004",
+        "step_00000009",
+        "step_1000",
+        "step_best",
+        "step_by_step",
     ]
 
 
@@ -73,7 +80,9 @@ def test_a_run_dir_of_user_files_or_symlinks_is_refused(tmp_path, monkeypatch):
     for name in ("config.yaml", "summary.json", "eval.jsonl"):
         (users / name).write_text("the user's")
     cfg = compose_job(["recipe=cpu_dailydialog", f"run_dir={users}"])
-    with pytest.raises(RunDirError, match=rf"run_dir {users} holds files packfsdp did not write \(config.yaml, eval.jsonl"):
+    with pytest.raises(
+        RunDirError, match=rf"run_dir {users} holds files packfsdp did not write \(config.yaml, eval.jsonl"
+    ):
         claim_run_dir(cfg)
     assert all((users / n).read_text() == "the user's" for n in ("config.yaml", "summary.json", "eval.jsonl"))
     assert not (users / ".lock").exists()
@@ -98,7 +107,9 @@ def test_a_quoted_tilde_run_dir_is_expanded(tmp_path, monkeypatch):
 
 def test_a_reused_rdzv_id_is_not_a_restart(tmp_path, monkeypatch):
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "exp42")
-    (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "first", "job_token": "host:1234:99", "torchrun_id": "exp42"}))
+    (tmp_path / RUN_FILE).write_text(
+        json.dumps({"run_id": "first", "job_token": "host:1234:99", "torchrun_id": "exp42"})
+    )
     with pytest.raises(RunDirError, match="already holds a run"):
         own_run_id(tmp_path, "none")  # the same --rdzv-id from another torchrun launch: a new experiment
     (tmp_path / RUN_FILE).write_text(json.dumps({"run_id": "first", "job_token": job_token()}))

@@ -87,16 +87,25 @@ def test_slurm_script_forwards_the_signal_and_requeues(tmp_path):
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(
-        f'#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node1; else echo "scontrol $*" >> {log}; fi\n')
+        f'#!/usr/bin/env bash\nif [ "$1" = show ]; then echo node1; else echo "scontrol $*" >> {log}; fi\n'
+    )
     (bin_dir / "srun").write_text(
         f"#!/usr/bin/env bash\ntrap 'echo \"srun got USR1\" >> {log}; exit {PREEMPTED_EXIT_CODE}' USR1\n"
-        f"touch {tmp_path / 'started'}\nwhile true; do sleep 0.1; done\n")
+        f"touch {tmp_path / 'started'}\nwhile true; do sleep 0.1; done\n"
+    )
     for tool in ("scontrol", "srun"):
         (bin_dir / tool).chmod(0o755)
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")} | {
-        "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_NNODES": "1",
-        "SLURM_JOB_NODELIST": "node1", "SLURM_GPUS_ON_NODE": "1", "SLURM_SUBMIT_DIR": str(REPO)}
-    script = subprocess.Popen(["bash", str(REPO / "launch/slurm_hsdp.sbatch")], env=env, stderr=subprocess.PIPE, text=True)
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "777",
+        "SLURM_NNODES": "1",
+        "SLURM_JOB_NODELIST": "node1",
+        "SLURM_GPUS_ON_NODE": "1",
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
+    script = subprocess.Popen(
+        ["bash", str(REPO / "launch/slurm_hsdp.sbatch")], env=env, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 20
     while not (tmp_path / "started").exists() and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -35,7 +35,9 @@ def _worker(rank: int, port: int, results) -> None:
     except Exception as e:  # noqa: BLE001
         out["rank0_work"] = (type(e).__name__, str(e), time.monotonic() - start)
     try:
-        distributed.check_same_on_all_ranks({"the number of examples": 5, "the number of optimizer steps": 10 + rank}, cpu)
+        distributed.check_same_on_all_ranks(
+            {"the number of examples": 5, "the number of optimizer steps": 10 + rank}, cpu
+        )
     except RuntimeError as e:
         out["disagree"] = str(e)
     distributed.check_same_on_all_ranks({"the number of optimizer steps": 7}, cpu)  # agreement: no error
@@ -55,4 +57,6 @@ def test_rank0_failure_and_step_disagreement_fail_every_rank():
     assert (kind1, msg1) == (kind0, msg0)  # rank 1 raises rank 0's error
     assert waited < 30  # at once, not after the 60 s collective timeout
     for rank in (0, 1):
-        assert results[rank]["disagree"].startswith("ranks disagree on the number of optimizer steps: between 10 and 11")
+        assert results[rank]["disagree"].startswith(
+            "ranks disagree on the number of optimizer steps: between 10 and 11"
+        )

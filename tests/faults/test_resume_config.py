@@ -57,8 +57,16 @@ def test_a_change_of_the_math_is_refused_naming_the_keys(checkpoint, overrides, 
 
 
 def test_harmless_keys_pass(checkpoint):
-    check(checkpoint, "max_steps=80", "logger.log_every=5", "eval.every=3", "checkpoint.every_steps=7",
-          "checkpoint.every_minutes=5", "guard.nonfinite=stop", "stop_after_steps=10")
+    check(
+        checkpoint,
+        "max_steps=80",
+        "logger.log_every=5",
+        "eval.every=3",
+        "checkpoint.every_steps=7",
+        "checkpoint.every_minutes=5",
+        "guard.nonfinite=stop",
+        "stop_after_steps=10",
+    )
 
 
 def test_a_world_size_change_says_what_happens_to_tokens_per_step(tmp_path, monkeypatch, caplog):
@@ -88,8 +96,13 @@ def _world(init, world):
 @pytest.mark.slow
 def test_resume_with_a_wider_model_is_one_line_naming_the_key(copy_of_finished_run):
     # copy_of_finished_run: a finished 2-step run of SMALL_RUN with its checkpoint
-    out = train_process(f"run_dir={copy_of_finished_run}", "resume=auto", "max_steps=4",
-                        "model.config_overrides.n_embd=64", "data.loss_on=all")
+    out = train_process(
+        f"run_dir={copy_of_finished_run}",
+        "resume=auto",
+        "max_steps=4",
+        "model.config_overrides.n_embd=64",
+        "data.loss_on=all",
+    )
     assert out.returncode == 2, out.stderr[-2000:]
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len([line for line in lines if line.startswith("packfsdp:")]) == 1 and "Traceback" not in out.stderr

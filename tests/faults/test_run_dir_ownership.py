@@ -51,7 +51,9 @@ def test_a_new_run_into_a_run_dir_that_holds_a_run_is_refused(tmp_path, monkeypa
     monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
     first = own_run_id(tmp_path, "none")
     assert json.loads((tmp_path / RUN_FILE).read_text())["run_id"] == first
-    with pytest.raises(RunDirError, match="already holds a run .*add resume=auto to continue it, or give a new run_dir"):
+    with pytest.raises(
+        RunDirError, match="already holds a run .*add resume=auto to continue it, or give a new run_dir"
+    ):
         own_run_id(tmp_path, "none")
     assert own_run_id(tmp_path, "auto") == first  # continuing keeps the run id
     legacy = tmp_path / "legacy"

@@ -27,9 +27,14 @@ def test_redaction_rules(monkeypatch):
     text = f"key={FAKE_WANDB} url=https://user:pw123@host/x other=s3cr3t-value tok=hf_abcdefghijklmnopqrstuvwxyz"
     assert redact(text) == "key=*** url=https://***@host/x other=*** tok=***"
     tree = {"model": {"config_overrides": {"hub_token": "abc", "n_layer": 2}, "name_or_path": f"x/{FAKE_WANDB}"}}
-    assert redact_tree(tree) == {"model": {"config_overrides": {"hub_token": "***", "n_layer": 2}, "name_or_path": "x/***"}}
+    assert redact_tree(tree) == {
+        "model": {"config_overrides": {"hub_token": "***", "n_layer": 2}, "name_or_path": "x/***"}
+    }
     assert redact_argv(["x=1", "+model.config_overrides.hub_token=abc", f"y={FAKE_WANDB}"]) == [
-        "x=1", "+model.config_overrides.hub_token=***", "y=***"]
+        "x=1",
+        "+model.config_overrides.hub_token=***",
+        "y=***",
+    ]
     record = logging.LogRecord("t", logging.INFO, __file__, 1, "logged in with %s", (FAKE_WANDB,), None)
     RedactingFilter().filter(record)
     assert record.getMessage() == "logged in with ***"
@@ -39,9 +44,21 @@ def test_redaction_rules(monkeypatch):
 def test_no_key_in_logs_saved_config_summary_or_wandb_files(tmp_path):
     env = {"WANDB_API_KEY": FAKE_WANDB, "HF_TOKEN": FAKE_HF, "WANDB_MODE": "offline"}
     out = subprocess.run(
-        [sys.executable, "-m", "trainer.train", *SMALL_RUN, "max_steps=2", "logger=wandb", f"run_dir={tmp_path}",
-         f"+model.config_overrides.hub_token={FAKE_HF}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300, env=__import__("os").environ | env,
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            *SMALL_RUN,
+            "max_steps=2",
+            "logger=wandb",
+            f"run_dir={tmp_path}",
+            f"+model.config_overrides.hub_token={FAKE_HF}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=__import__("os").environ | env,
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     assert (tmp_path / "config.yaml").is_file() and (tmp_path / "summary.json").is_file()

@@ -76,9 +76,16 @@ def _kill(proc: subprocess.Popen, pids: list[int]) -> None:
 def test_sigterm_while_the_tokenizer_trains_in_native_code_is_one_line_per_rank_and_exit_75(tmp_path):
     """Case 4: rank 0 inside the tokenizers trainer (native, minutes), rank 1 waiting for it in a gloo
     broadcast (native too): neither ran its Python handler, torchrun SIGKILLed them 30 s later, no line."""
-    proc = _torchrun(["-m", "tests.faults.signal_entry", *SMALL_RUN, f"run_dir={tmp_path / 'run'}",
-                      f"data.cache_dir={tmp_path / 'cache'}"],
-                     {"PFTEST_SIGNAL": "SIGTERM:native:0:0", "PFTEST_PIDFILE": str(tmp_path / "pid")})
+    proc = _torchrun(
+        [
+            "-m",
+            "tests.faults.signal_entry",
+            *SMALL_RUN,
+            f"run_dir={tmp_path / 'run'}",
+            f"data.cache_dir={tmp_path / 'cache'}",
+        ],
+        {"PFTEST_SIGNAL": "SIGTERM:native:0:0", "PFTEST_PIDFILE": str(tmp_path / "pid")},
+    )
     pids = _pids(tmp_path / "pid")
     try:
         out, _ = proc.communicate(timeout=90)
@@ -86,10 +93,15 @@ def test_sigterm_while_the_tokenizer_trains_in_native_code_is_one_line_per_rank_
         _kill(proc, pids)
         raise AssertionError("the ranks did not stop") from None
     lines = sorted(line for line in out.splitlines() if line.startswith("packfsdp: rank"))
-    assert [line[:40] for line in lines] == ["packfsdp: rank 0: preempted (SIGTERM) du",
-                                             "packfsdp: rank 1: preempted (SIGTERM) du"], out[-3000:]
-    assert all(f"during setup, before any step was trained; nothing to save: run again with resume=auto (exit code "
-               f"{PREEMPTED_EXIT_CODE})" in line for line in lines)
+    assert [line[:40] for line in lines] == [
+        "packfsdp: rank 0: preempted (SIGTERM) du",
+        "packfsdp: rank 1: preempted (SIGTERM) du",
+    ], out[-3000:]
+    assert all(
+        f"during setup, before any step was trained; nothing to save: run again with resume=auto (exit code "
+        f"{PREEMPTED_EXIT_CODE})" in line
+        for line in lines
+    )
     assert not any(_alive(pid) for pid in pids)
 
 
@@ -98,8 +110,18 @@ def test_workers_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(tmp_
     """Case 4: SIGKILL of the agent at step 2 left both workers training unsupervised (2 -> 10 logged steps in
     60 s). Now the agent's death reaches them as SIGTERM: they stop at the next boundary, with a checkpoint."""
     run = tmp_path / "run"
-    proc = _torchrun(["-m", "tests.faults.signal_entry", *SMALL_RUN, "max_steps=100000", f"run_dir={run}",
-                      "checkpoint.every_steps=0", "checkpoint.every_minutes=0"], {"PFTEST_PIDFILE": str(tmp_path / "pid")})
+    proc = _torchrun(
+        [
+            "-m",
+            "tests.faults.signal_entry",
+            *SMALL_RUN,
+            "max_steps=100000",
+            f"run_dir={run}",
+            "checkpoint.every_steps=0",
+            "checkpoint.every_minutes=0",
+        ],
+        {"PFTEST_PIDFILE": str(tmp_path / "pid")},
+    )
     pids = _pids(tmp_path / "pid")
     deadline = time.monotonic() + 180
     while not (run / "metrics.jsonl").is_file() or len((run / "metrics.jsonl").read_text().splitlines()) < 2:
@@ -123,9 +145,18 @@ def test_workers_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(tmp_
 def test_a_stopped_rank_under_context_parallelism_ends_the_other_naming_the_step_and_the_rank(tmp_path):
     """Case 3: SIGSTOP of rank 1 inside attention (its context-parallel all-gather) at step 3: rank 0 waited in
     the CP group's all-gather, made without the timeout (30 min), no line. Now it fails after 5 s."""
-    proc = _torchrun(["-m", "tests.faults.signal_entry", "recipe=cpu_long_context", "data.num_records=120",
-                      "max_steps=4", "guard.collective_timeout_s=5", f"run_dir={tmp_path / 'run'}"],
-                     {"PFTEST_SIGNAL": "SIGSTOP:cp_gather:1:3", "PFTEST_PIDFILE": str(tmp_path / "pid")})
+    proc = _torchrun(
+        [
+            "-m",
+            "tests.faults.signal_entry",
+            "recipe=cpu_long_context",
+            "data.num_records=120",
+            "max_steps=4",
+            "guard.collective_timeout_s=5",
+            f"run_dir={tmp_path / 'run'}",
+        ],
+        {"PFTEST_SIGNAL": "SIGSTOP:cp_gather:1:3", "PFTEST_PIDFILE": str(tmp_path / "pid")},
+    )
     pids = _pids(tmp_path / "pid")
     seen: list[str] = []
     threading.Thread(target=lambda: seen.extend(proc.stdout), daemon=True).start()
@@ -140,8 +171,9 @@ def test_a_stopped_rank_under_context_parallelism_ends_the_other_naming_the_step
     proc.kill()
     proc.wait()
     assert line is not None, "".join(seen)[-3000:]
-    assert line.startswith("packfsdp: rank 0: a collective failed at step 3 (guard.collective_timeout_s=5): rank 1: "
-                           "no heartbeat for"), line
+    assert line.startswith(
+        "packfsdp: rank 0: a collective failed at step 3 (guard.collective_timeout_s=5): rank 1: no heartbeat for"
+    ), line
     assert ", in step 3;" in line
 
 
@@ -168,9 +200,16 @@ export.main(sys.argv[1:])
 def test_sigterm_during_an_export_is_one_line_and_exit_75_leaving_nothing_half_written(finished_run, tmp_path):
     """The export phase: SIGTERM killed it (no line, exit -15) and left the half-written ``.out.export-PID``."""
     out = tmp_path / "exported"
-    proc = subprocess.run([sys.executable, "-c", EXPORT_SIGNALLED, f"checkpoint={finished_run}", f"out={out}"],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", EXPORT_SIGNALLED, f"checkpoint={finished_run}", f"out={out}"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == PREEMPTED_EXIT_CODE, proc.stderr[-3000:]
-    assert proc.stderr.splitlines()[-1] == (f"packfsdp export: stopped by SIGTERM; {out} left as it was: run the "
-                                            f"export again (exit code {PREEMPTED_EXIT_CODE})")
+    assert proc.stderr.splitlines()[-1] == (
+        f"packfsdp export: stopped by SIGTERM; {out} left as it was: run the "
+        f"export again (exit code {PREEMPTED_EXIT_CODE})"
+    )
     assert list(tmp_path.iterdir()) == []  # neither out nor a half-written copy beside it

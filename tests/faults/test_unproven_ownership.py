@@ -37,7 +37,9 @@ def users_step_folder(directory, step: int = 99, state: dict | None = None):
 
 
 def forge(kind: str, directory, tmp_path):
-    folder = users_step_folder(directory, state={"step": 99, "run_id": "run-a"} if kind == "state names this run" else None)
+    folder = users_step_folder(
+        directory, state={"step": 99, "run_id": "run-a"} if kind == "state names this run" else None
+    )
     if kind == "marker of no run":
         (folder / MARKER).write_text(json.dumps({"writer": "packfsdp", "run_id": None}))
     elif kind == "marker linked from this run":  # a link to a real marker of this run, in another folder
@@ -55,7 +57,9 @@ FORGERIES = ["no run id (case 1)", "state names this run", "marker of no run", "
 def test_a_step_folder_without_this_runs_marker_is_refused_at_start(kind, tmp_path):
     ckpt = tmp_path / "ckpts"
     folder = forge(kind, ckpt, tmp_path)
-    with pytest.raises(CheckpointDirError, match=rf"checkpoint dir {ckpt} holds files packfsdp did not write .*step_00000099"):
+    with pytest.raises(
+        CheckpointDirError, match=rf"checkpoint dir {ckpt} holds files packfsdp did not write .*step_00000099"
+    ):
         checkpointer_of("run-a", tmp_path, ckpt, keep_last=1).check_writable()
     assert isinstance(CheckpointDirError("x"), ConfigError)  # exit code 2
     assert (folder / "thesis.tex").read_text() == THESIS
@@ -143,7 +147,9 @@ def test_export_overwrite_refuses_what_packfsdp_did_not_export(make, tmp_path):
     is ``tests/distributed/test_export_overwrite.py``)."""
     folder = make(tmp_path)
     before = sorted(str(p.relative_to(folder)) for p in folder.rglob("*"))
-    with pytest.raises(CheckpointError, match=f"out={folder} is not an export packfsdp wrote .*overwrite=true replaces only"):
+    with pytest.raises(
+        CheckpointError, match=f"out={folder} is not an export packfsdp wrote .*overwrite=true replaces only"
+    ):
         export(folder, folder, overwrite=True)
     assert sorted(str(p.relative_to(folder)) for p in folder.rglob("*")) == before
 

@@ -47,7 +47,7 @@ def test_csv_with_a_byte_order_mark_is_read(tmp_path):
 def test_a_big_csv_cell_is_read_and_a_row_over_the_limit_is_a_bad_record(tmp_path, monkeypatch):
     path = tmp_path / "big.csv"
     big = "word " * 40_000  # 200 KB: over Python's default field limit of 128 KiB
-    path.write_text(f"text\nshort one\n\"{big}\"\nlast\n")
+    path.write_text(f'text\nshort one\n"{big}"\nlast\n')
     assert [len(r["text"]) for r in load(path, "csv")] == [9, len(big), 4]
     monkeypatch.setattr(tables, "CSV_FIELD_LIMIT", 1000)  # the same path for a cell over our own limit
     with pytest.raises(BadRecordError, match=rf"^{path}:3: not a valid CSV row \(field larger than field limit"):
@@ -62,7 +62,7 @@ def test_json_nested_100k_deep_is_a_bad_line(tmp_path):
         load(path, "jsonl")
     assert [r["text"] for r in load(path, "jsonl", "skip")] == ["fine"]
     cell = tmp_path / "deep.csv"
-    cell.write_text(f"messages\n\"{DEEP}\"\n")
+    cell.write_text(f'messages\n"{DEEP}"\n')
     with pytest.raises(BadRecordError, match=rf"^{cell}:2: the messages cell is not readable JSON"):
         load(cell, "csv")
 

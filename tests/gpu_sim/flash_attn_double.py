@@ -93,7 +93,9 @@ def _check_inputs(q, k, v, cu_seqlens_q, cu_seqlens_k, dropout_p, softcap) -> No
     _check(head_size <= 256, "FlashAttention forward only supports head dimension at most 256")
     _check(head_size % 8 == 0, "query, key, value, and out_ must have a head_size that is a multiple of 8")
     _check(num_heads % num_heads_k == 0, "Number of heads in key/value must divide number of heads in query")
-    _check(tuple(k.shape) == (k.shape[0], num_heads_k, head_size), "k must have shape (total_k, num_heads_k, head_size)")
+    _check(
+        tuple(k.shape) == (k.shape[0], num_heads_k, head_size), "k must have shape (total_k, num_heads_k, head_size)"
+    )
     _check(tuple(v.shape) == tuple(k.shape), "v must have shape (total_k, num_heads_k, head_size)")
     _check(tuple(cu_seqlens_q.shape) == (batch_size + 1,), "cu_seqlens_q must have shape (batch_size + 1)")
     _check(tuple(cu_seqlens_k.shape) == (batch_size + 1,), "cu_seqlens_k must have shape (batch_size + 1)")
@@ -104,8 +106,14 @@ def _bounds(cu: torch.Tensor, total: int, max_seqlen: int, name: str) -> list[in
     """Host copy of ``cu``, checked where the real kernel trusts it (see the module docstring)."""
     bounds = cu.tolist()
     lengths = [e - s for s, e in pairwise(bounds)]
-    _check(bounds[0] == 0 and bounds[-1] == total and min(lengths) >= 0, f"{name} must run from 0 to {total} without decreasing")
-    _check(max(lengths) <= max_seqlen, f"max_seqlen ({max_seqlen}) is below the longest sequence in {name} ({max(lengths)})")
+    _check(
+        bounds[0] == 0 and bounds[-1] == total and min(lengths) >= 0,
+        f"{name} must run from 0 to {total} without decreasing",
+    )
+    _check(
+        max(lengths) <= max_seqlen,
+        f"max_seqlen ({max_seqlen}) is below the longest sequence in {name} ({max(lengths)})",
+    )
     return bounds
 
 
@@ -133,9 +141,20 @@ def _attend_one(q, k, v, scale, left, right, softcap, dropout_p) -> torch.Tensor
 
 
 def varlen_fwd(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q: int, max_seqlen_k: int, dropout_p: float,
-    softmax_scale: float, causal: bool, window_size_left: int = -1, window_size_right: int = -1,
-    softcap: float = 0.0, return_lse: bool = False,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int = -1,
+    window_size_right: int = -1,
+    softcap: float = 0.0,
+    return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The kernel: ``mha_varlen_fwd``'s checks and window clipping, then the fp32 reference result (with
     ``return_lse``, also the float32 log-sum-exp ``[heads, total_q]``, ``softmax_lse``'s varlen layout)."""
@@ -151,13 +170,22 @@ def varlen_fwd(
     bq = _bounds(cu_seqlens_q, q.shape[0], max_seqlen_q, "cu_seqlens_q")
     bk = _bounds(cu_seqlens_k, k.shape[0], max_seqlen_k, "cu_seqlens_k")
     with torch.autocast(q.device.type, enabled=False):  # a kernel is not an autocast op
-        outs, lses = zip(*[
-            _attend_one(
-                q[qs:qe].float(), k[ks:ke].float(), v[ks:ke].float(), softmax_scale,
-                window_size_left, window_size_right, softcap, dropout_p,
-            )
-            for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:], strict=True)
-        ], strict=True)
+        outs, lses = zip(
+            *[
+                _attend_one(
+                    q[qs:qe].float(),
+                    k[ks:ke].float(),
+                    v[ks:ke].float(),
+                    softmax_scale,
+                    window_size_left,
+                    window_size_right,
+                    softcap,
+                    dropout_p,
+                )
+                for qs, qe, ks, ke in zip(bq[:-1], bq[1:], bk[:-1], bk[1:], strict=True)
+            ],
+            strict=True,
+        )
     out = torch.cat(outs).to(q.dtype)
     return (out, torch.cat(lses, dim=1)) if return_lse else out
 
@@ -170,21 +198,46 @@ def autograd_inside_kernel() -> Iterator[None]:
     """Gradients inside an op's kernel, which runs below autograd (its dispatch keys excluded): lift that
     exclusion for a kernel that recomputes its forward to differentiate it."""
     exclude = C._dispatch_tls_local_exclude_set().remove(C.DispatchKey.AutogradFunctionality)
-    with torch.enable_grad(), C._ForceDispatchKeyGuard(
-        C._dispatch_tls_local_include_set(), exclude.remove(C.DispatchKey.ADInplaceOrView)
+    with (
+        torch.enable_grad(),
+        C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude.remove(C.DispatchKey.ADInplaceOrView)),
     ):
         yield
 
 
 @torch.library.custom_op("flash_attn_double::varlen_fwd", mutates_args=())
 def _varlen_fwd_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
-    max_seqlen_q: int, max_seqlen_k: int, dropout_p: float, softmax_scale: float, causal: bool,
-    window_size_left: int, window_size_right: int, softcap: float,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     rng_state = torch.get_rng_state()  # before the dropout draws: backward replays them
-    out, lse = varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
-                          causal, window_size_left, window_size_right, softcap, return_lse=True)
+    out, lse = varlen_fwd(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+        return_lse=True,
+    )
     return out, lse, rng_state
 
 
@@ -196,13 +249,39 @@ def _(q, k, v, *args):
 
 @torch.library.custom_op("flash_attn_double::varlen_bwd", mutates_args=())
 def _varlen_bwd_op(
-    grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rng_state: torch.Tensor,
-    cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor, max_seqlen_q: int, max_seqlen_k: int,
-    dropout_p: float, softmax_scale: float, causal: bool, window_size_left: int, window_size_right: int,
+    grad_out: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    rng_state: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
     softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return varlen_bwd(grad_out, q, k, v, rng_state, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                      dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap)
+    return varlen_bwd(
+        grad_out,
+        q,
+        k,
+        v,
+        rng_state,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        dropout_p,
+        softmax_scale,
+        causal,
+        window_size_left,
+        window_size_right,
+        softcap,
+    )
 
 
 def varlen_bwd(grad_out, q, k, v, rng_state, cu_seqlens_q, cu_seqlens_k, *options):
@@ -236,14 +315,29 @@ _varlen_fwd_op.register_autograd(_backward, setup_context=_setup_context)
 def _python_int(value, name: str) -> int:
     # The wrapper is a torch.library.custom_op with ``int`` in its schema: a tensor does not bind.
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"flash_attn::_flash_attn_varlen_forward() expected {name} to be an int, got {type(value).__name__}")
+        raise TypeError(
+            f"flash_attn::_flash_attn_varlen_forward() expected {name} to be an int, got {type(value).__name__}"
+        )
     return value
 
 
 def flash_attn_varlen_func(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
-    causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
-    return_attn_probs=False, block_table=None,
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=False,
+    window_size=(-1, -1),
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    return_attn_probs=False,
+    block_table=None,
 ):
     """flash-attn's public varlen entry point, as its Python wrapper behaves (see the module docstring); with
     ``return_attn_probs``, ``(out, softmax_lse, S_dmask)``: the lse ``[heads, total_q]`` float32 without a
@@ -259,8 +353,19 @@ def flash_attn_varlen_func(
     q, k, v = (torch.nn.functional.pad(x, [0, pad]) if pad else x for x in (q, k, v))
     q, k, v = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k, v))
     out, lse, _ = _varlen_fwd_op(
-        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, float(dropout_p), float(softmax_scale),
-        bool(causal), left, right, float(softcap),
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        float(dropout_p),
+        float(softmax_scale),
+        bool(causal),
+        left,
+        right,
+        float(softcap),
     )
     out = out[..., :head_size_og]
     return (out, lse, None) if return_attn_probs else out

@@ -18,8 +18,19 @@ import torch
 from torch.nn.attention.flex_attention import AuxOutput, BlockMask
 
 
-def flex_attention_double(query, key, value, score_mod=None, block_mask: BlockMask | None = None, scale=None,
-                          enable_gqa=False, return_lse=False, kernel_options=None, *, return_aux=None):
+def flex_attention_double(
+    query,
+    key,
+    value,
+    score_mod=None,
+    block_mask: BlockMask | None = None,
+    scale=None,
+    enable_gqa=False,
+    return_lse=False,
+    kernel_options=None,
+    *,
+    return_aux=None,
+):
     batch, heads, q_len, dim = query.shape
     if key.shape[1] != heads:
         if not enable_gqa:
@@ -28,8 +39,10 @@ def flex_attention_double(query, key, value, score_mod=None, block_mask: BlockMa
         key, value = key.repeat_interleave(group, dim=1), value.repeat_interleave(group, dim=1)
     scale = dim**-0.5 if scale is None else scale
     scores = query @ key.transpose(-1, -2) * scale
-    b, h, q_idx, kv_idx = (torch.arange(n).view(*[-1 if i == j else 1 for j in range(4)])
-                           for i, n in enumerate((batch, heads, q_len, key.shape[2])))
+    b, h, q_idx, kv_idx = (
+        torch.arange(n).view(*[-1 if i == j else 1 for j in range(4)])
+        for i, n in enumerate((batch, heads, q_len, key.shape[2]))
+    )
     if score_mod is not None:
         scores = score_mod(scores, b, h, q_idx, kv_idx)
     if block_mask is not None:

@@ -59,15 +59,29 @@ def _starts(seq_idx: torch.Tensor | None, cu_seqlens: torch.Tensor | None, total
     return {0}
 
 
-def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, return_final_states=False,
-                     final_states_out=None, activation=None):
+def causal_conv1d_fn(
+    x,
+    weight,
+    bias=None,
+    seq_idx=None,
+    initial_states=None,
+    return_final_states=False,
+    final_states_out=None,
+    activation=None,
+):
     CALLS["causal_conv1d_fn"] += 1
     _check(activation in (None, "silu", "swish"), "activation must be None, silu, or swish")
-    _check(x.dim() == 3 and weight.dim() == 2 and weight.shape[0] == x.shape[1], "x (batch, dim, seqlen), weight (dim, width)")
+    _check(
+        x.dim() == 3 and weight.dim() == 2 and weight.shape[0] == x.shape[1],
+        "x (batch, dim, seqlen), weight (dim, width)",
+    )
     if seq_idx is not None:
         CALLS["causal_conv1d_fn:bounded"] += 1
         _check(x.stride(1) == 1, "seq_idx is only supported for channel last layout")
-        _check(seq_idx.dtype == torch.int32 and tuple(seq_idx.shape) == (x.shape[0], x.shape[2]), "seq_idx (batch, seqlen) int32")
+        _check(
+            seq_idx.dtype == torch.int32 and tuple(seq_idx.shape) == (x.shape[0], x.shape[2]),
+            "seq_idx (batch, seqlen) int32",
+        )
         _check(initial_states is None and not return_final_states, "initial_states must be None if seq_idx is not None")
     dtype = _compute_dtype(x)
     xs, w = x.to(dtype), weight.to(dtype)
@@ -89,8 +103,20 @@ def causal_conv1d_fn(x, weight, bias=None, seq_idx=None, initial_states=None, re
     return out.to(x.dtype)
 
 
-def _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
-                name: str, per_channel: bool):
+def _delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale,
+    initial_state,
+    output_final_state,
+    use_qk_l2norm_in_kernel,
+    cu_seqlens,
+    name: str,
+    per_channel: bool,
+):
     CALLS[name] += 1
     _check(q.dtype == k.dtype == v.dtype, "q, k, v must share a dtype")
     _check(ACCEPT_FP32 or q.dtype != torch.float32, f"{name} does not support float32. Please use bfloat16.")
@@ -99,7 +125,9 @@ def _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     if cu_seqlens is not None:
         CALLS[f"{name}:bounded"] += 1
         _check(q.shape[0] == 1, "The batch size is expected to be 1 when using `cu_seqlens`.")
-        _check(cu_seqlens.dtype == torch.long and int(cu_seqlens[-1]) == q.shape[1], "cu_seqlens: int64 offsets of the row")
+        _check(
+            cu_seqlens.dtype == torch.long and int(cu_seqlens[-1]) == q.shape[1], "cu_seqlens: int64 offsets of the row"
+        )
     _check(initial_state is None, "the double has no initial state")
     dtype = _compute_dtype(q)
     heads = v.shape[2]
@@ -128,27 +156,97 @@ def _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_
     return torch.stack(outs, dim=1).to(v.dtype), final
 
 
-def chunk_gated_delta_rule(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-                           use_qk_l2norm_in_kernel=False, cu_seqlens=None, head_first=False):
-    return _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       cu_seqlens, "chunk_gated_delta_rule", per_channel=False)
+def chunk_gated_delta_rule(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    head_first=False,
+):
+    return _delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        "chunk_gated_delta_rule",
+        per_channel=False,
+    )
 
 
-def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
-              use_qk_l2norm_in_kernel=False, cu_seqlens=None, **kwargs):
-    return _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
-                       cu_seqlens, "chunk_kda", per_channel=True)
+def chunk_kda(
+    q,
+    k,
+    v,
+    g,
+    beta,
+    scale=None,
+    initial_state=None,
+    output_final_state=False,
+    use_qk_l2norm_in_kernel=False,
+    cu_seqlens=None,
+    **kwargs,
+):
+    return _delta_rule(
+        q,
+        k,
+        v,
+        g,
+        beta,
+        scale,
+        initial_state,
+        output_final_state,
+        use_qk_l2norm_in_kernel,
+        cu_seqlens,
+        "chunk_kda",
+        per_channel=True,
+    )
 
 
-def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None, initial_states=None,
-                              seq_idx=None, cu_seqlens=None, dt_softplus=False, dt_limit=(0.0, float("inf")),
-                              return_final_states=False, return_varlen_states=False):
+def mamba_chunk_scan_combined(
+    x,
+    dt,
+    A,
+    B,
+    C,
+    chunk_size,
+    D=None,
+    z=None,
+    dt_bias=None,
+    initial_states=None,
+    seq_idx=None,
+    cu_seqlens=None,
+    dt_softplus=False,
+    dt_limit=(0.0, float("inf")),
+    return_final_states=False,
+    return_varlen_states=False,
+):
     CALLS["mamba_chunk_scan_combined"] += 1
     batch, total, heads, head_dim = x.shape
-    _check(tuple(dt.shape) == (batch, total, heads) and tuple(A.shape) == (heads,), "dt (batch, seqlen, nheads), A (nheads)")
-    _check(B.shape == C.shape and B.shape[:2] == (batch, total) and heads % B.shape[2] == 0, "B, C (batch, seqlen, ngroups, dstate)")
+    _check(
+        tuple(dt.shape) == (batch, total, heads) and tuple(A.shape) == (heads,),
+        "dt (batch, seqlen, nheads), A (nheads)",
+    )
+    _check(
+        B.shape == C.shape and B.shape[:2] == (batch, total) and heads % B.shape[2] == 0,
+        "B, C (batch, seqlen, ngroups, dstate)",
+    )
     _check(isinstance(chunk_size, int) and chunk_size > 0, "chunk_size: int")
-    _check(initial_states is None and not return_final_states and not return_varlen_states, "the double has no states in or out")
+    _check(
+        initial_states is None and not return_final_states and not return_varlen_states,
+        "the double has no states in or out",
+    )
     if seq_idx is not None:
         CALLS["mamba_chunk_scan_combined:bounded"] += 1
         _check(seq_idx.dtype == torch.int32 and tuple(seq_idx.shape) == (batch, total), "seq_idx (batch, seqlen) int32")
@@ -190,14 +288,23 @@ def modules(packages: tuple[str, ...] = ("causal_conv1d", "fla", "mamba_ssm")) -
     if "causal_conv1d" in packages:
         out["causal_conv1d"] = _module("causal_conv1d", causal_conv1d_fn=causal_conv1d_fn)
     if "fla" in packages:
-        out |= {"fla": _module("fla"), "fla.ops": _module("fla.ops"),
-                "fla.ops.gated_delta_rule": _module("fla.ops.gated_delta_rule", chunk_gated_delta_rule=chunk_gated_delta_rule),
-                "fla.ops.kda": _module("fla.ops.kda", chunk_kda=chunk_kda)}
+        out |= {
+            "fla": _module("fla"),
+            "fla.ops": _module("fla.ops"),
+            "fla.ops.gated_delta_rule": _module(
+                "fla.ops.gated_delta_rule", chunk_gated_delta_rule=chunk_gated_delta_rule
+            ),
+            "fla.ops.kda": _module("fla.ops.kda", chunk_kda=chunk_kda),
+        }
     if "mamba_ssm" in packages:
-        out |= {"mamba_ssm": _module("mamba_ssm"), "mamba_ssm.ops": _module("mamba_ssm.ops"),
-                "mamba_ssm.ops.triton": _module("mamba_ssm.ops.triton"),
-                "mamba_ssm.ops.triton.ssd_combined": _module("mamba_ssm.ops.triton.ssd_combined",
-                                                             mamba_chunk_scan_combined=mamba_chunk_scan_combined)}
+        out |= {
+            "mamba_ssm": _module("mamba_ssm"),
+            "mamba_ssm.ops": _module("mamba_ssm.ops"),
+            "mamba_ssm.ops.triton": _module("mamba_ssm.ops.triton"),
+            "mamba_ssm.ops.triton.ssd_combined": _module(
+                "mamba_ssm.ops.triton.ssd_combined", mamba_chunk_scan_combined=mamba_chunk_scan_combined
+            ),
+        }
     return out
 
 

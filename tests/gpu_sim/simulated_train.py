@@ -43,18 +43,19 @@ def main() -> None:
         # Counted in the backward kernels, below torch.compile (parallel.compile=true): a counter in Python
         # that dynamo traces would be a guard, and every count a recompile. The flash-attn double's backward
         # op looks ``varlen_bwd`` up at each call; torch's is registered when ``registered()`` is entered.
-        mp.setattr(flash_attn_double, "varlen_bwd",
-                   _counted("flash_attn", flash_attn_double.varlen_bwd))
-        mp.setattr(torch_varlen_double, "_backward",
-                   _counted("torch_varlen", torch_varlen_double._backward))
+        mp.setattr(flash_attn_double, "varlen_bwd", _counted("flash_attn", flash_attn_double.varlen_bwd))
+        mp.setattr(torch_varlen_double, "_backward", _counted("torch_varlen", torch_varlen_double._backward))
         pretend_capable_gpu(mp)
         with torch_varlen_double.registered():
             try:
                 train.main()
             finally:
                 if os.environ.get("RANK", "0") == "0":
-                    print(KERNEL_CALLS_LINE, *(f"{k}={training_calls[k]}" for k in ("flash_attn", "torch_varlen")),
-                          flush=True)
+                    print(
+                        KERNEL_CALLS_LINE,
+                        *(f"{k}={training_calls[k]}" for k in ("flash_attn", "torch_varlen")),
+                        flush=True,
+                    )
 
 
 if __name__ == "__main__":

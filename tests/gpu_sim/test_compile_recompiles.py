@@ -97,9 +97,13 @@ def assert_no_recompiles(backend: str, compile_backend: str, recompile_log, step
             graphs_after_warmup, reasons_after_warmup = counter.frame_count, len(recompile_log.records)
         loss, grads = train_step(compiled, lengths)
         expected_loss, expected_grads = train_step(eager, lengths)
-        torch.testing.assert_close(loss, expected_loss, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}")
+        torch.testing.assert_close(
+            loss, expected_loss, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step}: {m}"
+        )
         for got, want in zip(grads, expected_grads, strict=True):
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step} grads: {m}")
+            torch.testing.assert_close(
+                got, want, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"step {step} grads: {m}"
+            )
     assert counter.frame_count > 0, "nothing was compiled"
     recompiles = [r.getMessage() for r in recompile_log.records[reasons_after_warmup:]]
     assert counter.frame_count == graphs_after_warmup and not recompiles, (
@@ -125,7 +129,9 @@ def test_sdpa_varlen_blocks_compile_once_under_inductor(recompile_log):
     assert_no_recompiles("sdpa_varlen", "inductor", recompile_log, steps=8)
 
 
-def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+def dpo_step(
+    policy, reference, pairs: list[tuple[int, int, int]]
+) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
     """``objective=dpo``'s work on one pack of (prompt, chosen, rejected) lengths, as the trainer runs it: the
     policy's per-sequence reply log-probs through the chunked head (with grad), the frozen reference's and the
     policy's eval pass (both no-grad). Returns (DPO loss, gradients, eval log-probs)."""
@@ -141,9 +147,13 @@ def dpo_step(policy, reference, pairs: list[tuple[int, int, int]]) -> tuple[torc
             ids.append(seq)
             labels.append(torch.cat([torch.full((prompt,), IGNORE_INDEX), seq[prompt:]]))
             lengths.append(prompt + reply)
-    batch = dict(input_ids=torch.cat(ids)[None], position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
-                 cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32), max_seqlen=max(lengths),
-                 labels=torch.cat(labels)[None])
+    batch = dict(
+        input_ids=torch.cat(ids)[None],
+        position_ids=torch.cat([torch.arange(n) for n in lengths])[None],
+        cu_seqlens=torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
+        max_seqlen=max(lengths),
+        labels=torch.cat(labels)[None],
+    )
     policy.zero_grad(set_to_none=True)
     logps = policy.sequence_logps(**batch)
     with torch.no_grad():
@@ -176,13 +186,17 @@ def test_dpo_compiles_once_per_grad_mode_and_equals_eager(recompile_log, monkeyp
     for model in (compiled, compiled_ref):
         apply_compile(model.decoder_layers(), ParallelConfig(compile=True, compile_backend=counter))
     rng = random.Random(1)
-    packs = [[(rng.randint(1, 6), rng.randint(1, 9), rng.randint(1, 9)) for _ in range(rng.randint(1, 3))] for _ in range(4)]
+    packs = [
+        [(rng.randint(1, 6), rng.randint(1, 9), rng.randint(1, 9)) for _ in range(rng.randint(1, 3))] for _ in range(4)
+    ]
     for step, pairs in enumerate(packs):
         if step == 1:
             graphs_after_warmup, reasons_after_warmup = counter.frame_count, len(recompile_log.records)
         got, want = dpo_step(compiled, compiled_ref, pairs), dpo_step(eager, eager_ref, pairs)
         torch.testing.assert_close(got[0], want[0], atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step}: {m}")
-        torch.testing.assert_close(got[2], want[2], atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step} eval: {m}")
+        torch.testing.assert_close(
+            got[2], want[2], atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step} eval: {m}"
+        )
         for g, w in zip(got[1], want[1], strict=True):
             torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-5, msg=lambda m, step=step: f"pack {step} grads: {m}")
     recompiles = [r.getMessage() for r in recompile_log.records[reasons_after_warmup:]]

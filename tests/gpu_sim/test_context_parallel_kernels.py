@@ -43,8 +43,9 @@ def _cp_row(q, k, v, kernel, split, window):
         local_q = q[:, :, s.index.clamp(min=0)]
         stand_in = iter([k_all, v_all])  # the all-gather's result: the row's own keys and values
         with mock.patch.object(cp_attention_module, "gather_tokens", lambda x, group, kv=stand_in: next(kv)):
-            o, _ = cp_attention(_Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel,
-                                sliding_window=window)
+            o, _ = cp_attention(
+                _Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel, sliding_window=window
+            )
         out = out.index_put((torch.zeros_like(s.index[keep]), s.index[keep]), o[0][keep].to(out.dtype))
     return out
 
@@ -57,8 +58,9 @@ def test_cp_attention_equals_full_row(kernel, window, split, request):
         request.getfixturevalue("simulated_gpu_fp32")
     q, k, v = _row(torch.float32)
     cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
-    ref, _ = sdpa_varlen_attention(_Module(), q, k, v, None, scaling=0.35, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                                   sliding_window=window)
+    ref, _ = sdpa_varlen_attention(
+        _Module(), q, k, v, None, scaling=0.35, cu_seq_lens_q=cu, cu_seq_lens_k=cu, sliding_window=window
+    )
     ref_grads = torch.autograd.grad((ref * ref).sum(), (q, k, v))
     out = _cp_row(q, k, v, kernel, split, window)
     grads = torch.autograd.grad((out * out).sum(), (q, k, v))

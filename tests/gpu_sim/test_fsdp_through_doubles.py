@@ -51,13 +51,20 @@ def sweep(tmp_path_factory) -> tuple[str, dict[str, Path]]:
     root = tmp_path_factory.mktemp("sweep")
     proc = run_torchrun(
         [
-            "-m", "tests.gpu_sim.simulated_train", "-m", "recipe=cpu_chat_sft",
+            "-m",
+            "tests.gpu_sim.simulated_train",
+            "-m",
+            "recipe=cpu_chat_sft",
             f"model.attention={','.join([REFERENCE, *KERNEL_BACKENDS])}",
-            f"max_steps={STEPS}", "optim.warmup_steps=1",  # the full learning rate at once: losses move more
-            "data.num_records=200", "packing.token_budget=1024", f"run_dir={root / 'runs'}",
+            f"max_steps={STEPS}",
+            "optim.warmup_steps=1",  # the full learning rate at once: losses move more
+            "data.num_records=200",
+            "packing.token_budget=1024",
+            f"run_dir={root / 'runs'}",
             "logger.peak_tflops=1",  # MFU is not under test; measuring the CPU takes seconds per rank
         ],
-        cwd=root, env={"PYTHONPATH": str(REPO)},
+        cwd=root,
+        env={"PYTHONPATH": str(REPO)},
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     runs = {yaml.safe_load((d / "config.yaml").read_text())["model"]["attention"]: d for d in (root / "runs").iterdir()}

@@ -35,18 +35,32 @@ def kernel_args(total=12, heads=4, kv_heads=2, dim=8, dtype=BF16):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(total, h, dim, generator=g).to(dtype) for h in (heads, kv_heads, kv_heads))
     cu = torch.tensor([0, 5, total], dtype=torch.int32)
-    return dict(q=q, k=k, v=v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=7, max_seqlen_k=7, dropout_p=0.0,
-                softmax_scale=0.35, causal=True)
+    return dict(
+        q=q,
+        k=k,
+        v=v,
+        cu_seqlens_q=cu,
+        cu_seqlens_k=cu,
+        max_seqlen_q=7,
+        max_seqlen_k=7,
+        dropout_p=0.0,
+        softmax_scale=0.35,
+        causal=True,
+    )
 
 
 SPOILED = {
     "fp32": (lambda a: a | {x: a[x].float() for x in "qkv"}, "only support fp16 and bf16"),
     "mixed dtypes": (lambda a: a | {"v": a["v"].half()}, "query and value must have the same dtype"),
-    "int64 cu_seqlens": (lambda a: a | {"cu_seqlens_q": a["cu_seqlens_q"].long()}, "cu_seqlens_q must have dtype int32"),
+    "int64 cu_seqlens": (
+        lambda a: a | {"cu_seqlens_q": a["cu_seqlens_q"].long()},
+        "cu_seqlens_q must have dtype int32",
+    ),
     "cu_seqlens elsewhere": (lambda a: a | {"cu_seqlens_k": a["cu_seqlens_k"].to("meta")}, "cu_seqlens_k must be on"),
     "strided last dim": (lambda a: a | {"k": a["k"].repeat(1, 1, 2)[..., ::2]}, "contiguous last dimension"),
     "strided cu_seqlens": (
-        lambda a: a | {"cu_seqlens_q": torch.tensor([0, 0, 5, 0, 12, 0], dtype=torch.int32)[::2]}, "must be contiguous"
+        lambda a: a | {"cu_seqlens_q": torch.tensor([0, 0, 5, 0, 12, 0], dtype=torch.int32)[::2]},
+        "must be contiguous",
     ),
     "head_dim 12": (
         lambda a: (b := kernel_args(dim=16)) | {x: b[x][..., :12].contiguous() for x in "qkv"},
@@ -85,8 +99,10 @@ def test_max_seqlen_must_be_a_python_int():
 def test_the_double_matches_the_reference(kv_heads, window, dim):
     lengths = [7, 1, 30, 12]
     q, k, v = qkv(lengths, kv_heads=kv_heads, dim=dim)
+
     def flat(x):
         return x.detach()[0].transpose(0, 1).to(BF16).requires_grad_()
+
     fq, fk, fv = flat(q), flat(k), flat(v)
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
     window_size = (-1, 0) if window is None else (window - 1, 0)
@@ -94,7 +110,9 @@ def test_the_double_matches_the_reference(kv_heads, window, dim):
         fq, fk, fv, cu, cu, max(lengths), max(lengths), softmax_scale=0.3, causal=True, window_size=window_size
     )
     assert out.dtype == BF16 and out.shape == fq.shape
-    expected = reference(fq[None].transpose(1, 2), fk[None].transpose(1, 2), fv[None].transpose(1, 2), lengths, window, 0.3)
+    expected = reference(
+        fq[None].transpose(1, 2), fk[None].transpose(1, 2), fv[None].transpose(1, 2), lengths, window, 0.3
+    )
     torch.testing.assert_close(out[None].double(), expected, atol=2e-2, rtol=2e-2)
     out.float().square().sum().backward()  # autograd runs through the double: backward works
     assert fq.grad.dtype == BF16 and fk.grad.shape == fk.shape and torch.isfinite(fv.grad.float()).all()
@@ -171,8 +189,16 @@ def packed_batch(exs: list[torch.Tensor]) -> Batch:
     cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
     n = int(cu[-1])
     return Batch(
-        torch.cat(exs)[None], torch.cat(labels)[None], torch.cat([torch.arange(len(e)) for e in exs])[None], cu,
-        max(LENGTHS), None, len(exs), n, n - len(exs), n,
+        torch.cat(exs)[None],
+        torch.cat(labels)[None],
+        torch.cat([torch.arange(len(e)) for e in exs])[None],
+        cu,
+        max(LENGTHS),
+        None,
+        len(exs),
+        n,
+        n - len(exs),
+        n,
     )
 
 

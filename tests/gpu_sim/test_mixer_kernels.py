@@ -16,8 +16,10 @@ from trainer.model import mixer_routes
 from trainer.model.mixers import describe, find_token_mixers
 
 ROUTED = {
-    "gated delta rule (qwen3_next)": (CONFIGS["gated delta rule (qwen3_next)"],
-                                      ["causal_conv1d_fn", "chunk_gated_delta_rule"]),
+    "gated delta rule (qwen3_next)": (
+        CONFIGS["gated delta rule (qwen3_next)"],
+        ["causal_conv1d_fn", "chunk_gated_delta_rule"],
+    ),
     "KDA (kimi_linear)": (CONFIGS["KDA (kimi_linear)"], ["causal_conv1d_fn", "chunk_kda"]),
     "Mamba-2 scan (nemotron_h)": (CONFIGS["Mamba-2 (nemotron_h)"], ["causal_conv1d_fn", "mamba_chunk_scan_combined"]),
     "short convolution (lfm2)": (CONFIGS["short convolution (lfm2)"], ["causal_conv1d_fn"]),
@@ -55,8 +57,11 @@ def test_varlen_kernels_keep_each_example_alone(kind, kernels):
 
 def test_the_comparison_sees_a_kernel_that_drops_the_boundaries(kernels, monkeypatch):
     original = doubles.causal_conv1d_fn
-    monkeypatch.setattr(doubles, "causal_conv1d_fn", lambda x, weight, bias=None, seq_idx=None, **kw: original(
-        x, weight, bias, None, **kw))
+    monkeypatch.setattr(
+        doubles,
+        "causal_conv1d_fn",
+        lambda x, weight, bias=None, seq_idx=None, **kw: original(x, weight, bias, None, **kw),
+    )
     kernels()
     model = build(*CONFIGS["short convolution (lfm2)"])
     exs = examples(LENGTHS)

@@ -49,8 +49,14 @@ def test_compiled_blocks_with_sinks_equal_eager(simulated_gpu_fp32):
     from trainer.parallel import apply_compile
 
     torch._dynamo.reset()
-    model = gpt_oss("flash_attn", dtype=torch.float32, num_hidden_layers=1, layer_types=["sliding_attention"],
-                    num_local_experts=1, num_experts_per_tok=1)  # one block, one expert: compile in seconds
+    model = gpt_oss(
+        "flash_attn",
+        dtype=torch.float32,
+        num_hidden_layers=1,
+        layer_types=["sliding_attention"],
+        num_local_experts=1,
+        num_experts_per_tok=1,
+    )  # one block, one expert: compile in seconds
     eager = copy.deepcopy(model)
     apply_compile(model.decoder_layers(), ParallelConfig(compile=True, compile_backend="eager"))
     for lengths in ([14, 15, 3, 10], [6, 5, 10, 12]):

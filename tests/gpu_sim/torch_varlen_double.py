@@ -24,32 +24,106 @@ import torch
 from tests.gpu_sim.flash_attn_double import autograd_inside_kernel, varlen_fwd
 
 
-def _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, left, right,
-            return_lse=False):
+def _kernel(
+    query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale, left, right, return_lse=False
+):
     if cum_seq_q is None or cum_seq_k is None:
         raise NotImplementedError("the varlen double simulates the varlen path only (cum_seq_q/k given)")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
     left, right = (-1 if w is None else w for w in (left, right))
-    return varlen_fwd(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, scale, is_causal, left, right,
-                      return_lse=return_lse)
+    return varlen_fwd(
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        scale,
+        is_causal,
+        left,
+        right,
+        return_lse=return_lse,
+    )
 
 
-def _forward(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask, *,
-             scale=None, window_size_left=None, window_size_right=None, seqused_k=None, alibi_slopes=None,
-             block_table=None, num_splits=None):
+def _forward(
+    query,
+    key,
+    value,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    return_debug_mask,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+    seqused_k=None,
+    alibi_slopes=None,
+    block_table=None,
+    num_splits=None,
+):
     if seqused_k is not None or alibi_slopes is not None or block_table is not None:
         raise NotImplementedError("the varlen double simulates no seqused_k, alibi or paged KV")
-    out, lse = _kernel(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
-                       window_size_left, window_size_right, return_lse=True)
+    out, lse = _kernel(
+        query,
+        key,
+        value,
+        cum_seq_q,
+        cum_seq_k,
+        max_q,
+        max_k,
+        dropout_p,
+        is_causal,
+        scale,
+        window_size_left,
+        window_size_right,
+        return_lse=True,
+    )
     return out, lse, torch.zeros(2, dtype=torch.uint64), torch.empty(0), torch.empty(0)
 
 
-def _backward(grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-              is_causal, rng_state, unused, *, scale=None, window_size_left=None, window_size_right=None):
+def _backward(
+    grad_out,
+    query,
+    key,
+    value,
+    out,
+    logsumexp,
+    cum_seq_q,
+    cum_seq_k,
+    max_q,
+    max_k,
+    dropout_p,
+    is_causal,
+    rng_state,
+    unused,
+    *,
+    scale=None,
+    window_size_left=None,
+    window_size_right=None,
+):
     with autograd_inside_kernel():
         q, k, v = (x.detach().requires_grad_() for x in (query, key, value))
-        recomputed = _kernel(q, k, v, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, scale,
-                             window_size_left, window_size_right)
+        recomputed = _kernel(
+            q,
+            k,
+            v,
+            cum_seq_q,
+            cum_seq_k,
+            max_q,
+            max_k,
+            dropout_p,
+            is_causal,
+            scale,
+            window_size_left,
+            window_size_right,
+        )
         return torch.autograd.grad(recomputed, (q, k, v), grad_out)
 
 

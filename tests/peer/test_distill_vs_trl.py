@@ -45,11 +45,20 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 
 def qwen2(vocab: int, tokenizer, hidden: int, layers: int, seed: int) -> torch.nn.Module:
     torch.manual_seed(seed)
-    config = AutoConfig.for_model("qwen2", vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, hidden_size=hidden, intermediate_size=2 * hidden,
-                                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=512, tie_word_embeddings=False,
-                                  initializer_range=0.2)  # peaked distributions: divergences far from 0
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=vocab,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        initializer_range=0.2,
+    )  # peaked distributions: divergences far from 0
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.config.use_cache = False
     return model
@@ -58,8 +67,10 @@ def qwen2(vocab: int, tokenizer, hidden: int, layers: int, seed: int) -> torch.n
 @pytest.fixture(scope="module")
 def peers(cache_dir):
     """Chat examples (loss on the replies) packed in one row and padded, a student and a teacher of other shapes."""
-    tok = load_tokenizer(ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
-                         DataConfig(source="chat_synthetic", num_records=100, cache_dir=cache_dir))
+    tok = load_tokenizer(
+        ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
+        DataConfig(source="chat_synthetic", num_records=100, cache_dir=cache_dir),
+    )
     data = load_dataset(DataConfig(source="chat_synthetic", num_records=100, cache_dir=cache_dir), tok, 512)
     picked = np.argsort(data.lengths)[[0, 20, 50, 80, 99]]  # lengths spread, the longest included
     student, teacher = qwen2(len(tok), tok, 32, 2, seed=0), qwen2(len(tok), tok, 48, 3, seed=1).eval()
@@ -79,14 +90,17 @@ def trl_loss_and_grads(student, teacher, padded, beta: float, temperature: float
     student.zero_grad(set_to_none=True)
     inputs = {"input_ids": padded.input_ids, "attention_mask": padded.attention_mask, "labels": padded.labels}
     if temperature == 1.0:  # the trainer's own compute_loss (it passes no temperature)
-        trainer = SimpleNamespace(teacher_model=teacher, beta=beta, generalized_jsd_loss=GKDTrainer.generalized_jsd_loss)
+        trainer = SimpleNamespace(
+            teacher_model=teacher, beta=beta, generalized_jsd_loss=GKDTrainer.generalized_jsd_loss
+        )
         loss = GKDTrainer.compute_loss(trainer, student, inputs)
     else:
         with torch.no_grad():
             teacher_logits = teacher(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits
         logits = student(input_ids=padded.input_ids, attention_mask=padded.attention_mask).logits
-        loss = GKDTrainer.generalized_jsd_loss(logits[:, :-1], teacher_logits[:, :-1], padded.labels[:, 1:], beta=beta,
-                                               temperature=temperature)
+        loss = GKDTrainer.generalized_jsd_loss(
+            logits[:, :-1], teacher_logits[:, :-1], padded.labels[:, 1:], beta=beta, temperature=temperature
+        )
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in student.named_parameters()}
 
@@ -100,8 +114,9 @@ CASES = [  # (packfsdp divergence, its beta, TRL's beta, temperature)
 ]
 
 
-@pytest.mark.parametrize("divergence,beta,trl_beta,temperature", CASES,
-                         ids=[f"{c[0]}-beta{c[2]}-T{c[3]}" for c in CASES])
+@pytest.mark.parametrize(
+    "divergence,beta,trl_beta,temperature", CASES, ids=[f"{c[0]}-beta{c[2]}-T{c[3]}" for c in CASES]
+)
 def test_packed_distillation_equals_trl_gkd_loss(peers, divergence, beta, trl_beta, temperature):
     student, teacher, ours, ours_teacher, packed, padded = peers
     trl_loss, trl_grads = trl_loss_and_grads(student, teacher, padded, trl_beta, temperature)

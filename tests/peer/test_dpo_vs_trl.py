@@ -51,9 +51,14 @@ def sentence(g: np.random.Generator, n: int) -> str:
 def string_pairs(g, n=6) -> list[dict]:
     """Plain-string pairs, reply lengths spread (one a single word), replies starting with a space as TRL's
     docs write them (the prompt then ends on a token boundary)."""
-    return [{"prompt": "Q: " + sentence(g, int(g.integers(2, 9))),
-             "chosen": " " + sentence(g, int(g.integers(1, 15))), "rejected": " " + sentence(g, int(g.integers(1, 12)))}
-            for _ in range(n)]
+    return [
+        {
+            "prompt": "Q: " + sentence(g, int(g.integers(2, 9))),
+            "chosen": " " + sentence(g, int(g.integers(1, 15))),
+            "rejected": " " + sentence(g, int(g.integers(1, 12))),
+        }
+        for _ in range(n)
+    ]
 
 
 def chat_pairs(g, n=6) -> list[dict]:
@@ -63,20 +68,32 @@ def chat_pairs(g, n=6) -> list[dict]:
         prompt = [{"role": "user", "content": sentence(g, int(g.integers(2, 8)))}]
         if k == 0:
             prompt += [{"role": "assistant", "content": sentence(g, 3)}, {"role": "user", "content": sentence(g, 4)}]
+
         def reply():
             return [{"role": "assistant", "content": sentence(g, int(g.integers(1, 14)))}]
+
         rows.append({"prompt": prompt, "chosen": reply(), "rejected": reply()})
     return rows
 
 
 def tiny(family: str, vocab: int, tokenizer) -> torch.nn.Module:
     torch.manual_seed(0)
-    sizes = (dict(n_layer=2, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-             if family == "gpt2" else
-             dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False))
-    config = AutoConfig.for_model(family, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id,
-                                  pad_token_id=tokenizer.pad_token_id, **sizes)
+    sizes = (
+        dict(n_layer=2, n_embd=32, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        if family == "gpt2"
+        else dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    )
+    config = AutoConfig.for_model(
+        family, vocab_size=vocab, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **sizes
+    )
     model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.config.use_cache = False
     return model
@@ -96,11 +113,21 @@ def trl_trainer(model, ref, tokenizer, rows, tmp_path):
     from trl import DPOConfig as TRLConfig
     from trl import DPOTrainer
 
-    args = TRLConfig(output_dir=str(tmp_path / "trl"), report_to=[], use_cpu=True, bf16=False, fp16=False,
-                     per_device_train_batch_size=len(rows), max_length=None, disable_dropout=True,
-                     save_strategy="no", dataloader_num_workers=0)
-    return DPOTrainer(model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows),
-                      processing_class=tokenizer)
+    args = TRLConfig(
+        output_dir=str(tmp_path / "trl"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
+        per_device_train_batch_size=len(rows),
+        max_length=None,
+        disable_dropout=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+    )
+    return DPOTrainer(
+        model=model, ref_model=ref, args=args, train_dataset=Dataset.from_list(rows), processing_class=tokenizer
+    )
 
 
 def trl_loss_and_grads(trainer, loss: str, eps: float, beta: float):
@@ -123,8 +150,19 @@ def trl_loss_and_grads(trainer, loss: str, eps: float, beta: float):
 def packfsdp_batch(examples, tokenizer, tmp_path):
     """The same token ids as pre-tokenized pairs through packfsdp's data route, packed into one row."""
     path = tmp_path / "pairs.jsonl"
-    path.write_text("".join(json.dumps({"prompt_input_ids": e["prompt_ids"], "chosen_input_ids": e["chosen_ids"],
-                                        "rejected_input_ids": e["rejected_ids"]}) + "\n" for e in examples))
+    path.write_text(
+        "".join(
+            json.dumps(
+                {
+                    "prompt_input_ids": e["prompt_ids"],
+                    "chosen_input_ids": e["chosen_ids"],
+                    "rejected_input_ids": e["rejected_ids"],
+                }
+            )
+            + "\n"
+            for e in examples
+        )
+    )
     ds = load_dataset(DataConfig(source="jsonl", path=str(path), cache_dir=str(tmp_path / "cache")), tokenizer, 4096)
     assert ds.is_pairs and len(ds) == len(examples)
     batch = collate_packed(ds, np.arange(len(ds)))
@@ -157,8 +195,10 @@ def peers(request, tokenizer, cache_dir, tmp_path_factory):
     if family == "gpt2":
         tok, rows = copy.deepcopy(tokenizer), string_pairs(np.random.default_rng(0))
     else:
-        tok = load_tokenizer(ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
-                             DataConfig(source="chat_synthetic", num_records=100, cache_dir=cache_dir))
+        tok = load_tokenizer(
+            ModelConfig(chat_template="chatml", tokenizer_vocab_size=512),
+            DataConfig(source="chat_synthetic", num_records=100, cache_dir=cache_dir),
+        )
         rows = chat_pairs(np.random.default_rng(0))
     model = tiny(family, len(tok), tok)
     ref = perturbed(model)
@@ -176,7 +216,9 @@ def peers(request, tokenizer, cache_dir, tmp_path_factory):
 def test_packed_dpo_equals_trl_dpo_trainer(peers, ours, theirs, eps, beta):
     trainer, policy, reference, batch = peers
     trl_loss, trl_grads = trl_loss_and_grads(trainer, theirs, eps, beta)
-    loss, grads = packfsdp_loss_and_grads(policy, reference, batch, DPOConfig(beta=beta, loss=ours, label_smoothing=eps))
+    loss, grads = packfsdp_loss_and_grads(
+        policy, reference, batch, DPOConfig(beta=beta, loss=ours, label_smoothing=eps)
+    )
 
     assert abs(float(trl_loss) - np.log(2)) > 1e-3  # the perturbed reference: not the trivial log 2
     torch.testing.assert_close(loss, trl_loss.float(), **TOL)
@@ -199,9 +241,21 @@ def test_packed_simpo_equals_trl_cpo_trainer_simpo(tokenizer, tmp_path):
     policy = VarlenCausalLM(copy.deepcopy(model), backend)
     policy.use_loss("chunked", chunk_tokens=7)
     beta, gamma = 2.0, 0.5
-    args = CPOConfig(output_dir=str(tmp_path / "cpo"), report_to=[], use_cpu=True, bf16=False, loss_type="simpo",
-                     cpo_alpha=0.0, beta=beta, simpo_gamma=gamma, per_device_train_batch_size=len(rows),
-                     max_length=512, disable_dropout=True, save_strategy="no", dataloader_num_workers=0)
+    args = CPOConfig(
+        output_dir=str(tmp_path / "cpo"),
+        report_to=[],
+        use_cpu=True,
+        bf16=False,
+        loss_type="simpo",
+        cpo_alpha=0.0,
+        beta=beta,
+        simpo_gamma=gamma,
+        per_device_train_batch_size=len(rows),
+        max_length=512,
+        disable_dropout=True,
+        save_strategy="no",
+        dataloader_num_workers=0,
+    )
     trainer = CPOTrainer(model=model, args=args, train_dataset=Dataset.from_list(rows), processing_class=tok)
     examples = [trainer.train_dataset[i] for i in range(len(rows))]
     trl_model = trainer.model.train()

@@ -21,9 +21,25 @@ def test_compare_command_writes_report_plots_and_eval(tmp_path, monkeypatch, cap
     monkeypatch.setattr(sys, "argv", sys.argv[:])  # the tool dispatcher hands argv on through sys.argv
     # In this process (saves an interpreter start): what `python -m trainer.tools compare ...` runs. The two
     # runs themselves are torchrun processes, as from the command line.
-    tools.main(["compare", "recipe=cpu_chitchat", "max_steps=4", "data.limit=400", "eval.every=2",
-                "eval.holdout_fraction=0.1", "packing.token_budget=512", "data.max_length=512", "grad_accum=1",
-                "summary_skip_steps=1", "checkpoint.every_steps=0", "--nproc", "2", "--out", str(out)])
+    tools.main(
+        [
+            "compare",
+            "recipe=cpu_chitchat",
+            "max_steps=4",
+            "data.limit=400",
+            "eval.every=2",
+            "eval.holdout_fraction=0.1",
+            "packing.token_budget=512",
+            "data.max_length=512",
+            "grad_accum=1",
+            "summary_skip_steps=1",
+            "checkpoint.every_steps=0",
+            "--nproc",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     printed = capfd.readouterr()
     assert "packing speedup (useful tokens/s)" in printed.out and "padding limit" in printed.out
     assert "MFU" not in printed.out + printed.err  # a CPU has no known peak: no MFU, and no warning about one
@@ -34,7 +50,8 @@ def test_compare_command_writes_report_plots_and_eval(tmp_path, monkeypatch, cap
     packed, padded = report["runs"]["packed"], report["runs"]["padded"]
     assert packed["setup"] == {"param_dtype": "float32", "reduce_dtype": "float32", "attention": "auto"}
     assert report["comparison"]["useful_tokens_per_s_ratio"] == pytest.approx(
-        packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"])
+        packed["useful_tokens_per_s"] / padded["useful_tokens_per_s"]
+    )
     assert report["comparison"]["padding_limit"] == pytest.approx(1 / (1 - padded["padding_fraction"]))
     assert packed["padding_fraction"] == 0.0 and padded["padding_fraction"] > 0.0
     assert packed["dataset"]["records"] == 400 and packed["unigram_entropy"] == padded["unigram_entropy"] > 4

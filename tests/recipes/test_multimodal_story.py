@@ -21,9 +21,19 @@ pytestmark = pytest.mark.slow
 def test_a_gemma3_checkpoint_trains_on_two_ranks_and_exports_back(tokenizer, tmp_path, cache_dir):
     folder = tiny_gemma3(tmp_path / "gemma3", tokenizer)
     run_dir, out = tmp_path / "run", tmp_path / "out"
-    args = ["model=hf", f"model.name_or_path={folder}", "parallel.device=cpu", "parallel.backend=gloo",
-            "data.num_records=200", f"data.cache_dir={cache_dir}", "max_steps=3", "optim.warmup_steps=1",
-            "logger.peak_tflops=1", "eval.every=0", f"run_dir={run_dir}"]
+    args = [
+        "model=hf",
+        f"model.name_or_path={folder}",
+        "parallel.device=cpu",
+        "parallel.backend=gloo",
+        "data.num_records=200",
+        f"data.cache_dir={cache_dir}",
+        "max_steps=3",
+        "optim.warmup_steps=1",
+        "logger.peak_tflops=1",
+        "eval.every=0",
+        f"run_dir={run_dir}",
+    ]
     proc = run_torchrun(["-m", "tests.distributed.harness", *args], env={"PFTEST_OUT": str(out)})
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
@@ -33,7 +43,9 @@ def test_a_gemma3_checkpoint_trains_on_two_ranks_and_exports_back(tokenizer, tmp
     export_main([f"checkpoint={run_dir}", f"out={tmp_path / 'hf'}"])
     exported = AutoModelForImageTextToText.from_pretrained(tmp_path / "hf").eval()
     assert type(exported).__name__ == "Gemma3ForConditionalGeneration"
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["Gemma3ForConditionalGeneration"]
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == [
+        "Gemma3ForConditionalGeneration"
+    ]
     probe = load_file(out / "logits.safetensors")["logits"]  # [tokens, 1 + vocab]: the sharded model, bf16 compute
     with torch.no_grad():
         logits = exported(input_ids=probe[:, 0].long()[None]).logits[0]

@@ -18,8 +18,14 @@ from trainer.compose import recipe_dirs
 RECIPES = sorted(p.stem for d in recipe_dirs() for p in d.glob("*.yaml"))
 # Keep CPU runs tiny: few records, two steps (the summary keeps the second), a fixed peak (measuring this
 # CPU matmul rate takes a moment per process; the own-recipe run below still measures it).
-QUICK = ["max_steps=2", "summary_skip_steps=1", "data.limit=200", "data.num_records=200", "optim.warmup_steps=1",
-         "logger.peak_tflops=1"]
+QUICK = [
+    "max_steps=2",
+    "summary_skip_steps=1",
+    "data.limit=200",
+    "data.num_records=200",
+    "optim.warmup_steps=1",
+    "logger.peak_tflops=1",
+]
 
 
 def python_train(args: list[str], cwd, timeout: float = 240) -> subprocess.CompletedProcess:
@@ -88,9 +94,13 @@ def test_cfg_job_prints_the_resolved_config(tmp_path):
 def test_cpu_recipes_run_in_a_two_rank_multirun_sweep(tmp_path):
     """Every CPU recipe, packed and padded, as one Hydra sweep on 2 ranks: each job runs a few steps in its
     own run directory, and the process group carries over from job to job."""
-    cpu_recipes = [n for n in RECIPES if compose_job([f"recipe={n}"]).parallel.device != "cuda"
-                   and compose_job([f"recipe={n}"]).parallel.cp == 1  # cp>1 has no padded run: the test below
-                   and compose_job([f"recipe={n}"]).objective != "distill"]  # its teacher first: test_distill_recipes.py
+    cpu_recipes = [
+        n
+        for n in RECIPES
+        if compose_job([f"recipe={n}"]).parallel.device != "cuda"
+        and compose_job([f"recipe={n}"]).parallel.cp == 1  # cp>1 has no padded run: the test below
+        and compose_job([f"recipe={n}"]).objective != "distill"
+    ]  # its teacher first: test_distill_recipes.py
     sweep = ["-m", "trainer.train", "-m", f"recipe={','.join(cpu_recipes)}", "packing=none,bfd", *QUICK]
     proc = run_torchrun(sweep, cwd=tmp_path, env={"PYTHONPATH": str(REPO)}, timeout=400)
     assert_ok(proc)
@@ -119,19 +129,42 @@ def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budg
     (cp=1), within 1e-4 (fp32), and the same end-of-run eval (sharded rows under cp=2)."""
     from trainer.preemption import PREEMPTED_EXIT_CODE
 
-    quick = ["recipe=cpu_long_context", "max_steps=3", "data.num_records=120", "optim.warmup_steps=1",
-             "logger.peak_tflops=1", "checkpoint.every_steps=0", "parallel=fsdp_fp32", "eval.holdout_fraction=0.1"]
+    quick = [
+        "recipe=cpu_long_context",
+        "max_steps=3",
+        "data.num_records=120",
+        "optim.warmup_steps=1",
+        "logger.peak_tflops=1",
+        "checkpoint.every_steps=0",
+        "parallel=fsdp_fp32",
+        "eval.holdout_fraction=0.1",
+    ]
     env = {"PYTHONPATH": str(REPO)}
     sharded, single = tmp_path / "cp2", tmp_path / "cp1"
-    stopped = run_torchrun(["-m", "tests.faults.signal_entry", *quick, "parallel.cp=2", f"run_dir={sharded}"],
-                           cwd=tmp_path, env=env | {"PFTEST_SIGNAL": "SIGUSR1:self:1:2"}, timeout=300)
+    stopped = run_torchrun(
+        ["-m", "tests.faults.signal_entry", *quick, "parallel.cp=2", f"run_dir={sharded}"],
+        cwd=tmp_path,
+        env=env | {"PFTEST_SIGNAL": "SIGUSR1:self:1:2"},
+        timeout=300,
+    )
     assert f"exitcode  : {PREEMPTED_EXIT_CODE}" in stopped.stderr, stopped.stderr[-3000:]
     assert "(through the context-parallel route: cp=2" in stopped.stderr + stopped.stdout
-    resumed = run_torchrun(["-m", "trainer.train", *quick, "parallel.cp=2", f"run_dir={sharded}", "resume=auto"],
-                           cwd=tmp_path, env=env, timeout=300)
+    resumed = run_torchrun(
+        ["-m", "trainer.train", *quick, "parallel.cp=2", f"run_dir={sharded}", "resume=auto"],
+        cwd=tmp_path,
+        env=env,
+        timeout=300,
+    )
     assert_ok(resumed)
-    assert_ok(run_torchrun(["-m", "trainer.train", *quick, "parallel.cp=1", "packing.token_budget=1024",
-                            f"run_dir={single}"], nproc=1, cwd=tmp_path, env=env, timeout=300))
+    assert_ok(
+        run_torchrun(
+            ["-m", "trainer.train", *quick, "parallel.cp=1", "packing.token_budget=1024", f"run_dir={single}"],
+            nproc=1,
+            cwd=tmp_path,
+            env=env,
+            timeout=300,
+        )
+    )
     runs = {}
     for name, run in (("cp2", sharded), ("cp1", single)):
         records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -139,7 +172,9 @@ def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budg
         runs[name, "steps"] = [r["step"] for r in records]
         runs[name, "eval"] = [json.loads(line)["eval_loss"] for line in (run / "eval.jsonl").read_text().splitlines()]
     # the step records carry the group's skew under cp=2 only
-    assert all(r.get("cp_skew") is not None for r in map(json.loads, (sharded / "metrics.jsonl").read_text().splitlines()))
+    assert all(
+        r.get("cp_skew") is not None for r in map(json.loads, (sharded / "metrics.jsonl").read_text().splitlines())
+    )
     assert runs["cp2", "steps"] == runs["cp1", "steps"] == [1, 2, 3]  # nothing lost, nothing repeated
     assert runs["cp2"] == pytest.approx(runs["cp1"], abs=1e-4)
     assert runs["cp2", "eval"][-1:] == pytest.approx(runs["cp1", "eval"], abs=1e-5)
@@ -187,6 +222,7 @@ def test_own_recipe_and_source_from_a_folder_outside_the_package(tmp_path):
     (tmp_path / "myconf" / "recipe" / "faq_sft.yaml").write_text(OWN_RECIPE)
     (tmp_path / "my_sources.py").write_text(OWN_SOURCE)
     words = "where when is the train bus shop open closed today tomorrow at nine ten it".split()
+
     def question(i: int) -> str:
         return " ".join(words[(i + k) % len(words)] for k in range(6)) + "?"
 
@@ -197,7 +233,9 @@ def test_own_recipe_and_source_from_a_folder_outside_the_package(tmp_path):
     (tmp_path / "faq.tsv").write_text("\n".join(lines) + "\n")
 
     # data.plugins imports code: taken from the command line only, never from a YAML (trainer.cli)
-    proc = python_train(["hydra.searchpath=[file://myconf]", "recipe=faq_sft", "data.plugins=[my_sources.py]"], cwd=tmp_path)
+    proc = python_train(
+        ["hydra.searchpath=[file://myconf]", "recipe=faq_sft", "data.plugins=[my_sources.py]"], cwd=tmp_path
+    )
     assert_ok(proc)
     assert "data faq_lines: 120 records -> 120 examples" in proc.stderr + proc.stdout
     (run,) = (tmp_path / "outputs" / "faq_sft").iterdir()
@@ -220,9 +258,17 @@ def test_weights_from_a_local_save_pretrained_folder(tmp_path, cache_dir):
     )
     torch.manual_seed(0)
     config = AutoConfig.for_model(
-        "qwen2", vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        "qwen2",
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
     )
     saved = tmp_path / "my-tiny-qwen"
     AutoModelForCausalLM.from_config(config).save_pretrained(saved)
@@ -231,8 +277,14 @@ def test_weights_from_a_local_save_pretrained_folder(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     proc = python_train(
         # The chat recipe's CPU variant with the real recipe's model group pointed at the folder.
-        ["recipe=cpu_chat_sft", "model=qwen2_5_0_5b_instruct", f"model.name_or_path={saved}",
-         "data.max_length=512", *QUICK, f"run_dir={run_dir}"],
+        [
+            "recipe=cpu_chat_sft",
+            "model=qwen2_5_0_5b_instruct",
+            f"model.name_or_path={saved}",
+            "data.max_length=512",
+            *QUICK,
+            f"run_dir={run_dir}",
+        ],
         cwd=tmp_path,
     )
     assert_ok(proc)
@@ -246,8 +298,21 @@ def test_weights_from_a_local_save_pretrained_folder(tmp_path, cache_dir):
 def test_installed_package_finds_configs_and_recipes_without_the_source_tree(tmp_path):
     wheel_dir, site = tmp_path / "wheel", tmp_path / "site"
     build = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(wheel_dir), str(REPO)],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheel_dir),
+            str(REPO),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert build.returncode == 0, build.stdout[-2000:] + build.stderr[-2000:]
     (wheel,) = wheel_dir.glob("packfsdp-*.whl")
@@ -262,7 +327,13 @@ def test_installed_package_finds_configs_and_recipes_without_the_source_tree(tmp
     out = subprocess.run([sys.executable, "-c", probe], cwd=work, env=env, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert all(line.startswith(str(site)) for line in out.stdout.split()), out.stdout
-    proc = subprocess.run([sys.executable, "-m", "trainer.train", "recipe=qwen_chat_sft", "--cfg", "job"],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "recipe=qwen_chat_sft", "--cfg", "job"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert yaml.safe_load(proc.stdout)["name"] == "qwen_chat_sft"

@@ -28,8 +28,14 @@ def my_model(tmp_path_factory, cache_dir):
     folder = root / "my-llama"
     torch.manual_seed(0)
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=384, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=384,
+        eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
@@ -68,13 +74,22 @@ def test_pretokenized_parquet_trains_with_the_models_tokenizer(my_model, tmp_pat
     folder, data, tokenizer = my_model
     cfg = DataConfig(source="jsonl", path=str(data), cache_dir=cache_dir)
     text = render_records(load_records(cfg), tokenizer, cfg, max_length=384)
-    rows = [{"input_ids": ids.tolist(), "labels": [t if m else -100 for t, m in zip(ids.tolist(), mask, strict=True)]}
-            for ids, mask in (text.example(i) for i in range(len(text)))]
+    rows = [
+        {"input_ids": ids.tolist(), "labels": [t if m else -100 for t, m in zip(ids.tolist(), mask, strict=True)]}
+        for ids, mask in (text.example(i) for i in range(len(text)))
+    ]
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "ids.parquet")
     run_dir = tmp_path / "run"
     proc = python_train(
-        ["model=hf", f"model.name_or_path={folder}", "data.source=parquet", f"data.path={tmp_path / 'ids.parquet'}",
-         "eval.holdout_fraction=0", *QUICK, f"run_dir={run_dir}"],
+        [
+            "model=hf",
+            f"model.name_or_path={folder}",
+            "data.source=parquet",
+            f"data.path={tmp_path / 'ids.parquet'}",
+            "eval.holdout_fraction=0",
+            *QUICK,
+            f"run_dir={run_dir}",
+        ],
         cwd=tmp_path,
     )
     assert_ok(proc)
@@ -89,9 +104,13 @@ def test_a_broken_model_folder_shows_the_library_error_in_one_line(my_model, tmp
     broken.mkdir()
     for f in folder.iterdir():
         (broken / f.name).write_bytes(f.read_bytes()[:1000] if f.suffix == ".safetensors" else f.read_bytes())
-    proc = python_train(["model=hf", f"model.name_or_path={broken}", *QUICK, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path)
+    proc = python_train(
+        ["model=hf", f"model.name_or_path={broken}", *QUICK, f"run_dir={tmp_path / 'run'}"], cwd=tmp_path
+    )
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = [line for line in proc.stderr.splitlines() if line.startswith("packfsdp:")]
-    assert lines == [f"packfsdp: load error: cannot load model.name_or_path={broken}: SafetensorError: "
-                     "Error while deserializing header: invalid header length"], proc.stderr[-2000:]
+    assert lines == [
+        f"packfsdp: load error: cannot load model.name_or_path={broken}: SafetensorError: "
+        "Error while deserializing header: invalid header length"
+    ], proc.stderr[-2000:]
     assert "Traceback" in proc.stdout + proc.stderr  # the detail is in the log

@@ -53,8 +53,20 @@ def qkv(lengths, heads=4, kv_heads=4, dim=8, seed=0):
 
 def call(fn, q, k, v, lengths, window=None):
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    out, _ = fn(CAUSAL, q, k, v, None, scaling=0.3, dropout=0.0, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-                max_length_q=max(lengths), max_length_k=max(lengths), sliding_window=window)
+    out, _ = fn(
+        CAUSAL,
+        q,
+        k,
+        v,
+        None,
+        scaling=0.3,
+        dropout=0.0,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+        sliding_window=window,
+    )
     return out
 
 
@@ -139,7 +151,9 @@ def test_dropout_needs_a_backend_that_has_it(monkeypatch):
     import trainer.model.attention as attention
 
     # Pretend torch_varlen (no dropout) could run on this CPU.
-    fake = dict(BACKENDS, torch_varlen=dataclasses.replace(BACKENDS["torch_varlen"], unavailable=lambda d, t=None: None))
+    fake = dict(
+        BACKENDS, torch_varlen=dataclasses.replace(BACKENDS["torch_varlen"], unavailable=lambda d, t=None: None)
+    )
     monkeypatch.setattr(attention, "BACKENDS", fake)
     assert resolve_backend("auto", torch.device("cpu")).name == "torch_varlen"
     dropout = attention_dropout(SimpleNamespace(attn_pdrop=0.1))
@@ -159,9 +173,18 @@ def test_config_names_exactly_the_registered_backends():
 @pytest.mark.slow
 def test_cli_flash_attn_on_cpu_fails_with_one_line(tmp_path, cache_dir):
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "model.attention=flash_attn", f"run_dir={tmp_path}",
-         "parallel.device=cpu"],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "model.attention=flash_attn",
+            f"run_dir={tmp_path}",
+            "parallel.device=cpu",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={"PATH": "/usr/bin:/bin", "PACKFSDP_CACHE": cache_dir, "WANDB_MODE": "offline"},
     )
     assert proc.returncode == 2, proc.stderr[-2000:]

@@ -29,9 +29,19 @@ LENGTHS = [7, 1, 19, 12, 3]
 WINDOW = 5
 SCALE = 0.3
 GPT_OSS = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=WINDOW, num_local_experts=4,
-    num_experts_per_tok=2, layer_types=["sliding_attention", "full_attention"], pad_token_id=0,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    sliding_window=WINDOW,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    layer_types=["sliding_attention", "full_attention"],
+    pad_token_id=0,
 )
 
 
@@ -65,8 +75,19 @@ def inputs(dtype, kv_heads=2, seed=0):
 def run(name, q, k, v, sinks, window):
     cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
     out, _ = BACKENDS[name].fn(
-        CAUSAL, q, k, v, None, scaling=SCALE, dropout=0.0, cu_seq_lens_q=cu, cu_seq_lens_k=cu,
-        max_length_q=max(LENGTHS), max_length_k=max(LENGTHS), sliding_window=window, s_aux=sinks,
+        CAUSAL,
+        q,
+        k,
+        v,
+        None,
+        scaling=SCALE,
+        dropout=0.0,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(LENGTHS),
+        max_length_k=max(LENGTHS),
+        sliding_window=window,
+        s_aux=sinks,
     )
     return out
 
@@ -82,8 +103,13 @@ def kernels(monkeypatch):
         yield
 
 
-CASES = [("sdpa_varlen", torch.float64, 1e-10), ("sdpa_block_mask", torch.float64, 1e-10),
-         ("flash_attn", torch.float32, 2e-5), ("torch_varlen", torch.float32, 2e-5), ("flex", torch.float64, 1e-10)]
+CASES = [
+    ("sdpa_varlen", torch.float64, 1e-10),
+    ("sdpa_block_mask", torch.float64, 1e-10),
+    ("flash_attn", torch.float32, 2e-5),
+    ("torch_varlen", torch.float32, 2e-5),
+    ("flex", torch.float64, 1e-10),
+]
 
 
 @pytest.mark.parametrize("window", [None, WINDOW])
@@ -94,11 +120,15 @@ def test_every_backend_applies_sinks_exactly_with_gradients(name, dtype, tol, kv
     out = run(name, q, k, v, sinks, window)
     ref = sink_reference(q, k, v, sinks, LENGTHS, window, SCALE)
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
-    cotangent = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype)  # not the global RNG's
+    cotangent = torch.randn(
+        ref.shape, generator=torch.Generator().manual_seed(1), dtype=ref.dtype
+    )  # not the global RNG's
     got = torch.autograd.grad(out, (q, k, v, sinks), cotangent.to(out.dtype))
     want = torch.autograd.grad(ref, (q, k, v, sinks), cotangent)
     for what, g, w in zip("q k v sinks".split(), got, want, strict=True):
-        torch.testing.assert_close(g.double(), w.double(), atol=tol, rtol=tol, msg=lambda m, what=what: f"grad {what}: {m}")
+        torch.testing.assert_close(
+            g.double(), w.double(), atol=tol, rtol=tol, msg=lambda m, what=what: f"grad {what}: {m}"
+        )
     assert got[3].abs().min() > 1e-3  # every head's sink is trained
 
 
@@ -119,8 +149,20 @@ def test_flash_attn_sinks_under_dropout(kernels, monkeypatch):
 
     def attention(**extra):
         torch.manual_seed(3)
-        return BACKENDS["flash_attn"].fn(CAUSAL, q, k, v, None, scaling=SCALE, dropout=0.3, cu_seq_lens_q=cu,
-                                         cu_seq_lens_k=cu, max_length_q=19, max_length_k=19, **extra)[0]
+        return BACKENDS["flash_attn"].fn(
+            CAUSAL,
+            q,
+            k,
+            v,
+            None,
+            scaling=SCALE,
+            dropout=0.3,
+            cu_seq_lens_q=cu,
+            cu_seq_lens_k=cu,
+            max_length_q=19,
+            max_length_k=19,
+            **extra,
+        )[0]
 
     plain, with_sinks = attention(), attention(s_aux=sinks)
     assert (0.3, True) not in asked and (0.0, True) in asked
@@ -163,16 +205,20 @@ def test_sinks_with_softcapping_are_refused(kernels):
     cu = torch.tensor([0, *LENGTHS]).cumsum(0).to(torch.int32)
     for name in ("flash_attn", "flex"):
         with pytest.raises(AttentionBackendError, match="cannot combine attention sinks .* softcapping"):
-            BACKENDS[name].fn(CAUSAL, q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu, cu_seq_lens_k=cu, s_aux=sinks,
-                              softcap=30.0)
+            BACKENDS[name].fn(
+                CAUSAL, q, k, v, None, scaling=SCALE, cu_seq_lens_q=cu, cu_seq_lens_k=cu, s_aux=sinks, softcap=30.0
+            )
 
 
 def test_a_torch_without_the_varlen_lse_refuses_sinks_at_start(kernels, monkeypatch):
     needs = AttentionNeeds.of(AutoConfig.for_model("gpt_oss"))
     assert resolve_backend("torch_varlen", CUDA, torch.bfloat16, needs).name == "torch_varlen"
     monkeypatch.setitem(backends_cuda._varlen_attn_signature, "names", frozenset({"query", "key", "value", "scale"}))
-    with pytest.raises(AttentionBackendError, match=r"model.attention=torch_varlen cannot run here: it cannot honour "
-                       r"gpt_oss's attention sinks \(s_aux\): torch .*'s varlen_attn returns no log-sum-exp"):
+    with pytest.raises(
+        AttentionBackendError,
+        match=r"model.attention=torch_varlen cannot run here: it cannot honour "
+        r"gpt_oss's attention sinks \(s_aux\): torch .*'s varlen_attn returns no log-sum-exp",
+    ):
         resolve_backend("torch_varlen", CUDA, torch.bfloat16, needs)
     assert resolve_backend("auto", CUDA, torch.bfloat16, needs).name == "flash_attn"
 
@@ -293,9 +339,21 @@ def test_gpt_oss_trains_from_the_cli_with_the_self_check(tmp_path, cache_dir):
 
     overrides = "model.config_overrides={num_local_experts:4,num_experts_per_tok:2,head_dim:16,sliding_window:16}"
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "model=qwen2_tiny", "model.family=gpt_oss", overrides,
-         "data.num_records=400", "max_steps=2", f"run_dir={tmp_path}"],
-        cwd=REPO, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "model=qwen2_tiny",
+            "model.family=gpt_oss",
+            overrides,
+            "data.num_records=400",
+            "max_steps=2",
+            f"run_dir={tmp_path}",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
         env={"PATH": "/usr/bin:/bin", "PACKFSDP_CACHE": cache_dir, "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

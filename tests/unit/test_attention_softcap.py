@@ -28,8 +28,16 @@ SOFTCAP = 0.5
 """Small enough that capping changes every score, so a backend that dropped it would be far off."""
 
 GEMMA2 = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, sliding_window=6, attn_logit_softcapping=SOFTCAP,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    sliding_window=6,
+    attn_logit_softcapping=SOFTCAP,
 )
 GEMMA2_NEEDS = AttentionNeeds.of(AutoConfig.for_model("gemma2", attn_logit_softcapping=50.0))
 SINK_NEEDS = AttentionNeeds.of(AutoConfig.for_model("gpt_oss"))
@@ -116,14 +124,28 @@ def test_every_backend_refuses_a_selection_it_does_not_implement(name, argument)
     """DSA's ``indices``, MiniMax-M3's ``block_indices``, Inkling2's ``sinks``, a ``position_bias``: never
     ignored (their families are refused at build; this is the second line)."""
     q, k, v = qkv([3, 4])
-    with pytest.raises(AttentionBackendError, match=rf"model.attention={name} cannot honour .*\({argument}\): no packed"):
+    with pytest.raises(
+        AttentionBackendError, match=rf"model.attention={name} cannot honour .*\({argument}\): no packed"
+    ):
         call_with(BACKENDS[name].fn, q, k, v, [3, 4], **{argument: torch.zeros(1)})
 
 
 def call_with(fn, q, k, v, lengths, **extra):
     cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
-    out, _ = fn(SimpleNamespace(is_causal=True), q, k, v, None, scaling=0.3, dropout=0.0, cu_seq_lens_q=cu,
-                cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths), **extra)
+    out, _ = fn(
+        SimpleNamespace(is_causal=True),
+        q,
+        k,
+        v,
+        None,
+        scaling=0.3,
+        dropout=0.0,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        max_length_q=max(lengths),
+        max_length_k=max(lengths),
+        **extra,
+    )
     return out
 
 
@@ -228,8 +250,22 @@ def test_the_padded_attention_follows_the_config(monkeypatch):
 
     from trainer.model.wrapper import padded_attention
 
-    llama = LlamaForCausalLM(AutoConfig.for_model("llama", **{k: GEMMA2[k] for k in ("vocab_size", "hidden_size",
-                             "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads")}))
+    llama = LlamaForCausalLM(
+        AutoConfig.for_model(
+            "llama",
+            **{
+                k: GEMMA2[k]
+                for k in (
+                    "vocab_size",
+                    "hidden_size",
+                    "intermediate_size",
+                    "num_hidden_layers",
+                    "num_attention_heads",
+                    "num_key_value_heads",
+                )
+            },
+        )
+    )
     assert padded_attention(llama) == "sdpa"
     monkeypatch.setattr(LlamaForCausalLM, "_supports_sdpa", False)  # a class without an SDPA path: eager
     assert padded_attention(llama) == "eager"

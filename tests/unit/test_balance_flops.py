@@ -63,8 +63,9 @@ def test_the_pipeline_gives_the_sampler_the_models_cost(cache_dir):
     from trainer.compose import compose_job_config
     from trainer.pipeline import build_training_data
 
-    cfg = compose_job_config(["recipe=cpu_long_context", "packing.balance=flops", f"data.cache_dir={cache_dir}",
-                              "data.num_records=200"])
+    cfg = compose_job_config(
+        ["recipe=cpu_long_context", "packing.balance=flops", f"data.cache_dir={cache_dir}", "data.num_records=200"]
+    )
     data = build_training_data(cfg)
     assert data.sampler.cost is not None and data.sampler.cost.per_pair == 6.0 * 2 * 128  # gpt2_tiny: 2 x 128
     assert data.sampler.microbatches_per_rank(0) > 0

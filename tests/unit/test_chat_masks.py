@@ -12,15 +12,26 @@ from trainer.data.chat import CHATML_SPECIAL_TOKENS, CHATML_TEMPLATE, DEFAULT_CH
 from trainer.data.tokenizer import train_bpe_tokenizer
 
 # Rewrites contents (trims them): the skeleton's check fails and each conversation is split by its prefixes.
-TRIMMING = "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] | trim }}\n{% endfor %}" \
-           "{% if add_generation_prompt %}### assistant\n{% endif %}"
-TEMPLATES = {"chatml": CHATML_TEMPLATE, "default": DEFAULT_CHAT_TEMPLATE, "llama3_like": LLAMA3_LIKE,
-             "qwen_style": QWEN_STYLE, "trimming": TRIMMING}
+TRIMMING = (
+    "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] | trim }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant\n{% endif %}"
+)
+TEMPLATES = {
+    "chatml": CHATML_TEMPLATE,
+    "default": DEFAULT_CHAT_TEMPLATE,
+    "llama3_like": LLAMA3_LIKE,
+    "qwen_style": QWEN_STYLE,
+    "trimming": TRIMMING,
+}
 
 CONVERSATIONS = [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is the station?"},
-     {"role": "assistant", "content": "Turn left at the park."}, {"role": "user", "content": "Thanks!"},
-     {"role": "assistant", "content": "You are welcome."}],
+    [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Where is the station?"},
+        {"role": "assistant", "content": "Turn left at the park."},
+        {"role": "user", "content": "Thanks!"},
+        {"role": "assistant", "content": "You are welcome."},
+    ],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello there, friend."}],
     [{"role": "user", "content": "  spaced  "}, {"role": "assistant", "content": " padded reply "}],
     [{"role": "assistant", "content": "I speak first."}, {"role": "user", "content": "ok"}],
@@ -36,10 +47,15 @@ def bpe():
 
 def expected_replies(tokenizer, template: str, messages: list[dict]) -> str:
     """The assistant replies with their end-of-turn, cut from prefix renders: ``P(k+1) - G(k)``."""
+
     def render(m, gen):
         return tokenizer.apply_chat_template(m, chat_template=template, tokenize=False, add_generation_prompt=gen)
-    return "".join(render(messages[: k + 1], False)[len(render(messages[:k], True)) :]
-                   for k, m in enumerate(messages) if m["role"] == "assistant" and k)
+
+    return "".join(
+        render(messages[: k + 1], False)[len(render(messages[:k], True)) :]
+        for k, m in enumerate(messages)
+        if m["role"] == "assistant" and k
+    )
 
 
 def masked_and_whole(tokenizer, segments) -> tuple[str, list[int]]:
@@ -81,8 +97,10 @@ def test_trimming_template_falls_back_per_conversation(bpe, monkeypatch):
 
 
 def test_loss_on_all_needs_no_prefix_stable_template(bpe):
-    moves_system = "{% for m in messages if m['role'] != 'system' %}{{ m['content'] }}\n{% endfor %}" \
-                   "{% for m in messages if m['role'] == 'system' %}[{{ m['content'] }}]{% endfor %}"
+    moves_system = (
+        "{% for m in messages if m['role'] != 'system' %}{{ m['content'] }}\n{% endfor %}"
+        "{% for m in messages if m['role'] == 'system' %}[{{ m['content'] }}]{% endfor %}"
+    )
     (segments,) = chat_segments_batch(CONVERSATIONS[:1], bpe, moves_system, "all")
     assert len(segments) == 1 and segments[0].loss
 

@@ -88,7 +88,11 @@ def test_other_template_and_refusal_of_unsplittable_one(tokenizer):
     assert masked_text(tok, ds) == "Turn left at the park.<|eot|>You are welcome.<|eot|>"
     tok.chat_template = QWEN_STYLE
     ds = render(tok, [{"messages": CHAT[1:]}, {"messages": CHAT}])
-    assert masked_text(tok, ds, 0) == masked_text(tok, ds, 1) == "Turn left at the park.<|im_end|>\nYou are welcome.<|im_end|>\n"
+    assert (
+        masked_text(tok, ds, 0)
+        == masked_text(tok, ds, 1)
+        == "Turn left at the park.<|im_end|>\nYou are welcome.<|im_end|>\n"
+    )
     assert tok.decode(ds.example(0)[0].tolist()).startswith("<|im_start|>system\nYou are a helpful assistant.")
     tok.chat_template = NOT_PREFIX_STABLE
     with pytest.raises(ChatTemplateError, match="model.chat_template"):
@@ -96,7 +100,9 @@ def test_other_template_and_refusal_of_unsplittable_one(tokenizer):
 
 
 def test_text_records_empty_and_malformed(tokenizer):
-    ds = render(tokenizer, [{"text": "A plain document."}, {"text": "  "}, {"messages": [{"role": "user", "content": ""}]}])
+    ds = render(
+        tokenizer, [{"text": "A plain document."}, {"text": "  "}, {"messages": [{"role": "user", "content": ""}]}]
+    )
     assert len(ds) == 1 and ds.stats.dropped_empty == 2
     assert ds.example(0)[1][1:].all() and not ds.example(0)[1][0]
     prompt_only = render(tokenizer, [{"messages": [{"role": "user", "content": "hello?"}]}])
@@ -184,7 +190,9 @@ def test_a_plugin_registering_a_shipped_name_is_what_every_route_reads(tmp_path,
 
     path = tmp_path / "lines.jsonl"
     path.write_text("first plain line\nsecond plain line\n")  # not JSON: only the plugin can read it
-    monkeypatch.setitem(SOURCES, "jsonl", lambda cfg: [{"text": line} for line in open(cfg.path).read().split("\n") if line])
+    monkeypatch.setitem(
+        SOURCES, "jsonl", lambda cfg: [{"text": line} for line in open(cfg.path).read().split("\n") if line]
+    )
     cfg = DataConfig(source="jsonl", path=str(path), cache_dir=str(tmp_path / "cache"))
     ds = load_dataset(cfg, tokenizer, max_length=64)
     assert ds.stats.records == 2 and len(ds) == 2

@@ -23,11 +23,17 @@ def message(sender: str, text: str) -> dict:
 
 
 CORPUS = {
-    "c1": {"prompt": "What is your favorite smell?", "ratings": {"witty": 5}, "start": "2018-05-02T19:38:00Z",
-           "messages": [[message("a", "Hello"), message("a", " How are you? ")],
-                        [message("b", "good"), message("b", ""), message("b", "you?")],
-                        [message("a", "Fine.")],
-                        [message("a", "Bye!")]]},  # a's turn split over two turns in the file: one turn
+    "c1": {
+        "prompt": "What is your favorite smell?",
+        "ratings": {"witty": 5},
+        "start": "2018-05-02T19:38:00Z",
+        "messages": [
+            [message("a", "Hello"), message("a", " How are you? ")],
+            [message("b", "good"), message("b", ""), message("b", "you?")],
+            [message("a", "Fine.")],
+            [message("a", "Bye!")],
+        ],
+    },  # a's turn split over two turns in the file: one turn
     "c0": {"messages": [[message("b", "anyone here?")]]},  # one speaker, no reply: a single turn
     "c2": {"messages": [[message("a", "  ")], [message("b", "")]]},  # no text at all: the renderer's empty skip
     "c3": {"messages": [[message("a", "hi")], [message("b", "hey")], [message("a", "ok")]]},
@@ -71,12 +77,15 @@ def test_lengths_skips_and_held_out_split_as_for_every_source(tmp_path, tokenize
     assert not set(train.rows.tolist()) & set(held.rows.tolist())
 
 
-@pytest.mark.parametrize("conversation, reason", [
-    ({"turns": []}, "a conversation needs a 'messages' list"),
-    ({"messages": [{"text": "hi"}]}, "turn 0 is not a list"),
-    ({"messages": [[{"text": "hi"}]]}, "turn 0 message 0 needs a string 'text' and 'sender'"),
-    ({"messages": [[message("a", "hi")], [{"text": None, "sender": "b"}]]}, "turn 1 message 0"),
-])
+@pytest.mark.parametrize(
+    "conversation, reason",
+    [
+        ({"turns": []}, "a conversation needs a 'messages' list"),
+        ({"messages": [{"text": "hi"}]}, "turn 0 is not a list"),
+        ({"messages": [[{"text": "hi"}]]}, "turn 0 message 0 needs a string 'text' and 'sender'"),
+        ({"messages": [[message("a", "hi")], [{"text": None, "sender": "b"}]]}, "turn 1 message 0"),
+    ],
+)
 def test_a_malformed_conversation_is_named_or_skipped_counted(tmp_path, caplog, conversation, reason):
     path = write_corpus(tmp_path, {"good": CORPUS["c3"], "bad": conversation})
     with pytest.raises(BadRecordError, match=f"{path} conversation bad: {reason}"):
@@ -87,8 +96,9 @@ def test_a_malformed_conversation_is_named_or_skipped_counted(tmp_path, caplog, 
     assert "skipped 1 bad input(s): 1 conversation(s)" in caplog.text
 
 
-@pytest.mark.parametrize("text, reason", [("[1, 2]", "expected an object of id -> conversation"),
-                                          ("{not json", "not a chit-chat JSON file")])
+@pytest.mark.parametrize(
+    "text, reason", [("[1, 2]", "expected an object of id -> conversation"), ("{not json", "not a chit-chat JSON file")]
+)
 def test_a_file_that_is_not_the_corpus_is_named(tmp_path, text, reason):
     path = tmp_path / "dataset.json"
     path.write_text(text)

@@ -19,13 +19,24 @@ from trainer.model import VarlenCausalLM, resolve_backend
 
 CPU = torch.device("cpu")
 VOCAB = 97
-LLAMA_LIKE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=64)
+LLAMA_LIKE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
 FAMILIES = {
-    "gpt2_tied": ("gpt2", dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                               attn_pdrop=0.0)),
+    "gpt2_tied": (
+        "gpt2",
+        dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+    ),
     "qwen2_untied": ("qwen2", dict(LLAMA_LIKE, tie_word_embeddings=False)),
-    "gemma2_softcap": ("gemma2", dict(LLAMA_LIKE, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None)),
+    "gemma2_softcap": (
+        "gemma2",
+        dict(LLAMA_LIKE, head_dim=8, final_logit_softcapping=2.0, attn_logit_softcapping=None),
+    ),
     "cohere_scale": ("cohere", dict(LLAMA_LIKE, logit_scale=0.5)),
     "granite_scaling": ("granite", dict(LLAMA_LIKE, logits_scaling=3.0)),
 }
@@ -35,8 +46,7 @@ LENGTHS = [9, 1, 14, 5, 11, 3]
 def tiny_model(key: str, dtype=torch.float32) -> VarlenCausalLM:
     family, overrides = FAMILIES[key]
     torch.manual_seed(0)
-    config = AutoConfig.for_model(family, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2,
-                                  **overrides)
+    config = AutoConfig.for_model(family, vocab_size=VOCAB, pad_token_id=0, bos_token_id=1, eos_token_id=2, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     return VarlenCausalLM(model, resolve_backend("sdpa_varlen", CPU))
 
@@ -63,7 +73,9 @@ def loss_and_grads(model: VarlenCausalLM, inputs: dict, labels: torch.Tensor, sc
 def assert_same(naive, chunked, atol: float, rtol: float) -> None:
     torch.testing.assert_close(chunked[0], naive[0], atol=atol * 100, rtol=rtol)
     for name, grad in naive[1].items():
-        torch.testing.assert_close(chunked[1][name], grad, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            chunked[1][name], grad, atol=atol, rtol=rtol, msg=lambda m, name=name: f"{name}: {m}"
+        )
 
 
 @pytest.mark.parametrize("key", list(FAMILIES))

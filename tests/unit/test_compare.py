@@ -12,16 +12,38 @@ import pytest
 from trainer.metrics import EvalMetrics, RunSummary, StepMetrics
 from trainer.tools import compare
 
-STEP_KEYS = ("loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
-             "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction",
-             "model_flops", "step_time_s", "peak_mem_gib")
+STEP_KEYS = (
+    "loss",
+    "lr",
+    "grad_norm",
+    "useful_tokens",
+    "tokens",
+    "positions",
+    "useful_tokens_per_s",
+    "tokens_per_s",
+    "padding_fraction",
+    "padded_equivalent_positions",
+    "padding_saved_fraction",
+    "model_flops",
+    "step_time_s",
+    "peak_mem_gib",
+)
 
 
 def _step(step: int, useful_per_s: float, positions: int, padded_equivalent: int) -> dict:
     m = dict.fromkeys(STEP_KEYS, 1.0) | {"step": step, "epoch": 0, "loss": 5.0 - 0.1 * step}
-    return m | {"useful_tokens": 1000, "tokens": 1100, "positions": positions, "step_time_s": 1000 / useful_per_s,
-                "useful_tokens_per_s": useful_per_s, "padded_equivalent_positions": padded_equivalent,
-                "model_flops": 1e9, "peak_mem_gib": 0.5, "skipped": None, "tokens_seen": 1000 * step}
+    return m | {
+        "useful_tokens": 1000,
+        "tokens": 1100,
+        "positions": positions,
+        "step_time_s": 1000 / useful_per_s,
+        "useful_tokens_per_s": useful_per_s,
+        "padded_equivalent_positions": padded_equivalent,
+        "model_flops": 1e9,
+        "peak_mem_gib": 0.5,
+        "skipped": None,
+        "tokens_seen": 1000 * step,
+    }
 
 
 def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: float, **extra) -> None:
@@ -34,11 +56,19 @@ def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: f
         records.append(m)
     summary.add_eval(EvalMetrics(step=5, eval_loss=eval_loss, eval_tokens=10, eval_time_s=0.1))
     records.append({"step": 5, "eval_loss": eval_loss, "eval_tokens": 10, "eval_time_s": 0.1})
-    result = summary.result(peak_tflops_total=1.0) | {
-        "mode": mode, "strategy": "bfd" if mode == "packed" else "none", "world_size": 2, "device": "cpu",
-        "attention": "sdpa_varlen" if mode == "packed" else "sdpa_padded", "peak_tflops_per_device": 0.5,
-        "peak_tflops_source": "test",
-    } | extra
+    result = (
+        summary.result(peak_tflops_total=1.0)
+        | {
+            "mode": mode,
+            "strategy": "bfd" if mode == "packed" else "none",
+            "world_size": 2,
+            "device": "cpu",
+            "attention": "sdpa_varlen" if mode == "packed" else "sdpa_padded",
+            "peak_tflops_per_device": 0.5,
+            "peak_tflops_source": "test",
+        }
+        | extra
+    )
     (path / "summary.json").write_text(json.dumps(result))
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:-1]))
     (path / "eval.jsonl").write_text(json.dumps(records[-1]) + "\n")
@@ -46,7 +76,9 @@ def _fake_run(path, mode: str, useful_per_s: float, positions: int, eval_loss: f
 
 def test_report_from_stored_runs(tmp_path):
     _fake_run(tmp_path / "padded", "padded", 1000.0, 2200, 4.50)
-    certified = "certified exact: qwen2 (table prior; replica float64 |logit diff| 7e-08, |grad diff| 2e-07; self-check ...)"
+    certified = (
+        "certified exact: qwen2 (table prior; replica float64 |logit diff| 7e-08, |grad diff| 2e-07; self-check ...)"
+    )
     _fake_run(tmp_path / "packed", "packed", 1600.0, 1100, 4.52, certification={"line": certified})
     publish = tmp_path / "docs"
     report = compare.main(["--report-only", str(tmp_path), "--publish", str(publish), "recipe=x"])
@@ -74,7 +106,9 @@ def test_report_states_loss_impl_and_compile_and_warns_when_they_differ(tmp_path
     report = compare.main(["--report-only", str(tmp_path), "recipe=x"])
     assert report["loss_impl"] == {"packed": "chunked (torch)", "padded": padded_loss}
     md = (tmp_path / "report.md").read_text()
-    assert f"| loss implementation | `{padded_loss}` | `chunked (torch)` |" in md and "| compile | `off` | `off` |" in md
+    assert (
+        f"| loss implementation | `{padded_loss}` | `chunked (torch)` |" in md and "| compile | `off` | `off` |" in md
+    )
     same = padded_loss == "chunked (torch)"
     assert report["comparison"]["same_per_token_setup"] is same
     assert ("different loss implementation or compile mode" in md) is not same
@@ -89,6 +123,7 @@ def test_report_shows_the_router_aux_loss_apart(tmp_path):
     md = (tmp_path / "report.md").read_text()
     assert "| final router aux loss (MoE) | 2.0310 | 2.0120 | -0.0190 |" in md
     assert "| final train token loss | 4.6000 | 4.6100 | +0.0100 |" in md
+
 
 def test_summarize_prints_the_compare_table_for_any_two_run_dirs(tmp_path, capsys):
     from trainer.tools import summarize
@@ -130,9 +165,15 @@ logger.close()
 print(json.dumps(sorted(keys)))
 """
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
-    env |= {"WANDB_MODE": "offline", "WANDB_DIR": str(tmp_path), "HOME": str(tmp_path), "WANDB_BASE_URL": "http://127.0.0.1:9"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                         cwd=compare.REPO)
+    env |= {
+        "WANDB_MODE": "offline",
+        "WANDB_DIR": str(tmp_path),
+        "HOME": str(tmp_path),
+        "WANDB_BASE_URL": "http://127.0.0.1:9",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120, cwd=compare.REPO
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     keys = set(json.loads(out.stdout.strip().splitlines()[-1]))
     jsonl = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -167,8 +208,14 @@ def test_report_states_the_padding_limit_the_unigram_entropy_precision_and_atten
     for mode, rate, positions, loss in (("padded", 1000.0, 2200, 4.50), ("packed", 1600.0, 1100, 4.52)):
         _fake_run(tmp_path / mode, mode, rate, positions, loss, unigram_entropy=6.25, mfu=None)
         (tmp_path / mode / "config.yaml").write_text(config)
-    facts = {"cpu": "Test CPU", "cores": 2, "cpu_flags": ["avx2", "avx512f"], "torch_cpu_capability": "AVX2",
-             "bf16_native": False, "isa_env": {"ONEDNN_MAX_CPU_ISA": "AVX2"}}
+    facts = {
+        "cpu": "Test CPU",
+        "cores": 2,
+        "cpu_flags": ["avx2", "avx512f"],
+        "torch_cpu_capability": "AVX2",
+        "bf16_native": False,
+        "isa_env": {"ONEDNN_MAX_CPU_ISA": "AVX2"},
+    }
     monkeypatch.setattr(compare, "machine", lambda: facts)
     report = compare.main(["--report-only", str(tmp_path), "recipe=x"])
     c = report["comparison"]
@@ -179,8 +226,10 @@ def test_report_states_the_padding_limit_the_unigram_entropy_precision_and_atten
     assert "1.73 nats below the unigram entropy of the training tokens, 6.250 nats" in md
     assert "compute in bfloat16, gradients reduced in float32" in md and "**This CPU has no native bf16" in md
     assert "Attention: packed `sdpa_varlen` (`model.attention=auto` takes the first of flash_attn, torch_varlen" in md
-    assert "CPU: Test CPU, 2 cores, flags avx2 avx512f; torch CPU capability AVX2; native bf16 (oneDNN): False; " \
-           "ONEDNN_MAX_CPU_ISA=AVX2." in md
+    assert (
+        "CPU: Test CPU, 2 cores, flags avx2 avx512f; torch CPU capability AVX2; native bf16 (oneDNN): False; "
+        "ONEDNN_MAX_CPU_ISA=AVX2." in md
+    )
     assert "MFU (estimated)" not in md and "MFU: not shown" in md
     monkeypatch.setattr(compare, "machine", lambda: pytest.fail("a rebuilt report keeps the runs' machine"))
     assert compare.main(["--report-only", str(tmp_path), "recipe=x"])["machine"] == facts

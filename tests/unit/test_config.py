@@ -29,9 +29,11 @@ def test_bad_values_raise_config_errors(override, message):
 @pytest.mark.parametrize(
     "arg, expected",
     [
-        ("recipe=nope",  # every recipe the folder holds, by name
-         "packfsdp: unknown recipe 'nope'; choose one of: "
-         + ", ".join(sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml")))),
+        (
+            "recipe=nope",  # every recipe the folder holds, by name
+            "packfsdp: unknown recipe 'nope'; choose one of: "
+            + ", ".join(sorted(p.stem for p in (Path(__file__).parents[2] / "recipes").glob("*.yaml"))),
+        ),
         ("packing=foo", "packfsdp: unknown packing 'foo'; choose one of:"),
         ("packing.token_budget=-5", "packfsdp: config error: packing.token_budget must be a positive number"),
     ],
@@ -46,8 +48,9 @@ def test_cli_errors_are_one_line(capsys, monkeypatch, arg, expected):
 
 @pytest.mark.slow
 def test_cli_error_of_a_real_process_is_one_line_and_exit_status_2():
-    out = subprocess.run([sys.executable, "-m", "trainer.train", "recipe=nope"], cwd=REPO, capture_output=True,
-                         text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "trainer.train", "recipe=nope"], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2
     assert out.stdout == "" and out.stderr.strip().startswith("packfsdp: unknown recipe 'nope'; choose one of: ")
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr

@@ -10,7 +10,6 @@ import yaml
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.conftest import REPO
-
 from trainer.model.certification import Stage, certify_config, replica
 from trainer.model.certification.shrink import replica_config
 from trainer.model.families import FamilyRefusedError
@@ -60,14 +59,22 @@ def test_chunked_loss_keeps_the_boundary_relay():
     from trainer.model.attention import resolve_backend
     from trainer.model.prepare import prepare_model
 
-    config = AutoConfig.for_model("stablelm", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64)
+    config = AutoConfig.for_model(
+        "stablelm",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=64,
+    )
     torch.manual_seed(0)
     model = prepare_model(AutoModelForCausalLM.from_config(config), resolve_backend("sdpa_varlen", torch.device("cpu")))
     model.use_loss("chunked")
     ids = torch.randint(3, 64, (1, 12))
-    loss = model.token_loss(ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32),
-                            7, labels=ids)
+    loss = model.token_loss(
+        ids, torch.tensor([list(range(5)) + list(range(7))]), torch.tensor([0, 5, 12], dtype=torch.int32), 7, labels=ids
+    )
     assert torch.isfinite(loss)
 
 
@@ -78,12 +85,20 @@ def test_a_window_kept_only_in_the_mask_is_relayed_and_exact(tmp_path, monkeypat
     from trainer.model import layer_relay
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
-    config = AutoConfig.for_model("qwen2_moe", use_sliding_window=True, sliding_window=4096, num_hidden_layers=2,
-                                  layer_types=["sliding_attention", "full_attention"])
+    config = AutoConfig.for_model(
+        "qwen2_moe",
+        use_sliding_window=True,
+        sliding_window=4096,
+        num_hidden_layers=2,
+        layer_types=["sliding_attention", "full_attention"],
+    )
     assert replica_of(config).outcome == "exact"
     monkeypatch.setattr(layer_relay, "WINDOW_DROPPED", frozenset())
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "relay_off"))
-    with pytest.raises(FamilyRefusedError, match=r"'qwen2_moe' is not certified exact \(replica\): .*sliding_attention.*sliding_window=4096"):
+    with pytest.raises(
+        FamilyRefusedError,
+        match=r"'qwen2_moe' is not certified exact \(replica\): .*sliding_attention.*sliding_window=4096",
+    ):
         certify_config(config)
 
 
@@ -106,13 +121,21 @@ def test_every_binding_window_chunk_and_selection_binds_in_the_replica():
     setting it did not exercise."""
     import warnings
 
-    from trainer.model.certification.replica import LENGTHS
     from tests.unit.test_family_matrix import installed_families
+    from trainer.model.certification.replica import LENGTHS
 
     users = [(f, {}) for f in installed_families()] + [
         ("llama4_text", dict(attention_chunk_size=16, floor_scale=32)),
-        ("minimax_m3_vl_text", dict(num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
-                                    mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2)),
+        (
+            "minimax_m3_vl_text",
+            dict(
+                num_hidden_layers=2,
+                layer_types=["minimax_m3_sparse", "full_attention"],
+                mlp_layer_types=["dense", "dense"],
+                index_block_size=16,
+                index_topk_blocks=2,
+            ),
+        ),
         ("deepseek_v32", dict(index_topk=64)),
     ]
     checked = set()
@@ -136,8 +159,12 @@ def test_a_block_sparse_layer_is_refused_by_the_verdict_too(tmp_path, monkeypatc
     refuses it too (its replica's selection, 4 x 2 keys, binds), naming the layer type."""
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model(
-        "minimax_m3_vl_text", num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
-        mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2,
+        "minimax_m3_vl_text",
+        num_hidden_layers=2,
+        layer_types=["minimax_m3_sparse", "full_attention"],
+        mlp_layer_types=["dense", "dense"],
+        index_block_size=16,
+        index_topk_blocks=2,
     )
     found = replica.judge(config)
     assert found.outcome in ("refused", "wrong") and "block_indices" in found.detail and "\n" not in found.detail
@@ -150,8 +177,12 @@ def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkey
     from trainer.model import build_model, resolve_backend
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
-    cfg = ModelConfig(family="llama", config_overrides=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                                            num_attention_heads=4, num_key_value_heads=2))
+    cfg = ModelConfig(
+        family="llama",
+        config_overrides=dict(
+            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+        ),
+    )
     backend = resolve_backend("sdpa_varlen", torch.device("cpu"))
     cold = build_model(cfg, tokenizer, backend, seed=3).state_dict()  # verdict computed
     warm = build_model(cfg, tokenizer, backend, seed=3).state_dict()  # verdict cached
@@ -163,6 +194,7 @@ def test_the_initial_weights_do_not_depend_on_the_verdict_cache(tmp_path, monkey
 def test_only_rank_0_judges_and_every_rank_follows_its_verdict(tmp_path, monkeypatch):
     """On a cache miss rank 0 builds the replica; another rank never does, and takes rank 0's verdict."""
     from trainer import distributed
+
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     monkeypatch.setattr(distributed, "is_rank0", lambda: False)
     sent = iter([None, Stage("replica", "refused", "rank 0's line")])  # rank 0's error (none), then its verdict
@@ -186,11 +218,20 @@ def test_gemma3n_nan_gradients_on_the_pad_token_are_refused(tmp_path, monkeypatc
     padding_idx row) its gradient is NaN, packed and padded alike. Refused in one line naming it."""
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
     config = AutoConfig.for_model(
-        "gemma3n_text", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_kv_shared_layers=0, layer_types=["sliding_attention", "full_attention"],
-        vocab_size=512, pad_token_id=0,
+        "gemma3n_text",
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_kv_shared_layers=0,
+        layer_types=["sliding_attention", "full_attention"],
+        vocab_size=512,
+        pad_token_id=0,
     )
-    with pytest.raises(FamilyRefusedError, match="'gemma3n_text' is not certified exact .*not finite.*pad_token_id=0") as info:
+    with pytest.raises(
+        FamilyRefusedError, match="'gemma3n_text' is not certified exact .*not finite.*pad_token_id=0"
+    ) as info:
         certify_config(config)
     assert "\n" not in str(info.value)
 
@@ -204,13 +245,26 @@ def test_lfm2_moe_with_conv_layers_builds_from_a_local_checkpoint_config(tmp_pat
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path / "cache"))
     config = AutoConfig.for_model(
-        "lfm2_moe", hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
-        layer_types=["conv", "full_attention"], vocab_size=256,
+        "lfm2_moe",
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        num_dense_layers=1,
+        layer_types=["conv", "full_attention"],
+        vocab_size=256,
     )
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "lfm2_moe")
-    model = build_model(ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")), tokenizer,
-                        resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
+    model = build_model(
+        ModelConfig(name_or_path=str(tmp_path / "lfm2_moe")),
+        tokenizer,
+        resolve_backend("sdpa_varlen", torch.device("cpu")),
+        0,
+    )
     kept = [m for m in model.modules() if isinstance(m.__dict__.get("forward"), PackedMixerForward)]
     assert [type(m).__name__ for m in kept] == ["Lfm2MoeShortConv"]
 
@@ -244,12 +298,33 @@ def test_replica_shapes_keep_the_config_s_own_constraints():
     (one expert per token stays one), per-layer lists of layer ids follow the kept layers."""
     from trainer.model.certification.shrink import shrunk_layers, shrunk_shapes
 
-    shapes = shrunk_shapes({"num_attention_heads": 14, "num_key_value_heads": 2, "num_experts": 16,
-                            "num_experts_per_tok": 1, "q_lora_rank": None, "pad_token_id": None, "head_dim": 64})
-    assert shapes == {"num_attention_heads": 4, "num_key_value_heads": 1, "num_experts": 4, "num_experts_per_tok": 1,
-                      "head_dim": 16}
-    layers = shrunk_layers({"num_hidden_layers": 8, "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 4,
-                            "kv_source_layers": [0, 1, 2, 3, 4, 5, 1, 3], "hybrid_layer_ids": [3, 6]}, most=2)
+    shapes = shrunk_shapes(
+        {
+            "num_attention_heads": 14,
+            "num_key_value_heads": 2,
+            "num_experts": 16,
+            "num_experts_per_tok": 1,
+            "q_lora_rank": None,
+            "pad_token_id": None,
+            "head_dim": 64,
+        }
+    )
+    assert shapes == {
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "num_experts": 4,
+        "num_experts_per_tok": 1,
+        "head_dim": 16,
+    }
+    layers = shrunk_layers(
+        {
+            "num_hidden_layers": 8,
+            "layer_types": ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 4,
+            "kv_source_layers": [0, 1, 2, 3, 4, 5, 1, 3],
+            "hybrid_layer_ids": [3, 6],
+        },
+        most=2,
+    )
     kept = layers["num_hidden_layers"]
     assert set(layers["layer_types"]) == {"sliding_attention", "full_attention"} and kept == len(layers["layer_types"])
     sources = layers["kv_source_layers"]
@@ -303,8 +378,15 @@ def test_dory_with_a_pad_token_is_refused_as_its_own_nan():
     (the pad's padding_idx row) stays zero through every layer, and each L2 norm at zero multiplies the
     backward by 1/sqrt(eps): NaN gradients, alone and packed alike (transformers' own model, every
     attention implementation). It was stopped by the self-check as "examples are not kept apart"."""
-    config = AutoConfig.for_model("dory", num_hidden_layers=4, n_input_layers=1, n_recurrent_layers=2, n_output_layers=1,
-                                  layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=16)
+    config = AutoConfig.for_model(
+        "dory",
+        num_hidden_layers=4,
+        n_input_layers=1,
+        n_recurrent_layers=2,
+        n_output_layers=1,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        sliding_window=16,
+    )
     assert replica.judge(config).outcome == "exact"  # no pad token: nothing to refuse
     config.pad_token_id = 0
     found = replica.judge(config)
@@ -323,8 +405,15 @@ def test_a_replica_that_fails_falls_back_and_never_refuses(monkeypatch):
             replica.num_key_value_heads = 3  # 4 heads in 3 KV heads: the tiny replica cannot run
         return replica
 
-    config = AutoConfig.for_model("llama", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=300)
+    config = AutoConfig.for_model(
+        "llama",
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=300,
+    )
     monkeypatch.setattr(replica, "replica_config", broken)
     assert replica.judge(config).outcome == "exact"
     monkeypatch.setattr(replica, "REPLICA_MAX_PARAMETERS", 1000)  # the larger replica too big to run
@@ -353,11 +442,15 @@ def packed_vs_alone(config, dtype: torch.dtype) -> tuple[float, float]:
     from trainer.model.prepare import prepare_model
 
     torch.manual_seed(0)
-    hf = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager", experts_implementation="eager")
+    hf = AutoModelForCausalLM.from_config(
+        config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+    )
     model = prepare_model(hf, resolve_backend("sdpa_varlen", torch.device("cpu"), dtype, AttentionNeeds.of(config)))
     model.padded_attention = "eager"
     model.eval()
-    examples = [torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 1, 7, 20)]
+    examples = [
+        torch.randint(3, config.vocab_size, (n,), generator=torch.Generator().manual_seed(n)) for n in (13, 1, 7, 20)
+    ]
 
     def loss(logits, ids):
         return torch.nn.functional.cross_entropy(logits[:-1], ids[1:], reduction="sum")
@@ -370,14 +463,18 @@ def packed_vs_alone(config, dtype: torch.dtype) -> tuple[float, float]:
     alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     cu = torch.tensor([0, *torch.tensor([len(e) for e in examples]).cumsum(0).tolist()], dtype=torch.int32)
-    packed = model(torch.cat(examples)[None], torch.cat([torch.arange(len(e)) for e in examples])[None], cu,
-                   max(len(e) for e in examples))[0]
-    sum(loss(packed[s:t], ids) for s, t, ids in zip(cu[:-1], cu[1:], examples)).backward()
+    packed = model(
+        torch.cat(examples)[None],
+        torch.cat([torch.arange(len(e)) for e in examples])[None],
+        cu,
+        max(len(e) for e in examples),
+    )[0]
+    sum(loss(packed[s:t], ids) for s, t, ids in zip(cu[:-1], cu[1:], examples, strict=False)).backward()
 
     def rel(a, b) -> float:
         return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
-    logit_diff = max(rel(packed[s:t].detach(), a) for s, t, a in zip(cu[:-1], cu[1:], alone_logits))
+    logit_diff = max(rel(packed[s:t].detach(), a) for s, t, a in zip(cu[:-1], cu[1:], alone_logits, strict=False))
     grad_diff = max(rel(p.grad, alone_grads[n]) for n, p in model.named_parameters() if p.grad is not None)
     return logit_diff, grad_diff
 
@@ -405,9 +502,23 @@ def test_formerly_refused_configs_train_with_the_self_check(tmp_path):
     overrides = ",".join(f"{k}:{str(v).lower()}" for f in FORMERLY_REFUSED.values() for k, v in f.items())
     env = os.environ | {"PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", "PACKFSDP_CACHE": str(tmp_path / "cache")}
     proc = subprocess.run(
-        [sys.executable, "-m", "trainer.train", "-m", "model=qwen2_tiny", f"model.family={','.join(FORMERLY_REFUSED)}",
-         f"model.config_overrides={{{overrides}}}", "data.num_records=400", "max_steps=2", "logger.peak_tflops=1"],
-        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400,
+        [
+            sys.executable,
+            "-m",
+            "trainer.train",
+            "-m",
+            "model=qwen2_tiny",
+            f"model.family={','.join(FORMERLY_REFUSED)}",
+            f"model.config_overrides={{{overrides}}}",
+            "data.num_records=400",
+            "max_steps=2",
+            "logger.peak_tflops=1",
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=400,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     log = proc.stdout + proc.stderr
@@ -423,5 +534,8 @@ def test_no_replica_and_no_self_check_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(replica, "judge", lambda config: Stage("replica", "unbuildable", "no replica runs (...)"))
     config = AutoConfig.for_model("llama", num_hidden_layers=2)
     assert replica_of(config).outcome == "unbuildable"
-    with pytest.raises(FamilyRefusedError, match=r"'llama' is not certified exact \(replica\): no replica .* keep model.self_check=true"):
+    with pytest.raises(
+        FamilyRefusedError,
+        match=r"'llama' is not certified exact \(replica\): no replica .* keep model.self_check=true",
+    ):
         certify_config(config, self_check=False)

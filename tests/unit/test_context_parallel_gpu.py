@@ -22,7 +22,16 @@ KERNELS = ["torch_varlen", "flex", "sdpa_varlen"] + (["flash_attn"] if importlib
 def test_cp_attention_equals_full_row_on_gpu(kernel, window, split):
     q, k, v = _row(torch.bfloat16, "cuda")
     cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32, device="cuda")
-    ref, _ = sdpa_varlen_attention(_Module(), q.float(), k.float(), v.float(), None, scaling=0.35,
-                                   cu_seq_lens_q=cu, cu_seq_lens_k=cu, sliding_window=window)
+    ref, _ = sdpa_varlen_attention(
+        _Module(),
+        q.float(),
+        k.float(),
+        v.float(),
+        None,
+        scaling=0.35,
+        cu_seq_lens_q=cu,
+        cu_seq_lens_k=cu,
+        sliding_window=window,
+    )
     out = _cp_row(q, k, v, kernel, split, window)
     assert (out.float() - ref).abs().max() < 3e-2

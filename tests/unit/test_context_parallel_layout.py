@@ -53,9 +53,15 @@ def test_length_dependent_rope_is_refused_under_cp():
 
     from trainer.config import ConfigError
 
-    config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, max_position_embeddings=64,
-                         rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0})
+    config = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        max_position_embeddings=64,
+        rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0},
+    )
     model = LlamaForCausalLM(config)
     refuse_unshardable(model, 1)
     with pytest.raises(ConfigError, match="parallel.cp=2: .*dynamic/longrope"):

@@ -89,14 +89,20 @@ def test_dailydialog_original_text_format(tmp_path, tokenizer, caplog):
 def test_dailydialog_parquet_format(tmp_path, tokenizer):
     folder = tmp_path / "daily_dialog" / "data"
     folder.mkdir(parents=True)
-    table = pa.table({
-        "dialog": [["Hi , how are you ?", "Fine , thanks ."], ["Where is the station ?", "Turn left .", "Thanks !"]],
-        "act": [[2, 1], [2, 1, 4]],
-    })
+    table = pa.table(
+        {
+            "dialog": [
+                ["Hi , how are you ?", "Fine , thanks ."],
+                ["Where is the station ?", "Turn left .", "Thanks !"],
+            ],
+            "act": [[2, 1], [2, 1, 4]],
+        }
+    )
     pq.write_table(table, folder / "train-00000-of-00001.parquet")
     pq.write_table(table.slice(0, 1), folder / "validation-00000-of-00001.parquet")
-    cfg = DataConfig(source="dailydialog", path=str(tmp_path / "daily_dialog"), split="train",
-                     cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(
+        source="dailydialog", path=str(tmp_path / "daily_dialog"), split="train", cache_dir=str(tmp_path / "cache")
+    )
     records = load_records(cfg)
     assert [len(r["turns"]) for r in records] == [2, 3]
     assert len(load_dataset(cfg, tokenizer, max_length=256)) == 2

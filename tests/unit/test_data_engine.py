@@ -27,13 +27,21 @@ def write_jsonl(path, rows: list) -> str:
 
 
 def chats(n: int) -> list[dict]:
-    return [{"messages": [{"role": "user", "content": f"question {i} about the weather"},
-                          {"role": "assistant", "content": "it is sunny " * (1 + i % 7)}]} for i in range(n)]
+    return [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i} about the weather"},
+                {"role": "assistant", "content": "it is sunny " * (1 + i % 7)},
+            ]
+        }
+        for i in range(n)
+    ]
 
 
 def same_examples(a, b) -> bool:
     return len(a) == len(b) and all(
-        np.array_equal(x, y) for i in range(len(a)) for x, y in zip(a.example(i), b.example(i), strict=True))
+        np.array_equal(x, y) for i in range(len(a)) for x, y in zip(a.example(i), b.example(i), strict=True)
+    )
 
 
 def test_table_file_gives_the_records_path_examples_memory_mapped(tmp_path, tokenizer):
@@ -94,17 +102,27 @@ def test_a_file_datasets_refuses_is_read_line_by_line(tmp_path, tokenizer, caplo
 def test_batched_chat_rendering_equals_apply_chat_template(tokenizer):
     from trainer.data.chat import CHATML_TEMPLATE, chat_segments_batch
 
-    conversations = [c["messages"] for c in chats(5)] + [[{"role": "system", "content": "be brief"}] + CHAT["messages"],
-                                                         [{"role": "assistant", "content": "I start."}]]
+    conversations = [c["messages"] for c in chats(5)] + [
+        [{"role": "system", "content": "be brief"}] + CHAT["messages"],
+        [{"role": "assistant", "content": "I start."}],
+    ]
     fast = chat_segments_batch(conversations, tokenizer, CHATML_TEMPLATE, "auto")
     with_extra_key = [[dict(m, name=None) for m in c] for c in conversations]  # not plain: apply_chat_template
     assert chat_segments_batch(with_extra_key, tokenizer, CHATML_TEMPLATE, "auto") == fast
 
 
 def mix_cfg(tmp_path, by="examples", seed=0) -> DataConfig:
-    return DataConfig(cache_dir=str(tmp_path), seed=seed, mixture=MixtureConfig(by=by, sources=[
-        {"source": "dailydialog_synthetic", "num_records": 40, "weight": 1.0},
-        {"source": "chat_synthetic", "num_records": 120, "weight": 1.0}]))
+    return DataConfig(
+        cache_dir=str(tmp_path),
+        seed=seed,
+        mixture=MixtureConfig(
+            by=by,
+            sources=[
+                {"source": "dailydialog_synthetic", "num_records": 40, "weight": 1.0},
+                {"source": "chat_synthetic", "num_records": 120, "weight": 1.0},
+            ],
+        ),
+    )
 
 
 def test_mixture_shares_by_examples_and_tokens_deterministic_by_seed(tmp_path, tokenizer):
@@ -128,9 +146,15 @@ def test_mixture_shares_by_examples_and_tokens_deterministic_by_seed(tmp_path, t
 def test_analyze_reports_the_mixture(tmp_path, cache_dir):
     from trainer.tools import analyze
 
-    overrides = ["recipe=cpu_dailydialog", f"data.cache_dir={cache_dir}", f"output_root={tmp_path}",
-                 "data.mixture.sources=[{source: dailydialog_synthetic, num_records: 60, weight: 3}, "
-                 "{source: chat_synthetic, num_records: 60, weight: 1}]", "--world-sizes", "2"]
+    overrides = [
+        "recipe=cpu_dailydialog",
+        f"data.cache_dir={cache_dir}",
+        f"output_root={tmp_path}",
+        "data.mixture.sources=[{source: dailydialog_synthetic, num_records: 60, weight: 3}, "
+        "{source: chat_synthetic, num_records: 60, weight: 1}]",
+        "--world-sizes",
+        "2",
+    ]
     figures = analyze.run(overrides)
     shares = [s["example_share"] for s in figures["mix"]]
     assert abs(shares[0] - 0.75) < 0.05 and abs(shares[1] - 0.25) < 0.05  # 3:1, the hold-out aside
@@ -155,9 +179,17 @@ def test_held_out_draw_is_computed_once_per_cache(tmp_path, tokenizer, monkeypat
 def test_parquet_and_saved_datasets_take_the_arrow_path(tmp_path, tokenizer, kind):
     import datasets
 
-    table = datasets.Dataset.from_list([{"conversations": [{"from": "human", "value": f"q{i}"},
-                                                           {"from": "gpt", "value": "an answer " * (i % 5 + 1)}]}
-                                        for i in range(40)])
+    table = datasets.Dataset.from_list(
+        [
+            {
+                "conversations": [
+                    {"from": "human", "value": f"q{i}"},
+                    {"from": "gpt", "value": "an answer " * (i % 5 + 1)},
+                ]
+            }
+            for i in range(40)
+        ]
+    )
     path = tmp_path / ("data.parquet" if kind == "parquet" else "saved")
     table.to_parquet(str(path)) if kind == "parquet" else table.save_to_disk(str(path))
     cfg = DataConfig(source=kind, path=str(path), cache_dir=str(tmp_path / "cache"))
@@ -209,13 +241,19 @@ def test_csv_takes_the_arrow_path_and_names_a_bad_row_by_line(tmp_path, tokenize
     cfg = DataConfig(source="csv", path=str(path), cache_dir=str(tmp_path / "cache"))
     reference = render_records(load_records(cfg), tokenizer, cfg, max_length=64)
     with monkeypatch.context() as m:  # the line reader is the fallback for files datasets refuses: not this one
-        m.setitem(FORMATS, "csv", replace(FORMATS["csv"], read=lambda *a, **k: pytest.fail("csv fell back to the line reader")))
+        m.setitem(
+            FORMATS,
+            "csv",
+            replace(FORMATS["csv"], read=lambda *a, **k: pytest.fail("csv fell back to the line reader")),
+        )
         ds = load_dataset(cfg, tokenizer, max_length=64)
     assert isinstance(ds.tokens, np.memmap) and same_examples(ds, reference) and ds.stats == reference.stats
     assert ds.stats.dropped_empty == 1 and len(ds) == 3
     bad = tmp_path / "chats.csv"
-    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
-                   '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""asistant"", ""content"": ""x""}]"\n')
+    bad.write_text(
+        'messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
+        '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""asistant"", ""content"": ""x""}]"\n'
+    )
     bad_cfg = DataConfig(source="csv", path=str(bad), cache_dir=str(tmp_path / "cache"))
     with pytest.raises(BadRecordError, match=f"{bad}:4: unknown chat role 'asistant'"):
         load_dataset(bad_cfg, tokenizer, max_length=64)
@@ -230,9 +268,15 @@ def test_example_hashes_are_each_examples_keyed_blake2b():
     tokens = np.random.default_rng(0).integers(0, 50_000, size=1000, dtype=np.int32)
     offsets = np.array([0, 0, 3, 400, 401, 1000], dtype=np.int64)  # an empty example too
     for seed in (0, 7, -3):
-        expected = [int.from_bytes(hashlib.blake2b(tokens[lo:hi].tobytes(), digest_size=8,
-                                                   key=seed.to_bytes(8, "little", signed=True)).digest(), "little")
-                    for lo, hi in pairwise(offsets)]
+        expected = [
+            int.from_bytes(
+                hashlib.blake2b(
+                    tokens[lo:hi].tobytes(), digest_size=8, key=seed.to_bytes(8, "little", signed=True)
+                ).digest(),
+                "little",
+            )
+            for lo, hi in pairwise(offsets)
+        ]
         assert example_hashes(tokens, offsets, seed).tolist() == expected
 
 

@@ -29,10 +29,20 @@ RECORDS = ["data.num_records=120", "model.tokenizer_vocab_size=512"]
 def save_teacher(folder, tokenizer, vocab: int | None = None):
     """A random Qwen2 of another shape than cpu_distill's student, with ``tokenizer``, as a model folder."""
     torch.manual_seed(3)
-    config = AutoConfig.for_model("qwen2", vocab_size=vocab or len(tokenizer), hidden_size=48, intermediate_size=96,
-                                  num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                                  max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.1,
-                                  eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    config = AutoConfig.for_model(
+        "qwen2",
+        vocab_size=vocab or len(tokenizer),
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        initializer_range=0.1,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return str(folder)
@@ -62,8 +72,14 @@ def batches(dataset):
     order = np.argsort(dataset.lengths)
     whole = order[[0, 10, 40, 80, -1]]
     longest = int(order[-1])
-    pieces = np.array([[longest, 0, 30], [int(order[0]), 0, int(dataset.lengths[order[0]])],
-                       [longest, 30, int(dataset.lengths[longest])], [int(order[50]), 0, int(dataset.lengths[order[50]])]])
+    pieces = np.array(
+        [
+            [longest, 0, 30],
+            [int(order[0]), 0, int(dataset.lengths[order[0]])],
+            [longest, 30, int(dataset.lengths[longest])],
+            [int(order[50]), 0, int(dataset.lengths[order[50]])],
+        ]
+    )
     return collate_packed(dataset, whole), collate_packed(dataset, pieces), whole, piece_starts(pieces)
 
 
@@ -131,14 +147,19 @@ def test_a_teacher_that_cannot_be_distilled_from_is_refused_in_one_line(setup, t
         objective(cfg, model, teacher=wrong_rows)
 
 
-@pytest.mark.parametrize("overrides,match", [
-    (["distill.teacher=null"], "objective=distill needs a teacher"),
-    (["parallel.cp=2"], "objective=distill cannot be combined with parallel.cp=2"),
-    (["distill.teacher_logits=precompute", "data.stream.enabled=true", "max_steps=3"],
-     "cannot be combined with data.stream.enabled=true with distill.teacher_logits=precompute"),
-    (["distill.divergence=jsd", "distill.beta=1.0"], r"distill.beta must be in \(0, 1\)"),
-    (["distill.alpha=1.5"], r"distill.alpha must be in \[0, 1\]"),
-])
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["distill.teacher=null"], "objective=distill needs a teacher"),
+        (["parallel.cp=2"], "objective=distill cannot be combined with parallel.cp=2"),
+        (
+            ["distill.teacher_logits=precompute", "data.stream.enabled=true", "max_steps=3"],
+            "cannot be combined with data.stream.enabled=true with distill.teacher_logits=precompute",
+        ),
+        (["distill.divergence=jsd", "distill.beta=1.0"], r"distill.beta must be in \(0, 1\)"),
+        (["distill.alpha=1.5"], r"distill.alpha must be in \[0, 1\]"),
+    ],
+)
 def test_config_refusals(setup, overrides, match):
     cfg, _, _ = setup
     with pytest.raises(ConfigError, match=match):

@@ -39,7 +39,8 @@ def reference(student_logits, teacher_logits, targets, cfg: DistillConfig) -> to
         beta = torch.tensor(cfg.beta)
         m = torch.logsumexp(torch.stack([s + torch.log1p(-beta), t + torch.log(beta)]), 0)
         d = cfg.beta * F.kl_div(m, t, reduction="none", log_target=True) + (1 - cfg.beta) * F.kl_div(
-            m, s, reduction="none", log_target=True)
+            m, s, reduction="none", log_target=True
+        )
     if not cfg.alpha:  # (the coarsened test's student is no vocabulary to take a cross-entropy over)
         return d.sum()
     return cfg.alpha * F.cross_entropy(student_logits, targets, reduction="sum") + (1 - cfg.alpha) * d.sum()
@@ -55,11 +56,15 @@ CASES = [
 
 
 @pytest.mark.parametrize("cfg", CASES, ids=lambda c: f"{c.divergence}-b{c.beta}-T{c.temperature}-a{c.alpha}")
-@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.7, softcap=3.0)], ids=["plain", "softcap"])
+@pytest.mark.parametrize(
+    "transform", [LogitTransform(), LogitTransform(scale=0.7, softcap=3.0)], ids=["plain", "softcap"]
+)
 def test_chunked_equals_full_logits(cfg, transform):
     hidden, weight, bias, t_hidden, t_weight, targets = problem()
     leaves = [x.clone().requires_grad_() for x in (hidden, weight, bias)]
-    want = reference(transform.apply(F.linear(*leaves))[0], transform.apply(F.linear(t_hidden, t_weight))[0], targets, cfg)
+    want = reference(
+        transform.apply(F.linear(*leaves))[0], transform.apply(F.linear(t_hidden, t_weight))[0], targets, cfg
+    )
     want_grads = torch.autograd.grad(want, leaves)
 
     teacher = HeadTeacher(t_hidden, t_weight, None, transform, cfg.temperature)
@@ -71,7 +76,9 @@ def test_chunked_equals_full_logits(cfg, transform):
     for ours_g, want_g in zip(grads, want_grads, strict=True):
         torch.testing.assert_close(ours_g, want_g * 0.5, rtol=1e-5, atol=1e-6)
     with torch.no_grad():  # eval: the same sums, no gradient pass
-        torch.testing.assert_close(chunked_distill_loss(hidden, weight, bias, targets, teacher, cfg, transform, 5), sums.detach())
+        torch.testing.assert_close(
+            chunked_distill_loss(hidden, weight, bias, targets, teacher, cfg, transform, 5), sums.detach()
+        )
     # the parts: cross-entropy (temperature 1) and divergence, mixed by alpha
     ce = F.cross_entropy(transform.apply(F.linear(hidden, weight, bias))[0], targets, reduction="sum")
     torch.testing.assert_close(sums[1], ce, rtol=1e-5, atol=1e-5)
@@ -144,7 +151,10 @@ def test_naive_equals_chunked():
 def test_no_label_token_gives_zero():
     cfg = DistillConfig()
     hidden, weight, bias, t_hidden, t_weight, targets = problem()
-    leaves = [x[:0].clone().requires_grad_() if i == 0 else x.clone().requires_grad_() for i, x in enumerate((hidden, weight, bias))]
+    leaves = [
+        x[:0].clone().requires_grad_() if i == 0 else x.clone().requires_grad_()
+        for i, x in enumerate((hidden, weight, bias))
+    ]
     teacher = HeadTeacher(t_hidden[:0], t_weight, None, LogitTransform(), 1.0)
     sums = chunked_distill_loss(*leaves, targets[:0], teacher, cfg)
     sums[0].backward()

@@ -57,8 +57,12 @@ def test_store_round_trip(chats, tokenizer):
     assert store.folder == chats.folder / f"{STORE_PREFIX}abc" and teacher.calls > 1
     assert len(store.ids) == int(chats.label_counts().sum()) and store.k == K
     pieces = np.array([[3, 5, 40], [0, 0, 9], [3, 40, int(train.lengths[3])], [1, 0, int(train.lengths[1])]])
-    layouts = [(train, collate_packed(train, np.arange(6))), (train, collate_packed(train, pieces)),
-               (held, collate_padded(held, np.arange(3), 0)), (held, collate_packed(held, np.array([], dtype=np.int64)))]
+    layouts = [
+        (train, collate_packed(train, np.arange(6))),
+        (train, collate_packed(train, pieces)),
+        (held, collate_padded(held, np.arange(3), 0)),
+        (held, collate_packed(held, np.array([], dtype=np.int64))),
+    ]
     for dataset, batch in layouts:
         assert (batch.labels != IGNORE_INDEX).any() or batch.num_examples == 0
         want = teacher(batch)

@@ -49,7 +49,9 @@ def lines(stage: str, op: str) -> list[str]:
 def test_the_images_torch_is_in_pyprojects_range():
     image = args_of("global")["TORCH_IMAGE"]
     torch_version = re.fullmatch(r"pytorch/pytorch:(\d+\.\d+\.\d+)-cuda[\d.]+-cudnn\d+", image).group(1)
-    torch_req = Requirement(re.search(r'^\s*"(torch[<>=!~][^"]*)"', (REPO / "pyproject.toml").read_text(), re.M).group(1))
+    torch_req = Requirement(
+        re.search(r'^\s*"(torch[<>=!~][^"]*)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    )
     assert torch_version in torch_req.specifier, (image, str(torch_req))
 
 

@@ -62,7 +62,11 @@ def test_every_relative_link_and_anchor_resolves(page):
 
 
 def test_every_docs_page_is_reached_from_the_readme_or_another_page():
-    reached = {(page.parent / t.partition("#")[0]).resolve() for page in PAGES for t in links(page)
-               if not re.match(r"^[a-z]+:", t) and t.partition("#")[0]}
+    reached = {
+        (page.parent / t.partition("#")[0]).resolve()
+        for page in PAGES
+        for t in links(page)
+        if not re.match(r"^[a-z]+:", t) and t.partition("#")[0]
+    }
     unlinked = [str(p.relative_to(REPO)) for p in PAGES[1:] if p.resolve() not in reached]
     assert not unlinked, f"docs pages no page links to: {unlinked}"

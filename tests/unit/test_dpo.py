@@ -34,8 +34,10 @@ def pair_dataset(shapes=PAIRS, seed: int = 3):
     examples, splits = [], []
     for p, c, r in shapes:
         prompt = g.integers(0, VOCAB, p).tolist()
+
         def side(n, prompt=prompt):
             return prompt + g.integers(0, VOCAB, n).tolist(), [False] * len(prompt) + [True] * n
+
         ids, mask, split = join_pair(side(c), side(r))
         examples.append((ids, mask))
         splits.append(split)
@@ -61,7 +63,9 @@ def alone_logps(model, ds, i: int) -> torch.Tensor:
     for ids, mask in ds.pair(i):
         ids, mask = torch.as_tensor(ids, dtype=torch.long), torch.as_tensor(mask)
         row = ids[None]
-        logits = model(input_ids=row, position_ids=torch.arange(len(ids))[None], attention_mask=torch.ones_like(row))[0].float()
+        logits = model(input_ids=row, position_ids=torch.arange(len(ids))[None], attention_mask=torch.ones_like(row))[
+            0
+        ].float()
         logp = torch.log_softmax(logits[:-1], dim=-1).gather(1, ids[1:, None]).squeeze(1)
         out.append((logp * mask[1:]).sum())
     return torch.stack(out)
@@ -114,7 +118,9 @@ def test_packed_pairs_equal_each_sequence_alone(family, lora):
     torch.testing.assert_close(loss_sum.detach() / batch.num_pairs, loss.detach(), atol=1e-5, rtol=1e-5)
     assert packed_grads.keys() == alone_grads.keys() and packed_grads
     for name in packed_grads:
-        torch.testing.assert_close(packed_grads[name], alone_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+        torch.testing.assert_close(
+            packed_grads[name], alone_grads[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
         assert packed_grads[name].abs().sum() > 0 or "wpe" in name, name
     assert sums[3] >= 0 and abs(float(sums[0]) - float(loss_sum.detach())) < 1e-6  # the metric sums carry the same loss
 
@@ -148,7 +154,10 @@ def test_naive_head_gives_the_chunked_heads_logps():
 def test_loss_variants_follow_their_formulas():
     g = torch.Generator().manual_seed(2)
     pc, pr, rc, rr = (torch.randn(6, generator=g, dtype=torch.float64) * 3 - 30 for _ in range(4))
-    lc, lr = torch.tensor([3.0, 5, 1, 9, 2, 4], dtype=torch.float64), torch.tensor([7.0, 1, 2, 3, 8, 6], dtype=torch.float64)
+    lc, lr = (
+        torch.tensor([3.0, 5, 1, 9, 2, 4], dtype=torch.float64),
+        torch.tensor([7.0, 1, 2, 3, 8, 6], dtype=torch.float64),
+    )
     beta, eps, gamma = 0.2, 0.1, 0.4
     h = beta * ((pc - rc) - (pr - rr))
     cdpo = -(1 - eps) * F.logsigmoid(h) - eps * F.logsigmoid(-h)
@@ -156,7 +165,9 @@ def test_loss_variants_follow_their_formulas():
     ipo = (((pc / lc - rc / lc) - (pr / lr - rr / lr)) - 1 / (2 * beta)) ** 2
     torch.testing.assert_close(pair_losses(pc, pr, rc, rr, DPOConfig(beta=beta, loss="ipo"), lc, lr)[0], ipo)
     simpo = -F.logsigmoid(beta * pc / lc - beta * pr / lr - gamma)
-    losses, chosen, rejected = pair_losses(pc, pr, None, None, DPOConfig(beta=beta, loss="simpo", simpo_gamma=gamma), lc, lr)
+    losses, chosen, rejected = pair_losses(
+        pc, pr, None, None, DPOConfig(beta=beta, loss="simpo", simpo_gamma=gamma), lc, lr
+    )
     torch.testing.assert_close(losses, simpo)
     torch.testing.assert_close(chosen, beta * pc / lc)
     _, chosen, rejected = pair_losses(pc, pr, rc, rr, DPOConfig(beta=beta))
@@ -186,10 +197,16 @@ def test_precomputed_reference_is_the_live_one_stored_with_the_cache(tokenizer, 
     from trainer.objectives import reference as reference_module
     from trainer.objectives.reference import plan_reference
 
-    data = load_dataset(DataConfig(source="preference_synthetic", num_records=40, cache_dir=str(tmp_path)), tokenizer, 512)
+    data = load_dataset(
+        DataConfig(source="preference_synthetic", num_records=40, cache_dir=str(tmp_path)), tokenizer, 512
+    )
     train, held = split_holdout(data, 0.2, seed=1)
-    model = build_model(ModelConfig(config_overrides=dict(n_layer=1, n_embd=16, n_head=2)), tokenizer,
-                        resolve_backend("sdpa_varlen", torch.device("cpu")), seed=7)
+    model = build_model(
+        ModelConfig(config_overrides=dict(n_layer=1, n_embd=16, n_head=2)),
+        tokenizer,
+        resolve_backend("sdpa_varlen", torch.device("cpu")),
+        seed=7,
+    )
     model.use_loss("chunked")
     live = plan_reference(DPOConfig(), model).build(model, lambda m: m, [], 0, torch.device("cpu"))
     plan = plan_reference(DPOConfig(reference="precompute"), model, "float32")
@@ -234,8 +251,12 @@ def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
     ds = pair_dataset()
     batch = collate_packed(ds, np.arange(len(PAIRS)))
     padded = collate_padded(ds, np.arange(len(PAIRS)), 0)
-    for cfg, b in ((DPOConfig(beta=0.5), batch), (DPOConfig(beta=0.5), padded), (DPOConfig(loss="ipo"), batch),
-                   (DPOConfig(loss="simpo", beta=2.0), batch)):  # robust: sigmoid's path, another formula
+    for cfg, b in (
+        (DPOConfig(beta=0.5), batch),
+        (DPOConfig(beta=0.5), padded),
+        (DPOConfig(loss="ipo"), batch),
+        (DPOConfig(loss="simpo", beta=2.0), batch),
+    ):  # robust: sigmoid's path, another formula
         result = measure(model, b, loss=PairLossCheck(cfg))
         logp_diff = result.extra["max |sequence log-prob diff|"][0]
         assert result.ok and logp_diff < 1e-4 and result.grad_gap < 1e-5, result.line()
@@ -245,11 +266,19 @@ def test_self_check_checks_the_dpo_losss_gradient(monkeypatch):
     with monkeypatch.context() as patched:
         with_labels_shifted_into_the_next_sequence(patched)
         assert measure(model, batch).ok  # the token loss is blind to it
-        with pytest.raises(SelfCheckError, match=r"sequence log-prob diff\| \S+ \(tolerance .* over tolerance") as caught:
+        with pytest.raises(
+            SelfCheckError, match=r"sequence log-prob diff\| \S+ \(tolerance .* over tolerance"
+        ) as caught:
             check_model(model, batch, None, None, loss=check)
         broken = caught.value.args[0]
-        logp, logp_tol, gap, gap_tol = map(float, re.search(
-            r"log-prob diff\| (\S+) \(tolerance (\S+)\),.*gradient gap (\S+) \(dpo sigmoid loss; tolerance (\S+?)[,;]", broken).groups())
+        logp, logp_tol, gap, gap_tol = map(
+            float,
+            re.search(
+                r"log-prob diff\| (\S+) \(tolerance (\S+)\),.*gradient gap (\S+) "
+                r"\(dpo sigmoid loss; tolerance (\S+?)[,;]",
+                broken,
+            ).groups(),
+        )
         assert logp > logp_tol and gap > gap_tol, broken  # both the values and the gradient see it
 
     leaky = with_zero_init_leak(tiny_model("gpt2", "sdpa_varlen"))

@@ -67,8 +67,9 @@ def test_packed_eval_loss_equals_one_by_one(small_dataset, tokenizer):
         for i in range(len(held)):  # each example alone, as a plain unpacked sequence
             batch = collate_padded(held, np.array([i]), tokenizer.pad_token_id)
             logits = model(**batch.model_inputs())
-            loss_sum += F.cross_entropy(logits[0, :-1].double(), batch.labels[0, 1:], ignore_index=IGNORE_INDEX,
-                                        reduction="sum").item()
+            loss_sum += F.cross_entropy(
+                logits[0, :-1].double(), batch.labels[0, 1:], ignore_index=IGNORE_INDEX, reduction="sum"
+            ).item()
             labels += batch.num_label_tokens
     assert packed["eval_tokens"] == labels == int(held.label_counts().sum())
     assert packed["eval_loss"] == pytest.approx(loss_sum / labels, rel=1e-5)

@@ -18,8 +18,7 @@ import torch
 import transformers
 
 from trainer.config import ModelConfig
-from trainer.model import build_model, resolve_backend
-from trainer.model import families
+from trainer.model import build_model, families, resolve_backend
 from trainer.model.certification import replica
 from trainer.model.certification.engine import TOLERANCE
 from trainer.model.certification.replica import probe
@@ -76,7 +75,8 @@ def test_a_window_or_chunk_kept_in_the_mask_is_handed_to_the_layers(monkeypatch)
     from trainer.model import layer_relay
 
     relayed = {
-        "phimoe": {}, "qwen2_moe": dict(use_sliding_window=True, max_window_layers=1, layer_types=None),
+        "phimoe": {},
+        "qwen2_moe": dict(use_sliding_window=True, max_window_layers=1, layer_types=None),
         "llama4_text": dict(attention_chunk_size=8),
     }
     for family, overrides in relayed.items():
@@ -95,18 +95,29 @@ def test_a_layer_that_selects_its_keys_is_refused_at_build():
     is in no packed backend: refused from the config alone, one line naming the layer type and the sizes;
     the same families without such a layer are exact."""
     sparse = transformers.AutoConfig.for_model(
-        "minimax_m3_vl_text", num_hidden_layers=2, layer_types=["minimax_m3_sparse", "full_attention"],
-        mlp_layer_types=["dense", "dense"], index_block_size=16, index_topk_blocks=2,
+        "minimax_m3_vl_text",
+        num_hidden_layers=2,
+        layer_types=["minimax_m3_sparse", "full_attention"],
+        mlp_layer_types=["dense", "dense"],
+        index_block_size=16,
+        index_topk_blocks=2,
     )
     with pytest.raises(FamilyRefusedError) as info:
         prior(sparse, self_check=False)
     assert "\n" not in str(info.value)
-    assert "'minimax_m3_vl_text' is not certified exact (table prior): its 'minimax_m3_sparse' layers attend to the " \
+    assert (
+        "'minimax_m3_vl_text' is not certified exact (table prior): its 'minimax_m3_sparse' layers attend to the "
         "key blocks an indexer selects per query (index_block_size=16, index_topk_blocks=2" in str(info.value)
+    )
     assert prior(transformers.AutoConfig.for_model("minimax_m3_vl_text")).outcome == "exact"
-    with pytest.raises(FamilyRefusedError, match="'deepseek_v4' .*'heavily_compressed_attention' layers attend to keys a compressor pools"):
+    with pytest.raises(
+        FamilyRefusedError,
+        match="'deepseek_v4' .*'heavily_compressed_attention' layers attend to keys a compressor pools",
+    ):
         prior(transformers.AutoConfig.for_model("deepseek_v4"))
-    sliding = transformers.AutoConfig.for_model("deepseek_v4", num_hidden_layers=2, layer_types=["sliding_attention"] * 2)
+    sliding = transformers.AutoConfig.for_model(
+        "deepseek_v4", num_hidden_layers=2, layer_types=["sliding_attention"] * 2
+    )
     assert prior(sliding).outcome == "exact"
     with pytest.raises(FamilyRefusedError, match="'deepseek_v32' .*DSA indexer"):
         prior(transformers.AutoConfig.for_model("deepseek_v32"))
@@ -117,7 +128,9 @@ def test_a_layer_that_selects_its_keys_is_refused_at_build():
 def test_an_untested_family_trains_only_behind_the_self_check(monkeypatch):
     monkeypatch.setattr(families, "EXACT", families.EXACT - {"llama"})
     config = transformers.AutoConfig.for_model("llama")
-    with pytest.raises(FamilyRefusedError, match=r"'llama' is not certified exact \(table prior\): untested.*model.self_check=true"):
+    with pytest.raises(
+        FamilyRefusedError, match=r"'llama' is not certified exact \(table prior\): untested.*model.self_check=true"
+    ):
         prior(config, self_check=False)
     found = prior(config, self_check=True)
     assert found.outcome == "untested" and "untested with packing" in found.detail
@@ -157,7 +170,9 @@ def test_stablelm_without_the_relay_loses_the_boundaries(monkeypatch, broken):
 
 def test_the_probe_takes_an_optimizer_step(monkeypatch):
     """A step that leaves non-finite weights makes an exact family wrong: the probe runs the step."""
-    monkeypatch.setattr(replica, "build_optimizer", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan")))
+    monkeypatch.setattr(
+        replica, "build_optimizer", lambda model, cfg: torch.optim.SGD(model.parameters(), lr=float("nan"))
+    )
     result = probe("llama")
     assert result.outcome == "wrong" and "after one optimizer step" in result.detail, result.summary()
 
@@ -171,10 +186,16 @@ def test_a_family_exact_from_a_newer_transformers_is_refused_on_an_older_one(mon
 
 
 KINDS = [
-    "qwen3_moe", "deepseek_v3", "nemotron", "gemma4_text",  # exact (MoE, latent attention, relay, float64 rerun)
-    "phimoe", "gpt_oss",  # exact through the window relay, with attention sinks
-    "mamba", "qwen3_next",  # exact: state-space scan, gated delta rule (token mixers kept per example)
-    "mpt", "doge",  # refused (no interface, mask)
+    "qwen3_moe",
+    "deepseek_v3",
+    "nemotron",
+    "gemma4_text",  # exact (MoE, latent attention, relay, float64 rerun)
+    "phimoe",
+    "gpt_oss",  # exact through the window relay, with attention sinks
+    "mamba",
+    "qwen3_next",  # exact: state-space scan, gated delta rule (token mixers kept per example)
+    "mpt",
+    "doge",  # refused (no interface, mask)
     "bart",  # skipped
 ]
 """A family of every verdict and reason (the slow lane); the whole matrix is the benchmark's ``--probe``."""
@@ -190,8 +211,12 @@ def probe_against_the_table(names: list[str]) -> list[str]:
         result = script.probe_isolated(family, timeout_s=180)
         if not script.agrees(kind, result.outcome):
             bad.append(f"{family}: {result.summary()}")
-        elif (kind == "untested" and result.outcome == "wrong" and result.measurement is not None
-              and result.measurement.logit_diff <= TOLERANCE[torch.float32].logits):
+        elif (
+            kind == "untested"
+            and result.outcome == "wrong"
+            and result.measurement is not None
+            and result.measurement.logit_diff <= TOLERANCE[torch.float32].logits
+        ):
             bad.append(f"{family}: {result.summary()} (the self-check would not see it)")
     return bad
 
@@ -202,7 +227,9 @@ def test_a_family_of_every_kind_probes_as_the_table_says():
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes minutes: PACKFSDP_FULL_MATRIX=1")
+@pytest.mark.skipif(
+    not os.environ.get("PACKFSDP_FULL_MATRIX"), reason="the whole matrix takes minutes: PACKFSDP_FULL_MATRIX=1"
+)
 def test_every_family_is_exact_or_refused():
     """Every causal-LM family of the installed transformers, as ``benchmarks/family_matrix.py --probe``."""
     assert not probe_against_the_table(installed_families())
@@ -214,6 +241,8 @@ def test_a_family_config_transformers_rejects_is_one_line():
     from trainer.errors import LoadError
     from trainer.model_config import model_config
 
-    with pytest.raises(LoadError, match="cannot load model.family=gpt_neo: StrictDataclassClassValidationError") as info:
+    with pytest.raises(
+        LoadError, match="cannot load model.family=gpt_neo: StrictDataclassClassValidationError"
+    ) as info:
         model_config(ModelConfig(family="gpt_neo", random_init=dict(num_layers=2)))
     assert "\n" not in str(info.value)

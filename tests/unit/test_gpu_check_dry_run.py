@@ -26,8 +26,13 @@ BACKENDS = ["sdpa_varlen", "torch_varlen", "flex"]
 def dry_run(tmp_path_factory):
     out, work = tmp_path_factory.mktemp("out"), tmp_path_factory.mktemp("work")
     env = os.environ | {"PYTHON": sys.executable, "GPU_CHECK_WORK": str(work)}
-    proc = subprocess.run(["bash", str(REPO / "launch/gpu_check.sh"), str(out), "--dry-run"], env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", str(REPO / "launch/gpu_check.sh"), str(out), "--dry-run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     steps = {}
     for line in proc.stdout.splitlines():
@@ -39,8 +44,15 @@ def dry_run(tmp_path_factory):
 
 def test_every_step_is_composed_and_nothing_ran(dry_run):
     stdout, steps, out, _ = dry_run
-    assert list(steps) == ["gpu_tests", "cp_attention", *(f"train_{b}" for b in BACKENDS), "backend_losses", "throughput_gpt2",
-                           "throughput_qwen", "train_compile"]
+    assert list(steps) == [
+        "gpu_tests",
+        "cp_attention",
+        *(f"train_{b}" for b in BACKENDS),
+        "backend_losses",
+        "throughput_gpt2",
+        "throughput_qwen",
+        "train_compile",
+    ]
     assert steps["gpu_tests"][1:] == ["-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/unit"]
     assert sorted(p.name for p in out.iterdir()) == ["check.log", "summary.txt"]  # nothing measured
     assert "dry run: ok" in stdout
@@ -60,8 +72,15 @@ def trainer_overrides(argv: list[str]) -> list[str]:
 def test_one_nccl_run_per_backend(dry_run, backend):
     _, steps, _, work = dry_run
     overrides = trainer_overrides(steps[f"train_{backend}"])
-    for expected in ("recipe=cpu_dailydialog", "parallel.device=cuda", "parallel.backend=nccl", "max_steps=20",
-                     "model.self_check=true", f"model.attention={backend}", f"run_dir={work}/runs/{backend}"):
+    for expected in (
+        "recipe=cpu_dailydialog",
+        "parallel.device=cuda",
+        "parallel.backend=nccl",
+        "max_steps=20",
+        "model.self_check=true",
+        f"model.attention={backend}",
+        f"run_dir={work}/runs/{backend}",
+    ):
         assert expected in overrides
 
 

@@ -40,7 +40,7 @@ def lengths(bench):
 def test_packed_sample_is_representative_not_longest_first(bench, lengths):
     all_bins = pack_best_fit_decreasing(lengths, BUDGET, None, np.random.default_rng(0))
     dataset_mean = len(lengths) / len(all_bins)
-    longest_first = np.mean([len(b) for b in all_bins[:SAMPLED // 5]])
+    longest_first = np.mean([len(b) for b in all_bins[: SAMPLED // 5]])
     assert longest_first < 0.5 * dataset_mean  # the bias this test guards against is real on this corpus
 
     for seed in range(3):
@@ -68,8 +68,10 @@ def test_a_failing_case_does_not_stop_the_others(bench):
         raise RuntimeError("CUDA error: no kernel image\nsecond line")
 
     results = bench.run_isolated({"packed broken": broken, "packed fine": lambda: {"useful_tok_s": 1.0}})
-    assert results == {"packed broken": {"error": "RuntimeError: CUDA error: no kernel image"},
-                       "packed fine": {"useful_tok_s": 1.0}}
+    assert results == {
+        "packed broken": {"error": "RuntimeError: CUDA error: no kernel image"},
+        "packed fine": {"useful_tok_s": 1.0},
+    }
 
 
 def test_cpu_plumbing_run_records_a_backend_that_fails_mid_step(bench, tmp_path, monkeypatch):
@@ -88,8 +90,28 @@ def test_cpu_plumbing_run_records_a_backend_that_fails_mid_step(bench, tmp_path,
 
     monkeypatch.setattr(bench, "resolve_backend", resolve)
     out = tmp_path / "throughput.json"
-    bench.main(["--device", "cpu", "--model", "tiny", "--steps", "1", "--warmup", "0", "--examples", "2000",
-                "--budget", "1024", "--backends", "broken", "nonsense", "sdpa_varlen", "--json", str(out)])
+    bench.main(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--examples",
+            "2000",
+            "--budget",
+            "1024",
+            "--backends",
+            "broken",
+            "nonsense",
+            "sdpa_varlen",
+            "--json",
+            str(out),
+        ]
+    )
     results = json.loads(out.read_text())["results"]
     assert results["packed broken"] == {"error": "OutOfMemoryError: simulated: out of memory"}
     assert results["packed nonsense"]["error"].startswith("AttentionBackendError: model.attention='nonsense'")

@@ -6,10 +6,16 @@ from trainer.tools import inspect_batches as batch_inspect
 
 
 def test_inspector_shows_boundaries_positions_and_loss(capsys, cache_dir):
-    batch_inspect.main([
-        "recipe=cpu_dailydialog", "num_batches=2", "show_tokens=5", "data.num_records=300",
-        "data.loss_on=responses", f"data.cache_dir={cache_dir}",
-    ])
+    batch_inspect.main(
+        [
+            "recipe=cpu_dailydialog",
+            "num_batches=2",
+            "show_tokens=5",
+            "data.num_records=300",
+            "data.loss_on=responses",
+            f"data.cache_dir={cache_dir}",
+        ]
+    )
     out = capsys.readouterr().out
     assert out.count("== micro-batch") == 2
     assert "cu_seqlens [0, " in out and "restart at 0: ok" in out and "DO NOT RESTART" not in out

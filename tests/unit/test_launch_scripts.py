@@ -47,8 +47,12 @@ def test_torchrun_script_arguments():
 
 
 def test_torchrun_script_requires_its_settings():
-    proc = subprocess.run(["bash", str(REPO / SCRIPTS[0])], env={"PATH": os.environ["PATH"], "DRY_RUN": "1"},
-                          capture_output=True, text=True)
+    proc = subprocess.run(
+        ["bash", str(REPO / SCRIPTS[0])],
+        env={"PATH": os.environ["PATH"], "DRY_RUN": "1"},
+        capture_output=True,
+        text=True,
+    )
     assert proc.returncode != 0 and "NNODES" in proc.stderr
 
 
@@ -57,11 +61,17 @@ def test_slurm_script_arguments(tmp_path):
     fake.mkdir()
     (fake / "scontrol").write_text("#!/usr/bin/env bash\nprintf 'gpu-a01\\ngpu-a02\\n'\n")
     (fake / "scontrol").chmod(0o755)
-    env = {"PATH": f"{fake}:{os.environ['PATH']}", "SLURM_JOB_ID": "777", "SLURM_NNODES": "2",
-           "SLURM_JOB_NODELIST": "gpu-a[01-02]", "SLURM_GPUS_ON_NODE": "8", "SLURM_SUBMIT_DIR": str(REPO)}
+    env = {
+        "PATH": f"{fake}:{os.environ['PATH']}",
+        "SLURM_JOB_ID": "777",
+        "SLURM_NNODES": "2",
+        "SLURM_JOB_NODELIST": "gpu-a[01-02]",
+        "SLURM_GPUS_ON_NODE": "8",
+        "SLURM_SUBMIT_DIR": str(REPO),
+    }
     argv = dry_run(SCRIPTS[1], env, "recipe=gpt2_dailydialog")
     assert argv[0] == "srun" and "--kill-on-bad-exit=1" in argv
-    torchrun = argv[argv.index("torchrun"):]
+    torchrun = argv[argv.index("torchrun") :]
     overrides = check_torchrun_and_trainer(torchrun, 2, "gpu-a01:29500", "777")
     assert "run_dir=outputs/slurm-777" in overrides  # a requeued job (same id) finds its checkpoints
     assert get_args_parser().parse_args(torchrun[1:]).nproc_per_node == "8"

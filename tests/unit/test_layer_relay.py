@@ -21,9 +21,20 @@ from trainer.model.layer_relay import chunk_boundaries, per_token_floor_scale
 from trainer.model.prepare import prepare_model
 
 LLAMA4 = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=32, intermediate_size_mlp=64, num_hidden_layers=4,
-    num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=64, num_local_experts=2,
-    attention_chunk_size=4, floor_scale=4, attn_scale=0.5, pad_token_id=0,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=32,
+    intermediate_size_mlp=64,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=64,
+    num_local_experts=2,
+    attention_chunk_size=4,
+    floor_scale=4,
+    attn_scale=0.5,
+    pad_token_id=0,
     layer_types=["chunked_attention", "chunked_attention", "chunked_attention", "full_attention"],
     no_rope_layers=[1, 1, 1, 0],
 )
@@ -94,11 +105,23 @@ def test_context_parallel_attention_refuses_sinks():
         cp_attention(None, q, q, q, None, cp_shard=None, cp_kernel="sdpa_varlen", s_aux=torch.zeros(4))
 
 
-@pytest.mark.parametrize("family,config", [
-    ("llama4_text", dict(attention_chunk_size=16, floor_scale=32, num_hidden_layers=4, num_local_experts=4,
-                         intermediate_size_mlp=128, head_dim=16)),
-    ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16)),
-])
+@pytest.mark.parametrize(
+    "family,config",
+    [
+        (
+            "llama4_text",
+            dict(
+                attention_chunk_size=16,
+                floor_scale=32,
+                num_hidden_layers=4,
+                num_local_experts=4,
+                intermediate_size_mlp=128,
+                head_dim=16,
+            ),
+        ),
+        ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, head_dim=16, sliding_window=16)),
+    ],
+)
 def test_the_trainer_builds_and_self_checks_them(family, config, tokenizer, small_dataset, tmp_path, monkeypatch):
     """As ``python -m trainer.train model=qwen2_tiny model.family=F model.config_overrides=...``: resolve
     from the config, build (family table, config verdict, relays), self-check a packed micro-batch of the
@@ -109,8 +132,14 @@ def test_the_trainer_builds_and_self_checks_them(family, config, tokenizer, smal
     from trainer.pipeline import resolve_attention
 
     monkeypatch.setenv("PACKFSDP_CACHE", str(tmp_path))
-    sizes = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=1024)
+    sizes = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+    )
     cfg = JobConfig(model=ModelConfig(family=family, random_init=sizes, config_overrides=config))
     model = build_model(cfg.model, tokenizer, resolve_attention(cfg, torch.device("cpu")), seed=0)
     batch = collate_packed(small_dataset, [3, 17, 42, 5], tokenizer.pad_token_id)

@@ -35,7 +35,7 @@ def test_adapter_gradients_packed_equal_one_by_one(family):
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert all(p.grad is None for n, p in model.named_parameters() if n not in trainable)  # frozen: no grads
-    assert all(model.model.get_parameter(n[len("model."):]).grad.abs().sum() > 0 for n in trainable)
+    assert all(model.model.get_parameter(n[len("model.") :]).grad.abs().sum() > 0 for n in trainable)
 
 
 def test_optimizer_holds_the_adapters_only():
@@ -64,11 +64,19 @@ def test_target_modules_and_modules_to_save():
     assert {n.split(".")[-4] for n in trainable if ".lora_" in n} == {"q_proj", "v_proj"}
     assert "model.lm_head.weight" in trainable
     with pytest.raises(ConfigError, match="no module 'nope'"):
-        apply_peft(tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", modules_to_save=["nope"]),
-                   ModelConfig(), seed=0)
+        apply_peft(
+            tiny_model("llama", "sdpa_varlen"),
+            PeftConfig(method="lora", modules_to_save=["nope"]),
+            ModelConfig(),
+            seed=0,
+        )
     with pytest.raises(ConfigError, match="peft.target_modules"):
-        apply_peft(tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", target_modules=["nope"]),
-                   ModelConfig(), seed=0)
+        apply_peft(
+            tiny_model("llama", "sdpa_varlen"),
+            PeftConfig(method="lora", target_modules=["nope"]),
+            ModelConfig(),
+            seed=0,
+        )
 
 
 def test_none_changes_nothing_and_the_fingerprint_sees_weights():
@@ -92,8 +100,12 @@ def test_peft_group_composes_and_validates():
     job = compose_job(["peft=lora", "peft.rank=4", "peft.target_modules=[c_attn]"])
     assert (job.peft.method, job.peft.rank, job.peft.alpha, job.peft.target_modules) == ("lora", 4, 32.0, ["c_attn"])
     assert compose_job([]).peft.method == "none"
-    for bad, match in [("peft.method=qlora", "peft.method"), ("peft.rank=0", "peft.rank"),
-                       ("peft.dropout=1.0", "peft.dropout"), ("peft.target_modules=[]", "target_modules")]:
+    for bad, match in [
+        ("peft.method=qlora", "peft.method"),
+        ("peft.rank=0", "peft.rank"),
+        ("peft.dropout=1.0", "peft.dropout"),
+        ("peft.target_modules=[]", "target_modules"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             compose_job(["peft=lora", bad])
 
@@ -128,7 +140,9 @@ def test_optimizer_refuses_a_model_with_nothing_to_train():
 def test_an_adapter_on_the_head_makes_the_chunked_loss_step_aside():
     """The chunked loss multiplies by the head's weight itself: with a LoRA adapter on ``lm_head`` it would
     skip the adapter, so it refuses and the naive loss (through the adapted head) runs, saying why."""
-    model = with_lora(tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", rank=4, target_modules=["q_proj", "lm_head"]))
+    model = with_lora(
+        tiny_model("llama", "sdpa_varlen"), PeftConfig(method="lora", rank=4, target_modules=["q_proj", "lm_head"])
+    )
     assert model.use_loss("chunked").startswith("naive (chunked refused:")
     plain = with_lora(tiny_model("llama", "sdpa_varlen"))
     assert plain.use_loss("chunked").startswith("chunked")

@@ -26,21 +26,48 @@ from trainer.throughput import StepCounts
 # The keys of a metrics.jsonl line, in order: users, tests and the compare tool read them (``cp_skew`` joins
 # them, before ``time``, under parallel.cp>1; ``preference`` under objective=dpo).
 JSONL_KEYS = [
-    "step", "epoch", "loss", "lr", "grad_norm", "useful_tokens", "tokens", "positions", "useful_tokens_per_s",
-    "tokens_per_s", "padding_fraction", "padded_equivalent_positions", "padding_saved_fraction", "model_flops",
-    "step_time_s", "peak_mem_gib", "skipped", "tokens_seen", "time", "elapsed_s",
+    "step",
+    "epoch",
+    "loss",
+    "lr",
+    "grad_norm",
+    "useful_tokens",
+    "tokens",
+    "positions",
+    "useful_tokens_per_s",
+    "tokens_per_s",
+    "padding_fraction",
+    "padded_equivalent_positions",
+    "padding_saved_fraction",
+    "model_flops",
+    "step_time_s",
+    "peak_mem_gib",
+    "skipped",
+    "tokens_seen",
+    "time",
+    "elapsed_s",
 ]
 
 
 def _measure(counts: StepCounts, skipped: str | None = None, loss: float = 2.0) -> StepMetrics:
     return StepMetrics.measure(
-        counts, step=3, epoch=1, loss=loss, lr=1e-4, grad_norm=0.5, skipped=skipped, step_time_s=0.25,
-        model_flops=2e9, peak_mem_gib=1.5, tokens_seen_before=10_000,
+        counts,
+        step=3,
+        epoch=1,
+        loss=loss,
+        lr=1e-4,
+        grad_norm=0.5,
+        skipped=skipped,
+        step_time_s=0.25,
+        model_flops=2e9,
+        peak_mem_gib=1.5,
+        tokens_seen_before=10_000,
     )
 
 
-COUNTS = StepCounts(label_tokens=350.0, tokens=400.0, positions=500.0, padded_equivalent_positions=1000.0,
-                    sum_squared_lengths=9e4)
+COUNTS = StepCounts(
+    label_tokens=350.0, tokens=400.0, positions=500.0, padded_equivalent_positions=1000.0, sum_squared_lengths=9e4
+)
 
 
 def test_measure_computes_the_derived_ratios_from_the_all_reduced_counts():
@@ -85,7 +112,13 @@ def test_logger_writes_what_read_metrics_reads(tmp_path):
     logger.close()
     assert read_metrics(tmp_path) == steps and read_evals(tmp_path) == evals
     assert list(json.loads((tmp_path / "eval.jsonl").read_text())) == [
-        "step", "eval_loss", "eval_tokens", "eval_time_s", "time", "elapsed_s"]
+        "step",
+        "eval_loss",
+        "eval_tokens",
+        "eval_time_s",
+        "time",
+        "elapsed_s",
+    ]
     assert read_evals(tmp_path / "nowhere") == []
 
 

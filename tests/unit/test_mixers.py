@@ -22,9 +22,9 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from trainer.config import ConfigError
 from trainer.model import prepare
 from trainer.model.attention import AttentionNeeds, resolve_backend
+from trainer.model.certification import measure, packed_batch
 from trainer.model.certification.shrink import replica_config
 from trainer.model.mixers import PackedMixerForward, find_token_mixers
-from trainer.model.certification import measure, packed_batch
 from trainer.model.prepare import prepare_model
 from trainer.parallel.route import refuse_unshardable
 
@@ -34,30 +34,97 @@ LENGTHS = (23, 1, 9, 9, 3)
 LONG = (70, 1, 9, 9, 3)
 """For the gated delta rule, whose chunks are 64 tokens."""
 TOLERANCE = 1e-5
-SMALL = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
-             head_dim=8, num_hidden_layers=2, max_position_embeddings=256, pad_token_id=0, tie_word_embeddings=False)
+SMALL = dict(
+    vocab_size=VOCAB,
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
 CONFIGS = {
     "short convolution (lfm2)": ("lfm2", dict(layer_types=["conv", "full_attention"], block_ff_dim=64), LENGTHS),
-    "gated delta rule (qwen3_next)": ("qwen3_next", dict(
-        layer_types=["linear_attention", "full_attention"], mlp_only_layers=[0, 1], linear_num_value_heads=4,
-        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8), LONG),
+    "gated delta rule (qwen3_next)": (
+        "qwen3_next",
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            mlp_only_layers=[0, 1],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+        LONG,
+    ),
     "state-space scan, Mamba-1 (falcon_mamba)": (
-        "falcon_mamba", dict(state_size=8, expand=2, time_step_rank=4), LENGTHS),
-    "gated delta rule (qwen3_5_text)": ("qwen3_5_text", dict(
-        layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4, linear_num_key_heads=2,
-        linear_key_head_dim=8, linear_value_head_dim=8), LONG),
-    "KDA (kimi_linear)": ("kimi_linear", dict(
-        layer_types=["linear_attention", "full_attention"], num_key_value_heads=4, num_experts=4,
-        num_experts_per_token=2, moe_intermediate_size=16, linear_num_heads=4, linear_head_dim=8, qk_rope_head_dim=8,
-        qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=16, mlp_layer_types=["dense", "dense"]), LENGTHS),
-    "Mamba-2 (nemotron_h)": ("nemotron_h", dict(
-        layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=16, ssm_state_size=8, n_groups=1,
-        chunk_size=16), LENGTHS),
-    "Mamba-2 (falcon_h1)": ("falcon_h1", dict(
-        mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16), LENGTHS),
-    "Mamba-2 (granitemoehybrid)": ("granitemoehybrid", dict(
-        layer_types=["mamba", "attention"], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16,
-        num_local_experts=4, num_experts_per_tok=2), LENGTHS),
+        "falcon_mamba",
+        dict(state_size=8, expand=2, time_step_rank=4),
+        LENGTHS,
+    ),
+    "gated delta rule (qwen3_5_text)": (
+        "qwen3_5_text",
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+        LONG,
+    ),
+    "KDA (kimi_linear)": (
+        "kimi_linear",
+        dict(
+            layer_types=["linear_attention", "full_attention"],
+            num_key_value_heads=4,
+            num_experts=4,
+            num_experts_per_token=2,
+            moe_intermediate_size=16,
+            linear_num_heads=4,
+            linear_head_dim=8,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+            kv_lora_rank=16,
+            q_lora_rank=16,
+            mlp_layer_types=["dense", "dense"],
+        ),
+        LENGTHS,
+    ),
+    "Mamba-2 (nemotron_h)": (
+        "nemotron_h",
+        dict(
+            layers_block_type=["mamba", "attention"],
+            mamba_num_heads=4,
+            mamba_head_dim=16,
+            ssm_state_size=8,
+            n_groups=1,
+            chunk_size=16,
+        ),
+        LENGTHS,
+    ),
+    "Mamba-2 (falcon_h1)": (
+        "falcon_h1",
+        dict(mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_chunk_size=16),
+        LENGTHS,
+    ),
+    "Mamba-2 (granitemoehybrid)": (
+        "granitemoehybrid",
+        dict(
+            layer_types=["mamba", "attention"],
+            mamba_n_heads=4,
+            mamba_d_head=16,
+            mamba_d_state=8,
+            mamba_chunk_size=16,
+            num_local_experts=4,
+            num_experts_per_tok=2,
+        ),
+        LENGTHS,
+    ),
 }
 """The families the issue names (the convolution, delta-rule / KDA and Mamba-1 / Mamba-2 kinds among them)."""
 
@@ -67,8 +134,9 @@ def build(family: str, overrides: dict, lengths=LENGTHS, dtype=torch.float64):
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(family, **(SMALL | overrides))
         torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager",
-                                                 experts_implementation="eager")  # grouped GEMM: no float64
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
+        )  # grouped GEMM: no float64
     backend = resolve_backend("sdpa_varlen", torch.device("cpu"), dtype, AttentionNeeds.of(config))
     wrapped = prepare_model(model, backend)
     wrapped.padded_attention = "eager"
@@ -127,11 +195,15 @@ def padded(wrapped, exs):
 def gap(run, reference) -> float:
     """The worst relative gap of logits and gradients (a gradient in one run only: infinite)."""
     (logits, grads), (ref_logits, ref_grads) = run, reference
-    worst = max(float((a - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(logits, ref_logits, strict=True))
+    worst = max(
+        float((a - b).abs().max()) / max(1.0, float(b.abs().max())) for a, b in zip(logits, ref_logits, strict=True)
+    )
     if grads.keys() != ref_grads.keys():
         return float("inf")
-    return max(worst, *(float((grads[k] - ref_grads[k]).abs().max()) / max(1.0, float(ref_grads[k].abs().max()))
-                        for k in grads))
+    return max(
+        worst,
+        *(float((grads[k] - ref_grads[k]).abs().max()) / max(1.0, float(ref_grads[k].abs().max())) for k in grads),
+    )
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
@@ -159,7 +231,8 @@ def test_mixers_are_found_from_the_built_modules():
     again; attention and MLP modules are not mixers."""
     found = find_token_mixers(build(*CONFIGS["KDA (kimi_linear)"]).model)
     assert [(m.name, type(m.module).__name__, m.traits) for m in found] == [
-        ("model.layers.0.self_attn", "KimiLinearDeltaAttention", ("short convolution",))]
+        ("model.layers.0.self_attn", "KimiLinearDeltaAttention", ("short convolution",))
+    ]
 
 
 @pytest.mark.parametrize("kind", ["gated delta rule (qwen3_next)", "state-space scan, Mamba-1 (falcon_mamba)"])
@@ -192,7 +265,9 @@ def test_a_deep_copy_keeps_its_own_mixers():
 def test_context_parallel_refuses_a_model_with_token_mixers():
     model = build(*CONFIGS["short convolution (lfm2)"])
     refuse_unshardable(model.model, 1)
-    with pytest.raises(ConfigError, match=r"parallel.cp=2: .*Lfm2ShortConv .*short convolution.*use parallel.cp=1") as info:
+    with pytest.raises(
+        ConfigError, match=r"parallel.cp=2: .*Lfm2ShortConv .*short convolution.*use parallel.cp=1"
+    ) as info:
         refuse_unshardable(model.model, 2)
     assert "\n" not in str(info.value)
 
@@ -217,8 +292,10 @@ def test_the_config_verdicts_replica_keeps_a_layer_of_each_kind(family):
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(family)
         replica = replica_config(config)
+
     def kinds(c):
         return set(getattr(c, "layers_block_type", None) or c.layer_types)
+
     assert kinds(replica) == kinds(config)
     assert getattr(replica, "chunk_size", 8) <= 8
     if family == "zamba2":

@@ -29,20 +29,44 @@ LENGTHS = [9, 1, 14, 5, 11, 3]
 FAMILIES = {
     "gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
     "llama": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
         max_position_embeddings=64,
     ),
     "qwen2": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
     ),
     "qwen3": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
-        head_dim=16, max_position_embeddings=64, use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+        use_sliding_window=True,
+        sliding_window=WINDOW,
+        max_window_layers=1,
     ),
     "mistral": dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=64, sliding_window=WINDOW,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        sliding_window=WINDOW,
     ),
 }
 CPU_BACKENDS = ["sdpa_varlen", "sdpa_block_mask"]
@@ -106,8 +130,11 @@ def packed_vs_alone(model: VarlenCausalLM, exs: list[torch.Tensor]):
     model.zero_grad(set_to_none=True)
     alone = []
     for e in exs:
-        out = model(input_ids=e[None], position_ids=torch.arange(len(e), device=device)[None],
-                    attention_mask=torch.ones_like(e)[None])[0]
+        out = model(
+            input_ids=e[None],
+            position_ids=torch.arange(len(e), device=device)[None],
+            attention_mask=torch.ones_like(e)[None],
+        )[0]
         token_loss_sum(out, e).backward()
         alone.append(out.detach())
     alone_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
@@ -121,7 +148,11 @@ def assert_equivalent(model, exs, atol, rtol):
     assert g_packed.keys() == g_alone.keys()
     for name in g_packed:
         torch.testing.assert_close(
-            g_packed[name].float(), g_alone[name].float(), atol=atol, rtol=rtol, msg=lambda m, name=name: f"grad {name}: {m}"
+            g_packed[name].float(),
+            g_alone[name].float(),
+            atol=atol,
+            rtol=rtol,
+            msg=lambda m, name=name: f"grad {name}: {m}",
         )
 
 
@@ -148,8 +179,9 @@ def test_flex_forward_matches_on_cpu(family):
         pos = torch.cat([torch.arange(n) for n in LENGTHS])[None]
         logits = model(input_ids=ids, position_ids=pos, cu_seqlens=cu, max_seqlen=max(LENGTHS))[0]
         for e, s, t in zip(exs, cu[:-1].tolist(), cu[1:].tolist(), strict=True):
-            alone = model(input_ids=e[None], position_ids=torch.arange(len(e))[None],
-                          attention_mask=torch.ones_like(e)[None])[0]
+            alone = model(
+                input_ids=e[None], position_ids=torch.arange(len(e))[None], attention_mask=torch.ones_like(e)[None]
+            )[0]
             torch.testing.assert_close(logits[s:t], alone, atol=1e-5, rtol=1e-5)
 
 

@@ -21,8 +21,14 @@ def llama_folder(tmp_path_factory, tokenizer):
 
     folder = tmp_path_factory.mktemp("models") / "tiny-llama"
     config = LlamaConfig(
-        vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=256, eos_token_id=tokenizer.eos_token_id,
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        eos_token_id=tokenizer.eos_token_id,
     )
     LlamaForCausalLM(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
@@ -40,17 +46,22 @@ def test_a_folder_under_the_default_preset_gets_none_of_its_sizes(llama_folder):
 
 
 def test_model_hf_reads_everything_from_the_folder_and_overrides_are_explicit(llama_folder):
-    job = compose_job(["model=hf", f"model.name_or_path={llama_folder}", "model.config_overrides.max_position_embeddings=128"])
+    job = compose_job(
+        ["model=hf", f"model.name_or_path={llama_folder}", "model.config_overrides.max_position_embeddings=128"]
+    )
     assert job.model.random_init == {} and job.model.tokenizer_name() == str(llama_folder)
     assert model_config(job.model).max_position_embeddings == 128  # asked for by name: applied
     random = ModelConfig(family="gpt2", random_init={"n_layer": 2}, config_overrides={"n_layer": 3})
     assert random.init_fields() == {"n_layer": 3}  # on a built model, your overrides win over the preset
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["model=hf"], "model.name_or_path must be set"),
-    (["model=hf", "model.name_or_path=/no/such/model"], "model.name_or_path=/no/such/model: no such folder"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model=hf"], "model.name_or_path must be set"),
+        (["model=hf", "model.name_or_path=/no/such/model"], "model.name_or_path=/no/such/model: no such folder"),
+    ],
+)
 def test_model_hf_without_a_usable_folder_is_one_config_error(overrides, message):
     with pytest.raises(ConfigError, match=message):
         compose_job(overrides)

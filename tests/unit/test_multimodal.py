@@ -20,8 +20,7 @@ from trainer.config import CheckpointConfig, ConfigError, DataConfig, ModelConfi
 from trainer.data import load_records
 from trainer.data.bad_records import BadRecordError
 from trainer.data.tables import rows_to_records
-from trainer.model import build_model, resolve_backend
-from trainer.model import families
+from trainer.model import build_model, families, resolve_backend
 from trainer.model.certification import certify_config
 from trainer.model.families import FamilyRefusedError, verdict
 from trainer.model.lora import apply_peft
@@ -31,8 +30,15 @@ from trainer.optim import build_optimizer
 from trainer.tools.export import export
 
 PREPROCESSOR = {"image_processor_type": "Gemma3ImageProcessor", "size": {"height": 32, "width": 32}}
-TEXT = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            head_dim=8, max_position_embeddings=256)
+TEXT = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+)
 
 
 def tiny_folder(path, tokenizer, model_type: str, **config):
@@ -48,11 +54,23 @@ def tiny_gemma3(folder, tokenizer):
     window) with the tokenizer and a processor config."""
     vocab = 4096
     tiny_folder(
-        folder, tokenizer, "gemma3",
+        folder,
+        tokenizer,
+        "gemma3",
         text_config=dict(model_type="gemma3_text", vocab_size=vocab, sliding_window=16, **TEXT),
-        vision_config=dict(model_type="siglip_vision_model", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                           num_attention_heads=2, image_size=32, patch_size=8),
-        mm_tokens_per_image=4, boi_token_index=vocab - 3, eoi_token_index=vocab - 2, image_token_index=vocab - 1,
+        vision_config=dict(
+            model_type="siglip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            image_size=32,
+            patch_size=8,
+        ),
+        mm_tokens_per_image=4,
+        boi_token_index=vocab - 3,
+        eoi_token_index=vocab - 2,
+        image_token_index=vocab - 1,
     )
     (folder / "preprocessor_config.json").write_text(json.dumps(PREPROCESSOR))
     return folder
@@ -64,8 +82,12 @@ def gemma3_folder(tmp_path_factory, tokenizer):
 
 
 def built(folder, tokenizer, **model):
-    return build_model(ModelConfig(name_or_path=str(folder), **model), tokenizer,
-                       resolve_backend("sdpa_varlen", torch.device("cpu")), 0)
+    return build_model(
+        ModelConfig(name_or_path=str(folder), **model),
+        tokenizer,
+        resolve_backend("sdpa_varlen", torch.device("cpu")),
+        0,
+    )
 
 
 def test_the_folder_is_judged_and_sized_by_its_language_model(gemma3_folder):
@@ -85,7 +107,8 @@ def test_the_language_model_is_the_multimodal_models_own_modules(gemma3_folder):
     owned = {id(p) for p in whole.parameters()}
     assert all(id(p) in owned for p in model.parameters())  # shared, never copied
     assert sum(p.numel() for p in model.parameters()) + sum(t.numel() for t in frozen.values()) == sum(
-        p.numel() for p in whole.parameters())
+        p.numel() for p in whole.parameters()
+    )
     assert frozen and all(k.startswith(("model.vision_tower.", "model.multi_modal_projector.")) for k in frozen)
     assert not any(t.requires_grad for t in frozen.values())
 
@@ -95,8 +118,11 @@ def test_a_multimodal_model_that_computes_text_otherwise_is_refused(gemma3_folde
     logits differ from its language model's (here: shifted by a hook) is refused in one line."""
     whole = AutoModelForImageTextToText.from_pretrained(gemma3_folder)
     whole.register_forward_hook(lambda module, args, out: out.__class__(logits=out.logits + 1))
-    with pytest.raises(MultimodalError, match=r"^Gemma3ForConditionalGeneration computes text otherwise than its "
-                                              r"language model as Gemma3ForCausalLM \(max \|logit difference\| 1 "):
+    with pytest.raises(
+        MultimodalError,
+        match=r"^Gemma3ForConditionalGeneration computes text otherwise than its "
+        r"language model as Gemma3ForCausalLM \(max \|logit difference\| 1 ",
+    ):
         split(whole)
 
 
@@ -107,7 +133,8 @@ def test_the_vision_tower_is_left_out_of_the_step(gemma3_folder, tokenizer):
     assert not any("vision" in name or "projector" in name for name, _ in model.named_parameters())
     optimizer = build_optimizer(model, OptimConfig())
     assert sum(p.numel() for group in optimizer.param_groups for p in group["params"]) == sum(
-        p.numel() for p in model.parameters())
+        p.numel() for p in model.parameters()
+    )
 
 
 def train_a_step(model) -> torch.optim.Optimizer:
@@ -130,7 +157,8 @@ class NoSampler:
 def save(model, optimizer, tokenizer, run_dir):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
     return Checkpointer(CheckpointConfig(), run_dir).save(
-        1, TrainingState(model, optimizer, scheduler, NoSampler(), tokenizer), tokens_seen=24, total_steps=1)
+        1, TrainingState(model, optimizer, scheduler, NoSampler(), tokenizer), tokens_seen=24, total_steps=1
+    )
 
 
 def assert_exported_like_the_folder(out, folder, model):
@@ -186,7 +214,10 @@ def test_the_route_follows_the_text_familys_verdict(gemma3_folder, tokenizer, mo
     """Generic, not per family: the day a text family's verdict changes, its multimodal checkpoints follow."""
     monkeypatch.setattr(families, "EXACT", families.EXACT - {"gemma3_text"})
     monkeypatch.setitem(families.REFUSED, "gemma3_text", families.OWN_MASK)
-    with pytest.raises(FamilyRefusedError, match=r"^model family 'gemma3_text' is not certified exact \(table prior\): its attention adds"):
+    with pytest.raises(
+        FamilyRefusedError,
+        match=r"^model family 'gemma3_text' is not certified exact \(table prior\): its attention adds",
+    ):
         built(gemma3_folder, tokenizer)
     assert verdict("gemma3").kind == "refused"
 
@@ -196,17 +227,56 @@ def test_a_random_multimodal_model_is_refused_with_its_text_family():
         model_config(ModelConfig(family="gemma3"))
 
 
-@pytest.mark.parametrize("model_type,config", [
-    ("mistral3", dict(text_config=dict(model_type="mistral", vocab_size=1600, **TEXT), image_token_index=1599,
-                      vision_config=dict(model_type="pixtral", hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                         num_attention_heads=2, head_dim=8, image_size=32, patch_size=8))),
-    ("llama4", dict(text_config=dict(model_type="llama4_text", vocab_size=1600, intermediate_size_mlp=64, num_local_experts=2,
-                                     attention_chunk_size=512, **TEXT),
-                    vision_config=dict(model_type="llama4_vision_model", hidden_size=16, intermediate_size=32,
-                                       num_hidden_layers=1, num_attention_heads=2, image_size=28, patch_size=14,
-                                       vision_output_dim=32, projector_input_dim=32, projector_output_dim=32),
-                    boi_token_index=1597, eoi_token_index=1598, image_token_index=1599)),
-])
+@pytest.mark.parametrize(
+    "model_type,config",
+    [
+        (
+            "mistral3",
+            dict(
+                text_config=dict(model_type="mistral", vocab_size=1600, **TEXT),
+                image_token_index=1599,
+                vision_config=dict(
+                    model_type="pixtral",
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    head_dim=8,
+                    image_size=32,
+                    patch_size=8,
+                ),
+            ),
+        ),
+        (
+            "llama4",
+            dict(
+                text_config=dict(
+                    model_type="llama4_text",
+                    vocab_size=1600,
+                    intermediate_size_mlp=64,
+                    num_local_experts=2,
+                    attention_chunk_size=512,
+                    **TEXT,
+                ),
+                vision_config=dict(
+                    model_type="llama4_vision_model",
+                    hidden_size=16,
+                    intermediate_size=32,
+                    num_hidden_layers=1,
+                    num_attention_heads=2,
+                    image_size=28,
+                    patch_size=14,
+                    vision_output_dim=32,
+                    projector_input_dim=32,
+                    projector_output_dim=32,
+                ),
+                boi_token_index=1597,
+                eoi_token_index=1598,
+                image_token_index=1599,
+            ),
+        ),
+    ],
+)
 def test_other_families_route_in_one_line_whatever_the_outcome(model_type, config, tokenizer, tmp_path):
     """Mistral 3 printed transformers' traceback (no causal-LM class for its config); Llama 4 keeps its text
     causal LM as a module. Both now train their language model, judged as its text family."""
@@ -217,15 +287,19 @@ def test_other_families_route_in_one_line_whatever_the_outcome(model_type, confi
 def test_a_folder_transformers_has_no_causal_lm_for_is_one_line(tokenizer, tmp_path):
     folder = tmp_path / "qwen2_vl"
     AutoConfig.for_model("qwen2_vl").save_pretrained(folder)  # its text model (qwen2_vl_text) has no causal LM
-    with pytest.raises(FamilyRefusedError, match=r"^model family 'qwen2_vl' .*\(qwen2_vl_text\) is no causal-LM family"):
+    with pytest.raises(
+        FamilyRefusedError, match=r"^model family 'qwen2_vl' .*\(qwen2_vl_text\) is no causal-LM family"
+    ):
         built(folder, tokenizer)
     AutoConfig.for_model("t5").save_pretrained(folder)
     with pytest.raises(FamilyRefusedError, match=r"^model family 't5' .*no causal-LM class"):
         built(folder, tokenizer)
 
 
-IMAGE_CHAT = [{"role": "user", "content": [{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is it?"}]},
-              {"role": "assistant", "content": "A cat."}]
+IMAGE_CHAT = [
+    {"role": "user", "content": [{"type": "image", "url": "cat.png"}, {"type": "text", "text": "What is it?"}]},
+    {"role": "assistant", "content": "A cat."},
+]
 TEXT_CHAT = [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]
 
 
@@ -234,9 +308,13 @@ def test_images_in_the_data_are_refused_naming_the_record(tmp_path, tokenizer):
     records = [{"messages": TEXT_CHAT}, {"messages": IMAGE_CHAT}, {"messages": TEXT_CHAT, "images": ["cat.png"]}]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     cfg = DataConfig(source="jsonl", path=str(path))
-    with pytest.raises(BadRecordError, match=(
-        rf"^{path}:2: message 0 holds an 'image' part: packfsdp packs text-only examples; train the text-only "
-        r"examples, or image\+text examples with a multimodal trainer \(data.on_bad_record=skip skips")):
+    with pytest.raises(
+        BadRecordError,
+        match=(
+            rf"^{path}:2: message 0 holds an 'image' part: packfsdp packs text-only examples; train the text-only "
+            r"examples, or image\+text examples with a multimodal trainer \(data.on_bad_record=skip skips"
+        ),
+    ):
         render_records(load_records(cfg), tokenizer, cfg, max_length=512)
     skipping = DataConfig(source="jsonl", path=str(path), on_bad_record="skip")
     kept = render_records(load_records(skipping), tokenizer, skipping, max_length=512)
@@ -244,7 +322,8 @@ def test_images_in_the_data_are_refused_naming_the_record(tmp_path, tokenizer):
     with pytest.raises(ValueError, match=r"row 0: message 0 holds an 'image' part"):  # a table's parts, never dropped
         rows_to_records([{"messages": IMAGE_CHAT}], DataConfig(source="parquet"))
     saved = tmp_path / "saved"  # a dataset's image column is read to refuse its rows, not cut away unseen
-    datasets.Dataset.from_list([{"messages": TEXT_CHAT, "images": None}, {"messages": TEXT_CHAT, "images": ["cat.png"]}]
-                               ).save_to_disk(str(saved))
+    datasets.Dataset.from_list(
+        [{"messages": TEXT_CHAT, "images": None}, {"messages": TEXT_CHAT, "images": ["cat.png"]}]
+    ).save_to_disk(str(saved))
     with pytest.raises(BadRecordError, match=r"row 1: the record holds 'images': packfsdp packs text-only examples"):
         load_records(DataConfig(source="hf", path=str(saved)))

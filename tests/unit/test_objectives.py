@@ -37,14 +37,19 @@ class MeanSequenceLoss(Objective):
 
     def loss_sum(self, model, batch: Batch) -> torch.Tensor:
         ids = sequence_ids(batch)
-        return model.label_hidden(**batch.model_inputs(), labels=batch.labels, fn=lambda head: per_sequence_mean(head, ids))
+        return model.label_hidden(
+            **batch.model_inputs(), labels=batch.labels, fn=lambda head: per_sequence_mean(head, ids)
+        )
 
     @torch.no_grad()
     def evaluate(self, model, dataset, token_budget, device, pad_id, route) -> dict:
         loss = units = tokens = 0.0
         for batch in eval_batches(dataset, token_budget, device, pad_id, route):
-            loss, units, tokens = loss + float(self.loss_sum(model, batch)), units + self.units(batch), \
-                tokens + batch.num_label_tokens
+            loss, units, tokens = (
+                loss + float(self.loss_sum(model, batch)),
+                units + self.units(batch),
+                tokens + batch.num_label_tokens,
+            )
         return {"eval_loss": loss / max(units, 1.0), "eval_tokens": int(tokens), "eval_time_s": 0.0}
 
     def check_loss(self) -> TokenLossCheck:
@@ -60,8 +65,9 @@ def per_sequence_mean(head: LabelHidden, ids: torch.Tensor) -> torch.Tensor:
     losses = []
     for start in range(0, len(head.targets), head.chunk_tokens):
         logits = head.logits(start, start + head.chunk_tokens)
-        losses.append(torch.nn.functional.cross_entropy(logits, head.targets[start : start + head.chunk_tokens],
-                                                        reduction="none"))
+        losses.append(
+            torch.nn.functional.cross_entropy(logits, head.targets[start : start + head.chunk_tokens], reduction="none")
+        )
     token_losses = torch.cat(losses) if losses else head.hidden.sum(-1) * 0.0
     sequences = int(ids.max()) + 1 if len(ids) else 1
     sums = torch.zeros(sequences, device=token_losses.device).index_add(0, ids, token_losses)
@@ -76,8 +82,17 @@ def test_an_objective_written_against_the_protocol_trains_in_the_trainer(tmp_pat
 
     monkeypatch.setitem(OBJECTIVE_TYPES, MeanSequenceLoss.name, MeanSequenceLoss)
     monkeypatch.setattr(job, "OBJECTIVES", (*OBJECTIVES, MeanSequenceLoss.name))
-    cfg = compose_job([*SMALL_RUN, "max_steps=2", "grad_accum=2", "eval.every=2", "parallel.param_dtype=float32",
-                       "objective=mean_sequence", f"run_dir={tmp_path}"])
+    cfg = compose_job(
+        [
+            *SMALL_RUN,
+            "max_steps=2",
+            "grad_accum=2",
+            "eval.every=2",
+            "parallel.param_dtype=float32",
+            "objective=mean_sequence",
+            f"run_dir={tmp_path}",
+        ]
+    )
     with one_rank_world():
         trainer = Trainer(cfg)
         batches = [trainer.next_step_batches()]
@@ -86,14 +101,18 @@ def test_an_objective_written_against_the_protocol_trains_in_the_trainer(tmp_pat
         reference.use_loss(cfg.loss.impl, cfg.loss.chunk_tokens)
         objective = MeanSequenceLoss(cfg, reference)
         with torch.no_grad():
-            expected = sum(float(objective.loss_sum(reference, b)) for b in batches[0]) / \
-                sum(objective.units(b) for b in batches[0])
+            expected = sum(float(objective.loss_sum(reference, b)) for b in batches[0]) / sum(
+                objective.units(b) for b in batches[0]
+            )
         metrics = trainer.train_step()
         evaluated = trainer.evaluate()
         trainer.metrics.close()
     assert all((b.labels != IGNORE_INDEX).any() for b in batches[0])
     # certified through the objective's loss of the check, every stage in one certificate (summary.json's)
     assert [(s.name, s.outcome) for s in trainer.certificate.stages] == [
-        ("table prior", "exact"), ("replica", "exact"), ("self-check", "exact")]
+        ("table prior", "exact"),
+        ("replica", "exact"),
+        ("self-check", "exact"),
+    ]
     assert metrics.loss == pytest.approx(expected, rel=1e-5)
     assert evaluated.eval_loss > 0 and evaluated.eval_tokens > 0

@@ -89,8 +89,13 @@ def clip_offloaded_grads(rank: int, backends: list[str], store_dir: str) -> None
     torch.set_num_threads(1)
     outcomes = {}
     for i, backend in enumerate(backends):
-        dist.init_process_group(backend, init_method=f"file://{store_dir}/store{i}", rank=rank, world_size=2,
-                                timeout=datetime.timedelta(seconds=60))
+        dist.init_process_group(
+            backend,
+            init_method=f"file://{store_dir}/store{i}",
+            rank=rank,
+            world_size=2,
+            timeout=datetime.timedelta(seconds=60),
+        )
         try:
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
@@ -113,8 +118,9 @@ def test_clip_grad_norm_on_offloaded_grads_needs_a_cpu_backend(tmp_path):
     offloading = on_this_machine(distributed.process_group_backend(CUDA, "auto", cpu_offload=True))
     assert (nccl_only, offloading) == ("cuda:gloo", "cuda:gloo,cpu:gloo")
     # fork: the children reuse this process's imports (spawn re-imports torch and this module in each).
-    mp.start_processes(clip_offloaded_grads, args=([nccl_only, offloading], str(tmp_path)), nprocs=2,
-                       start_method="fork")
+    mp.start_processes(
+        clip_offloaded_grads, args=([nccl_only, offloading], str(tmp_path)), nprocs=2, start_method="fork"
+    )
     outcomes = json.loads((tmp_path / "outcomes.json").read_text())
     assert "No backend type associated with device type cpu" in outcomes[nccl_only]
     assert outcomes[offloading] == "ok"

@@ -62,18 +62,25 @@ def test_pieces_through_the_model(small_dataset, tokenizer):
         # Every later piece is isolated from its neighbours in the bin and keeps its true positions.
         for k, (_, lo, hi) in enumerate(pieces.tolist()):
             alone = collate_packed(small_dataset, np.array([[ex, lo, hi]]))
-            torch.testing.assert_close(split[cu[k] : cu[k + 1]], model(**alone.model_inputs())[0],
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(split[cu[k] : cu[k + 1]], model(**alone.model_inputs())[0], rtol=1e-5, atol=1e-5)
 
 
 def test_packing_report_runs(tmp_path, cache_dir, capsys):
     from trainer.tools.analyze import run
 
     png = tmp_path / "hist.png"
-    figures = run([
-        "recipe=cpu_dailydialog", "data.num_records=300", f"data.cache_dir={cache_dir}",
-        f"output_root={tmp_path}", "--png", str(png), "--world-sizes", "2,4",
-    ])
+    figures = run(
+        [
+            "recipe=cpu_dailydialog",
+            "data.num_records=300",
+            f"data.cache_dir={cache_dir}",
+            f"output_root={tmp_path}",
+            "--png",
+            str(png),
+            "--world-sizes",
+            "2,4",
+        ]
+    )
     out = capsys.readouterr().out
     assert "length histogram" in out and "largest speedup packing can give here" in out
     assert png.is_file() and png.stat().st_size > 0

@@ -88,9 +88,12 @@ def test_pack_uses_every_example_once_or_counts_it(lengths, strategy, budget, ca
 
 
 def make_samplers(lengths, cfg, world_size, seed=7, grad_accum=1):
-    return [MicroBatchSampler(lengths, cfg, r, world_size, seed, padded_batch_size=3, grad_accum=grad_accum,
-                              oversize="drop")
-            for r in range(world_size)]
+    return [
+        MicroBatchSampler(
+            lengths, cfg, r, world_size, seed, padded_batch_size=3, grad_accum=grad_accum, oversize="drop"
+        )
+        for r in range(world_size)
+    ]
 
 
 def take(samplers, n):
@@ -109,7 +112,11 @@ def flat_items(rounds, lengths):
 
 config_st = st.builds(
     lambda strategy, budget, cap, shuffle, balance: PackingConfig(
-        strategy=strategy, token_budget=budget, max_examples_per_bin=cap, shuffle=shuffle, balance=balance,
+        strategy=strategy,
+        token_budget=budget,
+        max_examples_per_bin=cap,
+        shuffle=shuffle,
+        balance=balance,
     ),
     strategy=st.sampled_from(NAMES),
     budget=st.integers(min_value=2, max_value=64),
@@ -164,7 +171,11 @@ def test_resume_exact_on_same_and_other_world_sizes(lengths, cfg, worlds, cut):
                 s.load_state_dict(dict(state))
             if nxt == worlds[0] and hop == 0:  # same world: exactly the uninterrupted order
                 rest = take(samplers, n0 - len(served))
-                assert all(np.array_equal(a, b) for ra, rb in zip(served + rest, full[:n0], strict=True) for a, b in zip(ra, rb, strict=True))
+                assert all(
+                    np.array_equal(a, b)
+                    for ra, rb in zip(served + rest, full[:n0], strict=True)
+                    for a, b in zip(ra, rb, strict=True)
+                )
                 served += rest
                 break
     # The epoch is complete: everything served exactly once, whatever the world sizes.

@@ -63,17 +63,20 @@ def test_bfd_fill_on_dailydialog_like_lengths():
 @pytest.mark.parametrize("world_size", [2, 4, 8])
 def test_rank_skew_within_two_percent_on_dailydialog_like_lengths(world_size):
     lengths = np.minimum(dailydialog_like_lengths(13118, seed=0), 1024)
-    sampler = build_sampler(lengths, PackingConfig(balance="tokens", strategy="bfd", token_budget=1024), 0, world_size, 1234,
-                            grad_accum=2)
+    sampler = build_sampler(
+        lengths, PackingConfig(balance="tokens", strategy="bfd", token_budget=1024), 0, world_size, 1234, grad_accum=2
+    )
     assert sampler.balance_report(0)["skew"] <= 0.02
 
 
 def test_attention_balance_lowers_attention_skew():
     lengths = np.minimum(heavy_tailed_lengths(5000, seed=0), 2048)
+
     def attention_skew(balance):
         cfg = PackingConfig(strategy="bfd", token_budget=2048, balance=balance)
         s = MicroBatchSampler(lengths, cfg, 0, 4, 0, grad_accum=1)
         return s.balance_report(0, weight=lambda b: int((lengths[b] ** 2).sum()))["skew"]
+
     assert attention_skew("attention") < attention_skew("tokens")
 
 
@@ -105,8 +108,14 @@ def test_bad_settings_are_errors():
         pack(np.array([1, 2]), "bfd", PackParams(4, max_examples_per_bin=0), None)
     with pytest.raises(ValueError, match="negative"):
         pack(np.array([1, -2]), "bfd", PackParams(4), None)
-    for bad in ({"token_budget": 0}, {"token_budget": -5}, {"max_examples_per_bin": 0}, {"strategy": "lpt"},
-                {"strategy": "wrapped", "token_budget": 1}, {"balance": "seconds"}):
+    for bad in (
+        {"token_budget": 0},
+        {"token_budget": -5},
+        {"max_examples_per_bin": 0},
+        {"strategy": "lpt"},
+        {"strategy": "wrapped", "token_budget": 1},
+        {"balance": "seconds"},
+    ):
         with pytest.raises(ConfigError):
             PackingConfig(**bad).validate()
 

@@ -54,7 +54,9 @@ def test_a_pair_weighs_its_two_sequences_and_enters_the_fingerprint():
         per_pair = measure(seqs[:, 0]) + measure(seqs[:, 1])
         assert bin_weights(bins, lengths, measure, splits).tolist() == pytest.approx([per_pair[b].sum() for b in bins])
         assert [bin_weight(b, lengths, measure, splits) for b in bins] == [int(per_pair[b].sum()) for b in bins]
-    assert bin_weights(bins, lengths, "attention", splits)[2] == 32**2 + 4**2 != bin_weights(bins, lengths, "attention")[2]
+    assert (
+        bin_weights(bins, lengths, "attention", splits)[2] == 32**2 + 4**2 != bin_weights(bins, lengths, "attention")[2]
+    )
 
     def sampler(balance, pair_splits, world=2):
         cfg = PackingConfig(strategy="bfd", token_budget=64, balance=balance)
@@ -62,7 +64,9 @@ def test_a_pair_weighs_its_two_sequences_and_enters_the_fingerprint():
 
     plan = sampler("attention", splits).plan(0)
     per_pair = seqs[:, 0] ** 2 + seqs[:, 1] ** 2
-    assert plan.work.tolist() == [[per_pair[plan.microbatch(k, r)].sum() for r in range(2)] for k in range(len(plan.order))]
+    assert plan.work.tolist() == [
+        [per_pair[plan.microbatch(k, r)].sum() for r in range(2)] for k in range(len(plan.order))
+    ]
     for balance in ("attention", "flops"):
         old = sampler(balance, None).state_dict()
         with pytest.raises(ValueError, match="different packing config"):
@@ -81,16 +85,30 @@ def test_a_pair_pads_as_two_rows_in_analyze_pack_and_the_trainers_counterfactual
 
     ds, seqs = pairs_and_sequences()
     lengths, splits = ds.lengths, ds.pair_splits
-    cfg = compose_job(["recipe=cpu_dpo", "packing.balance=attention", "packing.token_budget=64", "data.max_length=64",
-                       "packing.padded_batch_size=3"])
+    cfg = compose_job(
+        [
+            "recipe=cpu_dpo",
+            "packing.balance=attention",
+            "packing.token_budget=64",
+            "data.max_length=64",
+            "packing.padded_batch_size=3",
+        ]
+    )
     _, figures = packing_report(ds, cfg, [2])
     assert set(figures["strategies"]) == {"none", "sorted", "ffd", "bfd"}  # a pair is never cut into pieces
     for name in ("none", "sorted"):
-        result = pack(lengths, name, PackParams(64, batch_size=3, oversize="drop"), np.random.default_rng([cfg.seed, 0, 0]),
-                      splits)
+        result = pack(
+            lengths,
+            name,
+            PackParams(64, batch_size=3, oversize="drop"),
+            np.random.default_rng([cfg.seed, 0, 0]),
+            splits,
+        )
         padded = [collate_padded(ds, b, 0) for b in result.bins]
         assert all(b.num_positions == b.input_ids.numel() for b in padded)  # rows x width
-        assert figures["strategies"][name]["positions"] == result.stats.positions == sum(b.num_positions for b in padded)
+        assert (
+            figures["strategies"][name]["positions"] == result.stats.positions == sum(b.num_positions for b in padded)
+        )
         assert [collate_packed(ds, b).padded_positions for b in result.bins] == [b.num_positions for b in padded]
         as_whole_pairs = sum(len(b) * int(lengths[b].max()) for b in result.bins)
         assert result.stats.positions != as_whole_pairs  # what analyze reported before

@@ -30,8 +30,10 @@ def decode_labels(tokenizer, ids, mask):
 
 
 def test_string_pairs_keep_loss_on_the_replies(tokenizer, tmp_path):
-    rows = [{"prompt": "How are you today?", "chosen": " Fine, thanks.", "rejected": " Go away."},
-            {"prompt": "Where is the station?", "chosen": " Two blocks left.", "rejected": " No idea at all, sorry."}]
+    rows = [
+        {"prompt": "How are you today?", "chosen": " Fine, thanks.", "rejected": " Go away."},
+        {"prompt": "Where is the station?", "chosen": " Two blocks left.", "rejected": " No idea at all, sorry."},
+    ]
     ds = load(tokenizer, write_jsonl(tmp_path / "p.jsonl", rows), tmp_path / "cache")
     assert ds.is_pairs and len(ds) == 2 and ds.stats.examples == 2
     (c_ids, c_mask), (r_ids, r_mask) = ds.pair(1)
@@ -48,10 +50,18 @@ def test_string_pairs_keep_loss_on_the_replies(tokenizer, tmp_path):
 
 
 def test_chat_pairs_put_loss_on_the_final_reply_only(tokenizer, tmp_path):
-    prompt = [{"role": "user", "content": "Hi there"}, {"role": "assistant", "content": "Hello, how can I help?"},
-              {"role": "user", "content": "Book a table"}]
-    rows = [{"prompt": prompt, "chosen": [{"role": "assistant", "content": "Done, for two at eight."}],
-             "rejected": [{"role": "assistant", "content": "No."}]}]
+    prompt = [
+        {"role": "user", "content": "Hi there"},
+        {"role": "assistant", "content": "Hello, how can I help?"},
+        {"role": "user", "content": "Book a table"},
+    ]
+    rows = [
+        {
+            "prompt": prompt,
+            "chosen": [{"role": "assistant", "content": "Done, for two at eight."}],
+            "rejected": [{"role": "assistant", "content": "No."}],
+        }
+    ]
     ds = load(tokenizer, write_jsonl(tmp_path / "c.jsonl", rows), tmp_path / "cache")
     (c_ids, c_mask), (r_ids, r_mask) = ds.pair(0)
     assert "Done, for two at eight." in decode_labels(tokenizer, c_ids, c_mask)
@@ -109,8 +119,12 @@ def test_the_generated_pairs_spread_in_length_and_train_only_with_dpo(tokenizer,
 def test_dpo_config_composes_and_refuses_what_it_cannot_pack():
     cfg = compose_job(["recipe=cpu_dpo"])
     assert cfg.objective == "dpo" and cfg.dpo.beta == 0.1 and cfg.dpo.reference == "live"
-    for overrides, match in ((["packing=bfd_split"], "packing.strategy"), (["dpo.loss=kto"], "dpo.loss"),
-                             (["dpo.label_smoothing=0.6"], "label_smoothing"), (["parallel.cp=2"], "parallel.cp"),
-                             (["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "applies to dpo.loss=sigmoid")):
+    for overrides, match in (
+        (["packing=bfd_split"], "packing.strategy"),
+        (["dpo.loss=kto"], "dpo.loss"),
+        (["dpo.label_smoothing=0.6"], "label_smoothing"),
+        (["parallel.cp=2"], "parallel.cp"),
+        (["dpo.loss=ipo", "dpo.label_smoothing=0.1"], "applies to dpo.loss=sigmoid"),
+    ):
         with pytest.raises(ConfigError, match=match):
             compose_job(["recipe=cpu_dpo", *overrides])

@@ -17,10 +17,19 @@ BAD = {"role": "assistant", "content": "Nine."}
 EXPLICIT = {"prompt": [USER], "chosen": [GOOD], "rejected": [BAD]}
 
 
-@pytest.mark.parametrize("row", [
-    {"prompt": USER["content"], "chosen": [USER, GOOD], "rejected": [USER, BAD], "score_chosen": 8.0},  # UltraFeedback
-    {"chosen": [USER, GOOD], "rejected": [USER, BAD]},  # TRL's implicit prompt
-], ids=["ultrafeedback", "implicit"])
+@pytest.mark.parametrize(
+    "row",
+    [
+        {
+            "prompt": USER["content"],
+            "chosen": [USER, GOOD],
+            "rejected": [USER, BAD],
+            "score_chosen": 8.0,
+        },  # UltraFeedback
+        {"chosen": [USER, GOOD], "rejected": [USER, BAD]},  # TRL's implicit prompt
+    ],
+    ids=["ultrafeedback", "implicit"],
+)
 def test_conversation_replies_render_like_an_explicit_prompt(tokenizer, tmp_path, row):
     stored = []
     for name, record in (("explicit", EXPLICIT), ("hub", row)):

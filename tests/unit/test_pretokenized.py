@@ -43,8 +43,13 @@ def ids_rows(ds, style: str) -> list[dict]:
             rows.append({"input_ids": ids, "loss_mask": [int(m) for m in mask]})
         else:  # right-padded to a common width, as a tokenizer's batch call leaves them
             pad = 8 + i % 3
-            rows.append({"input_ids": ids + [0] * pad, "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)] + [-100] * pad,
-                         "attention_mask": [1] * len(ids) + [0] * pad})
+            rows.append(
+                {
+                    "input_ids": ids + [0] * pad,
+                    "labels": [t if m else -100 for t, m in zip(ids, mask, strict=True)] + [-100] * pad,
+                    "attention_mask": [1] * len(ids) + [0] * pad,
+                }
+            )
     return rows
 
 
@@ -67,10 +72,17 @@ def same(a, b) -> bool:
     return all(np.array_equal(getattr(a, k), getattr(b, k)) for k in ("tokens", "loss_mask", "offsets"))
 
 
-@pytest.mark.parametrize("kind,source,style", [
-    ("jsonl", "jsonl", "labels"), ("parquet", "parquet", "loss_mask"), ("arrow", "hf", "padded"),
-])
-def test_ids_give_the_same_examples_as_their_text(tmp_path, chat_tokenizer, text_dataset, kind, source, style, cache_dir):
+@pytest.mark.parametrize(
+    "kind,source,style",
+    [
+        ("jsonl", "jsonl", "labels"),
+        ("parquet", "parquet", "loss_mask"),
+        ("arrow", "hf", "padded"),
+    ],
+)
+def test_ids_give_the_same_examples_as_their_text(
+    tmp_path, chat_tokenizer, text_dataset, kind, source, style, cache_dir
+):
     path = write_rows(ids_rows(text_dataset, style), tmp_path / f"data.{kind}", kind)
     cfg = DataConfig(source=source, path=path, cache_dir=cache_dir)
     ids_dataset = render_records(load_records(cfg), chat_tokenizer, cfg, max_length=512)
@@ -81,8 +93,10 @@ def test_ids_give_the_same_examples_as_their_text(tmp_path, chat_tokenizer, text
 def test_ids_and_text_give_the_same_batches(tmp_path, chat_tokenizer, text_dataset, cache_dir):
     """Through the whole pipeline (cache, held-out split, sampler, collate): the same micro-batches."""
     path = write_rows(ids_rows(text_dataset, "labels"), tmp_path / "data.parquet", "parquet")
-    jobs = [JobConfig(data=DataConfig(source="chat_synthetic", num_records=60, cache_dir=cache_dir)),
-            JobConfig(data=DataConfig(source="parquet", path=path, cache_dir=cache_dir))]
+    jobs = [
+        JobConfig(data=DataConfig(source="chat_synthetic", num_records=60, cache_dir=cache_dir)),
+        JobConfig(data=DataConfig(source="parquet", path=path, cache_dir=cache_dir)),
+    ]
     data = [build_training_data(job, tokenizer=chat_tokenizer, context=512) for job in jobs]
     assert same(data[0].dataset, data[1].dataset)
     for _ in range(5):
@@ -92,15 +106,18 @@ def test_ids_and_text_give_the_same_batches(tmp_path, chat_tokenizer, text_datas
             assert torch.equal(getattr(batch_a, name), getattr(batch_b, name))
 
 
-@pytest.mark.parametrize("row,message", [
-    ({"input_ids": [1, 2, 999_999]}, "outside the tokenizer's vocabulary"),
-    ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "labels has 2 values but input_ids has 3"),
-    ({"input_ids": [5, 6, 7], "labels": [6, 7, -100]}, "look shifted by one"),
-    ({"input_ids": [5, 6, 7], "labels": [-100, 9, 7]}, "labels[1]=9 but input_ids[1]=6"),
-    ({"input_ids": [5, 6, 7], "attention_mask": [1, 0, 1]}, "0s between tokens"),
-    ({"input_ids": "5 6 7"}, "must be a list of integers"),
-    ({"input_ids": [5, 6.5]}, "integers only"),
-])
+@pytest.mark.parametrize(
+    "row,message",
+    [
+        ({"input_ids": [1, 2, 999_999]}, "outside the tokenizer's vocabulary"),
+        ({"input_ids": [1, 2, 3], "labels": [1, 2]}, "labels has 2 values but input_ids has 3"),
+        ({"input_ids": [5, 6, 7], "labels": [6, 7, -100]}, "look shifted by one"),
+        ({"input_ids": [5, 6, 7], "labels": [-100, 9, 7]}, "labels[1]=9 but input_ids[1]=6"),
+        ({"input_ids": [5, 6, 7], "attention_mask": [1, 0, 1]}, "0s between tokens"),
+        ({"input_ids": "5 6 7"}, "must be a list of integers"),
+        ({"input_ids": [5, 6.5]}, "integers only"),
+    ],
+)
 def test_a_bad_row_names_its_file_and_line(tmp_path, chat_tokenizer, row, message, cache_dir):
     good = {"input_ids": [5, 6, 7, 8], "labels": [-100, 6, 7, 8], "attention_mask": [1, 1, 1, 1]}
     good = {k: good[k] for k in row}  # the same columns as the bad row (every row needs the detected ones)
@@ -108,15 +125,21 @@ def test_a_bad_row_names_its_file_and_line(tmp_path, chat_tokenizer, row, messag
     cfg = DataConfig(source="jsonl", path=path, cache_dir=cache_dir)
     with pytest.raises(BadRecordError, match=rf"ids.jsonl:2: .*{re.escape(message)}"):
         render_records(load_records(cfg), chat_tokenizer, cfg, max_length=64)
-    skipped = render_records(load_records(cfg), chat_tokenizer, DataConfig(
-        source="jsonl", path=path, on_bad_record="skip", cache_dir=cache_dir), max_length=64)
+    skipped = render_records(
+        load_records(cfg),
+        chat_tokenizer,
+        DataConfig(source="jsonl", path=path, on_bad_record="skip", cache_dir=cache_dir),
+        max_length=64,
+    )
     assert skipped.stats.dropped_bad == 1 and len(skipped) == 2  # counted, never silently dropped
 
 
 def test_loss_comes_from_labels_or_mask_and_loss_on_all_takes_every_token():
     ids = [4, 5, 6, 7]
+
     def as_mask(segs):
         return [s.loss for s in segs for _ in s.text]
+
     assert as_mask(token_segments({"input_ids": ids, "labels": [-100, -100, 6, 7]}, 10, "auto", "x")) == [0, 0, 1, 1]
     assert as_mask(token_segments({"input_ids": ids, "loss_mask": [0, 1, 1, 0]}, 10, "auto", "x")) == [0, 1, 1, 0]
     assert as_mask(token_segments({"input_ids": ids}, 10, "auto", "x")) == [1, 1, 1, 1]
@@ -126,10 +149,15 @@ def test_loss_comes_from_labels_or_mask_and_loss_on_all_takes_every_token():
 
 def test_columns_are_detected_and_a_local_tokenizer_is_refused(tmp_path, cache_dir):
     assert detect_columns(["input_ids", "labels", "extra"]) == {"input_ids": "input_ids", "labels": "labels"}
-    assert detect_columns(["attention_mask", "input_ids"]) == {"input_ids": "input_ids", "attention_mask": "attention_mask"}
+    assert detect_columns(["attention_mask", "input_ids"]) == {
+        "input_ids": "input_ids",
+        "attention_mask": "attention_mask",
+    }
     path = write_rows([{"input_ids": [1, 2, 3]}], tmp_path / "ids.jsonl", "jsonl")
     with pytest.raises(ConfigError, match="pre-tokenized .* model.tokenizer=DIR_OR_HUB_ID"):
-        load_tokenizer(ModelConfig(tokenizer_vocab_size=300), DataConfig(source="jsonl", path=path, cache_dir=cache_dir))
+        load_tokenizer(
+            ModelConfig(tokenizer_vocab_size=300), DataConfig(source="jsonl", path=path, cache_dir=cache_dir)
+        )
 
 
 def test_one_float_row_is_named_alone_on_the_cached_route(tmp_path, chat_tokenizer, cache_dir):

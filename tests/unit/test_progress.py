@@ -31,8 +31,9 @@ with ProgressBar(3, True) as bar:
 def run_in_terminal(code: str) -> str:
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 160, 0, 0))  # a real-sized terminal
-    proc = subprocess.Popen([sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave, cwd=REPO,
-                            close_fds=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdin=slave, stdout=slave, stderr=slave, cwd=REPO, close_fds=True
+    )
     os.close(slave)
     out = b""
     while True:

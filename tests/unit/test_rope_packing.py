@@ -25,25 +25,47 @@ from trainer.model.rope import RopeError, apply_per_example_rope, example_length
 ORIGINAL = 8
 LENGTHS = (9, 1, 14, 5, 11, 3)
 TINY = dict(
-    vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
 )
 ROPES = {
-    "phi3-longrope": ("phi3", dict(
-        max_position_embeddings=64, original_max_position_embeddings=ORIGINAL,
-        rope_parameters=dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.2, 1.3],
-                             long_factor=[2.0, 3.0, 4.0, 5.0], original_max_position_embeddings=ORIGINAL),
-    )),
-    "llama-dynamic": ("llama", dict(
-        max_position_embeddings=ORIGINAL, rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0),
-    )),
+    "phi3-longrope": (
+        "phi3",
+        dict(
+            max_position_embeddings=64,
+            original_max_position_embeddings=ORIGINAL,
+            rope_parameters=dict(
+                rope_type="longrope",
+                rope_theta=10000.0,
+                short_factor=[1.0, 1.1, 1.2, 1.3],
+                long_factor=[2.0, 3.0, 4.0, 5.0],
+                original_max_position_embeddings=ORIGINAL,
+            ),
+        ),
+    ),
+    "llama-dynamic": (
+        "llama",
+        dict(
+            max_position_embeddings=ORIGINAL,
+            rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0),
+        ),
+    ),
 }
 
 
 def hf_model(case: str) -> nn.Module:
     family, overrides = ROPES[case]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(family, **TINY, **overrides), attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_config(
+        AutoConfig.for_model(family, **TINY, **overrides), attn_implementation="sdpa"
+    )
     model.config.use_cache = False
     return model
 
@@ -88,7 +110,9 @@ def reference(model: nn.Module, exs: list[torch.Tensor]) -> Run:
     logits = []
     for e in exs:
         fresh_rope(model)
-        out = wrapped(input_ids=e[None], position_ids=torch.arange(len(e))[None], attention_mask=torch.ones_like(e)[None])[0]
+        out = wrapped(
+            input_ids=e[None], position_ids=torch.arange(len(e))[None], attention_mask=torch.ones_like(e)[None]
+        )[0]
         token_loss(out, e).backward()
         logits.append(out.detach())
     return Run(logits, gradients(wrapped))
@@ -98,8 +122,8 @@ def run_packed(wrapped: VarlenCausalLM, exs: list[torch.Tensor]) -> Run:
     """The examples in one packed row through ``wrapped``: each example's logits, the summed loss's gradients."""
     cu = torch.tensor([0, *torch.tensor([len(e) for e in exs]).cumsum(0).tolist()], dtype=torch.int32)
     out = wrapped(torch.cat(exs)[None], torch.cat([torch.arange(len(e)) for e in exs])[None], cu, max(LENGTHS))[0]
-    pieces = [out[s:t] for s, t in zip(cu[:-1].tolist(), cu[1:].tolist())]
-    sum(token_loss(piece, e) for piece, e in zip(pieces, exs)).backward()
+    pieces = [out[s:t] for s, t in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=False)]
+    sum(token_loss(piece, e) for piece, e in zip(pieces, exs, strict=False)).backward()
     return Run([piece.detach() for piece in pieces], gradients(wrapped))
 
 
@@ -109,8 +133,10 @@ def differences(packed: Run, alone: Run) -> tuple[float, float]:
     def rel(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a - b).abs().max()) / max(1.0, float(b.abs().max()))
 
-    return (max(rel(p, a) for p, a in zip(packed.logits, alone.logits)),
-            max(rel(packed.grads[n], g) for n, g in alone.grads.items()))
+    return (
+        max(rel(p, a) for p, a in zip(packed.logits, alone.logits, strict=False)),
+        max(rel(packed.grads[n], g) for n, g in alone.grads.items()),
+    )
 
 
 @pytest.mark.parametrize("case", list(ROPES))
@@ -186,8 +212,13 @@ def test_a_rotary_that_reads_the_length_its_own_way_is_refused():
     per-example frequencies alone would not make it exact, and the check at build says so."""
     rope = dict(ROPES["phi3-longrope"][1]["rope_parameters"], short_mscale=1.0, long_mscale=1.5)
     config = AutoConfig.for_model(
-        "phimoe", **TINY, max_position_embeddings=64, original_max_position_embeddings=ORIGINAL, rope_parameters=rope,
-        num_local_experts=2, num_experts_per_tok=1,
+        "phimoe",
+        **TINY,
+        max_position_embeddings=64,
+        original_max_position_embeddings=ORIGINAL,
+        rope_parameters=rope,
+        num_local_experts=2,
+        num_experts_per_tok=1,
     )
     with pytest.raises(RopeError, match="phimoe: rope type 'longrope' in PhimoeRotaryEmbedding"):
         apply_per_example_rope(AutoModelForCausalLM.from_config(config))

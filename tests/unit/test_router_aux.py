@@ -18,8 +18,8 @@ from tests.faults.conftest import one_rank_world
 from trainer.collate import Batch
 from trainer.config import ConfigError
 from trainer.data.examples import IGNORE_INDEX
-from trainer.metrics import RunSummary, StepMetrics, format_step
 from trainer.errors import SelfCheckError
+from trainer.metrics import RunSummary, StepMetrics, format_step
 from trainer.model.certification import check_model, packed_batch
 from trainer.model.certification.replica import build_replica
 from trainer.model.certification.shrink import default_config, replica_config
@@ -27,8 +27,20 @@ from trainer.router_aux import RouterAux, RouterAuxTerm, RouterStats, refuse_unt
 from trainer.throughput import StepCounts
 
 AUX_FAMILIES = (
-    "mixtral", "olmoe", "qwen3_moe", "qwen2_moe", "phimoe", "granitemoe", "granitemoeshared", "jetmoe",
-    "ernie4_5_moe", "flex_olmo", "laguna", "mellum", "minimax_m2", "minimax_m3_vl_text",
+    "mixtral",
+    "olmoe",
+    "qwen3_moe",
+    "qwen2_moe",
+    "phimoe",
+    "granitemoe",
+    "granitemoeshared",
+    "jetmoe",
+    "ernie4_5_moe",
+    "flex_olmo",
+    "laguna",
+    "mellum",
+    "minimax_m2",
+    "minimax_m3_vl_text",
 )
 """The exact families whose ``*ForCausalLM`` adds a load-balancing loss (transformers 5.17 to 5.25)."""
 ASK = dict(output_router_logits=True, router_aux_loss_coef=0.01, aux_loss_coef=0.01)
@@ -55,9 +67,16 @@ def padded_batch(seqs: list[torch.Tensor]) -> Batch:
     labels = torch.full_like(ids, IGNORE_INDEX)
     for row, s in enumerate(seqs):
         ids[row, : len(s)], mask[row, : len(s)], labels[row, 1 : len(s)] = s, 1, s[1:]
-    return Batch(ids, labels, torch.arange(width).expand_as(ids).contiguous(), attention_mask=mask,
-                 num_examples=len(seqs), num_tokens=int(mask.sum()), num_label_tokens=int((labels != IGNORE_INDEX).sum()),
-                 num_positions=ids.numel())
+    return Batch(
+        ids,
+        labels,
+        torch.arange(width).expand_as(ids).contiguous(),
+        attention_mask=mask,
+        num_examples=len(seqs),
+        num_tokens=int(mask.sum()),
+        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+        num_positions=ids.numel(),
+    )
 
 
 def objective(model, batch: Batch) -> torch.Tensor:
@@ -164,15 +183,32 @@ def test_step_weighs_microbatches_by_their_real_tokens():
 def step_record(router_aux=None) -> StepMetrics:
     """A step's record as the loop makes it: the objective's fields (``SFT``: with the router term, ``RouterAuxTerm``
     over the step's aux shares) from the global loss sum 250 over 100 label tokens."""
-    counts = StepCounts(label_tokens=100, tokens=120, positions=128, padded_equivalent_positions=150,
-                        sum_squared_lengths=5000, units=100)
+    counts = StepCounts(
+        label_tokens=100,
+        tokens=120,
+        positions=128,
+        padded_equivalent_positions=150,
+        sum_squared_lengths=5000,
+        units=100,
+    )
     fields = {"loss": 250.0 / counts.units}
     if router_aux is not None:
         term = RouterAuxTerm(RouterAux(coef=router_aux[1], num_experts=4, top_k=2))
         term.aux_sum = torch.tensor(router_aux[0])
         fields = term.step_metrics(fields["loss"], torch.device("cpu"))  # no process group: the sums are this rank's
-    return StepMetrics.measure(counts, step=1, epoch=0, lr=1e-3, grad_norm=1.0, skipped=None, step_time_s=0.5,
-                               model_flops=1e9, peak_mem_gib=0.1, tokens_seen_before=0, **fields)
+    return StepMetrics.measure(
+        counts,
+        step=1,
+        epoch=0,
+        lr=1e-3,
+        grad_norm=1.0,
+        skipped=None,
+        step_time_s=0.5,
+        model_flops=1e9,
+        peak_mem_gib=0.1,
+        tokens_seen_before=0,
+        **fields,
+    )
 
 
 def test_metrics_carry_the_aux_apart_from_the_token_loss():
@@ -202,7 +238,9 @@ def test_what_packfsdp_does_not_train_is_refused_or_said_once(caplog):
         assert use_router_aux(moe("deepseek_v3"), cp=1, objective="sft") is None
     said = [r.getMessage() for r in caplog.records]
     assert any("coefficient 0: the load-balancing loss is logged, not trained" in s for s in said)
-    assert any("router aux loss: off (router_aux_loss_coef=0.01 applies only with output_router_logits" in s for s in said)
+    assert any(
+        "router aux loss: off (router_aux_loss_coef=0.01 applies only with output_router_logits" in s for s in said
+    )
     assert any("DeepseekV3ForCausalLM adds no auxiliary loss" in s for s in said)
     config = default_config("mixtral")
     config.z_loss_coefficient = 0.1  # Bamba's z-loss on the logits
@@ -221,7 +259,9 @@ def test_self_check_checks_the_aux_apart(padded, monkeypatch):
         return
     original = RouterAux.statistics
     monkeypatch.setattr(RouterAux, "statistics", lambda self, logits, mask: original(self, logits, None))
-    with pytest.raises(SelfCheckError, match=r"router aux loss \(the batch's statistic vs its examples alone\) relative diff 0\.00"):
+    with pytest.raises(
+        SelfCheckError, match=r"router aux loss \(the batch's statistic vs its examples alone\) relative diff 0\.00"
+    ):
         check_model(model, batch, None, None)
 
 
@@ -232,11 +272,18 @@ def test_trainer_step_one_loss_is_transformers_loss_on_one_example(tmp_path):
     from trainer.model import build_model
 
     overrides = [
-        "model=qwen2_tiny", "model.family=mixtral", "data.num_records=40", "max_steps=1", "grad_accum=1",
+        "model=qwen2_tiny",
+        "model.family=mixtral",
+        "data.num_records=40",
+        "max_steps=1",
+        "grad_accum=1",
         "model.config_overrides={num_local_experts:4,num_experts_per_tok:2,output_router_logits:true,"
         "router_aux_loss_coef:0.05}",
-        "packing.max_examples_per_bin=1", "parallel.param_dtype=float32", "logger.peak_tflops=1",
-        "eval.holdout_fraction=0", f"run_dir={tmp_path}",
+        "packing.max_examples_per_bin=1",
+        "parallel.param_dtype=float32",
+        "logger.peak_tflops=1",
+        "eval.holdout_fraction=0",
+        f"run_dir={tmp_path}",
     ]
     with one_rank_world():
         trainer = Trainer(compose_job(overrides))
@@ -245,7 +292,9 @@ def test_trainer_step_one_loss_is_transformers_loss_on_one_example(tmp_path):
         trainer.next_step_batches = lambda: batches
         reference = build_model(trainer.cfg.model, trainer.tokenizer, trainer.backend, trainer.cfg.seed)
         batch = batches[0]
-        inputs = reference.attention_inputs(batch.input_ids, batch.position_ids, None, None, torch.ones_like(batch.input_ids))
+        inputs = reference.attention_inputs(
+            batch.input_ids, batch.position_ids, None, None, torch.ones_like(batch.input_ids)
+        )
         with torch.no_grad():
             theirs = reference.model(**inputs, labels=batch.labels, output_router_logits=True)
         metrics = trainer.train_step()

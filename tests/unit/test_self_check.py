@@ -72,7 +72,9 @@ def sampler_for(dataset, strategy: str = "bfd", budget: int = 1024):
     from trainer.config import PackingConfig
     from trainer.packing import build_sampler
 
-    return build_sampler(dataset.lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=budget), 0, 1, seed=0)
+    return build_sampler(
+        dataset.lengths, PackingConfig(balance="tokens", strategy=strategy, token_budget=budget), 0, 1, seed=0
+    )
 
 
 def test_worst_case_batch_holds_the_extremes(small_dataset):
@@ -92,12 +94,26 @@ def longrope_phi3(original: int):
     """A tiny Phi-3 with longrope scaling whose original context is ``original`` tokens."""
     from trainer.config import ModelConfig
 
-    rope = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.1, 1.2, 1.3],
-                long_factor=[2.0, 3.0, 4.0, 5.0], original_max_position_embeddings=original)
-    return ModelConfig(family="phi3", config_overrides=dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=2048, original_max_position_embeddings=original, rope_parameters=rope,
-    ))
+    rope = dict(
+        rope_type="longrope",
+        rope_theta=10000.0,
+        short_factor=[1.0, 1.1, 1.2, 1.3],
+        long_factor=[2.0, 3.0, 4.0, 5.0],
+        original_max_position_embeddings=original,
+    )
+    return ModelConfig(
+        family="phi3",
+        config_overrides=dict(
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=2048,
+            original_max_position_embeddings=original,
+            rope_parameters=rope,
+        ),
+    )
 
 
 @pytest.mark.parametrize("fixed", [False, True])
@@ -108,7 +124,9 @@ def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkey
     if not fixed:
         monkeypatch.setattr("trainer.model.prepare.apply_per_example_rope", lambda model: [])
         # the replica refuses this too: the self-check alone here
-        monkeypatch.setattr("trainer.model.certification.stages.cached_judge", lambda config: Stage("replica", "unbuildable", "off"))
+        monkeypatch.setattr(
+            "trainer.model.certification.stages.cached_judge", lambda config: Stage("replica", "unbuildable", "off")
+        )
     lengths = small_dataset.lengths
     original = int(np.median(lengths))
     model = build_model(longrope_phi3(original), tokenizer, resolve_backend("sdpa_varlen", torch.device("cpu")), seed=0)
@@ -157,7 +175,9 @@ def test_gradient_leak_fails_while_bf16_rounding_passes(small_dataset, tokenizer
     fp32 = measure(clean, batch)
     assert fp32.ok and fp32.grad_gap < 1e-5, fp32.line()  # float32 rounding: far below the leak
     autocast = measure(clean, batch, compute_dtype=torch.bfloat16)
-    assert autocast.ok and autocast.grad_gap > 10 * fp32.grad_gap, autocast.line()  # bf16 rounding is visible, and passes
+    assert autocast.ok and autocast.grad_gap > 10 * fp32.grad_gap, (
+        autocast.line()
+    )  # bf16 rounding is visible, and passes
     check_model(clean.to(torch.bfloat16), batch, None, None, pieces)  # bf16 parameters
 
 
@@ -198,7 +218,9 @@ def test_the_gradient_goes_through_the_runs_own_loss(model, small_dataset, token
 def test_a_nan_gradient_fails_the_check(model, small_dataset, tokenizer, monkeypatch):
     from trainer.model.certification import engine
 
-    monkeypatch.setattr(engine, "_projections", lambda grad, seed: torch.full((engine.PROJECTIONS,), float("nan"), dtype=torch.float64))
+    monkeypatch.setattr(
+        engine, "_projections", lambda grad, seed: torch.full((engine.PROJECTIONS,), float("nan"), dtype=torch.float64)
+    )
     with pytest.raises(SelfCheckError, match="the gradient of .* is not finite \\(NaN\\)"):
         check_model(model, collate_packed(small_dataset, INDICES, tokenizer.pad_token_id), None, None)
 
@@ -223,7 +245,13 @@ def test_a_nan_is_said_as_a_nan_not_as_a_leak(side, model, small_dataset, tokeni
     line = str(info.value)
     assert "not kept apart" not in line and "\n" not in line
     if side == "packed":
-        assert "(self-check): packed, the gradient of model.transformer.wte.weight is not finite (NaN) where its examples" in line
+        assert (
+            "(self-check): packed, the gradient of model.transformer.wte.weight is not finite (NaN) where its examples"
+            in line
+        )
     else:
-        assert "(self-check): the gradient of model.transformer.wte.weight is not finite (NaN) with its examples run" in line
+        assert (
+            "(self-check): the gradient of model.transformer.wte.weight is not finite (NaN) with its examples run"
+            in line
+        )
         assert "the model's own computation, not packing" in line

@@ -101,8 +101,11 @@ def saved_dataset(path, rows: int):
 @pytest.mark.parametrize("source", ["jsonl", "hf", "dailydialog_synthetic"])
 def test_state_round_trip_continues_with_identical_micro_batches(tmp_path, tokenizer, source, monkeypatch):
     monkeypatch.setattr(streaming, "STREAM_CHUNK", 4)  # positions inside a file, not only at its end
-    cfg = {"jsonl": lambda: stream_cfg(tmp_path, rows=41), "hf": lambda: saved_dataset(tmp_path / "saved", 41),
-           "dailydialog_synthetic": lambda: DataConfig(num_records=60, stream=ON)}[source]()
+    cfg = {
+        "jsonl": lambda: stream_cfg(tmp_path, rows=41),
+        "hf": lambda: saved_dataset(tmp_path / "saved", 41),
+        "dailydialog_synthetic": lambda: DataConfig(num_records=60, stream=ON),
+    }[source]()
     first = sampler_for(cfg, tokenizer, 1, 2, window=5)
     while first.stream.passes == 0:  # save inside the second pass: a pass boundary was crossed
         bins_of(first, 1)
@@ -171,13 +174,19 @@ def test_held_out_examples_never_train_and_form_the_eval_set(tokenizer):
     assert not held & set(seen) and stream.held_out == len(eval_set)
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"max_steps": None}, "set max_steps"),
-    ({"packing": PackingConfig(balance="tokens", strategy="wrapped")}, "packing.strategy=wrapped"),
-    ({"data": DataConfig(stream=ON, mixture=MixtureConfig(sources=[{"source": "chat_synthetic"}]))}, "data.mixture.sources"),
-    ({"data": DataConfig(stream=ON, limit=10)}, "data.limit"),
-    ({"data": DataConfig(stream=ON, source="hf", path="some/dataset")}, "model.tokenizer=local_bpe"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"max_steps": None}, "set max_steps"),
+        ({"packing": PackingConfig(balance="tokens", strategy="wrapped")}, "packing.strategy=wrapped"),
+        (
+            {"data": DataConfig(stream=ON, mixture=MixtureConfig(sources=[{"source": "chat_synthetic"}]))},
+            "data.mixture.sources",
+        ),
+        ({"data": DataConfig(stream=ON, limit=10)}, "data.limit"),
+        ({"data": DataConfig(stream=ON, source="hf", path="some/dataset")}, "model.tokenizer=local_bpe"),
+    ],
+)
 def test_impossible_streaming_configs_are_refused_in_one_line(change, message):
     cfg = replace(JobConfig(data=DataConfig(stream=ON), max_steps=5), **change)
     with pytest.raises(ConfigError, match=message) as e:
@@ -219,8 +228,10 @@ def test_a_streamed_csv_reads_cells_as_the_cached_path_does_and_names_bad_rows_b
     first = stream.next_chunk()[0][0]
     assert "007" in tokenizer.decode(first) and stream.stats.examples == 2
     bad = tmp_path / "chats.csv"
-    bad.write_text('messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
-                   '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""wizard"", ""content"": ""x""}]"\n')
+    bad.write_text(
+        'messages\n"[{""role"": ""user"", ""content"": ""hi""},\n'  # row 1 spans lines 2-3
+        '{""role"": ""assistant"", ""content"": ""yo""}]"\n"[{""role"": ""wizard"", ""content"": ""x""}]"\n'
+    )
     with caplog.at_level(logging.WARNING):
         stream = ExampleStream(replace(cfg, path=str(bad), on_bad_record="skip"), tokenizer, 64)
         stream.next_chunk()

@@ -48,13 +48,29 @@ def varlen_attn_2_10(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, is_cau
     return flash_kernel(query, key, value, cu_seq_q, max_q, None, (-1, 0))
 
 
-def varlen_attn_2_11(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1)):
+def varlen_attn_2_11(
+    query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)
+):
     return flash_kernel(query, key, value, cu_seq_q, max_q, scale, window_size)
 
 
-def varlen_attn_2_13(query, key, value, cu_seq_q, cu_seq_k, max_q, max_k, *, return_aux=None, scale=None,
-                     window_size=(-1, -1), enable_gqa=False, seqused_k=None, block_table=None, num_splits=None):
+def varlen_attn_2_13(
+    query,
+    key,
+    value,
+    cu_seq_q,
+    cu_seq_k,
+    max_q,
+    max_k,
+    *,
+    return_aux=None,
+    scale=None,
+    window_size=(-1, -1),
+    enable_gqa=False,
+    seqused_k=None,
+    block_table=None,
+    num_splits=None,
+):
     kv_heads_seen.append(key.shape[1])
     return flash_kernel(query, key, value, cu_seq_q, max_q, scale, window_size, enable_gqa)
 

@@ -117,7 +117,11 @@ class Checkpointer:
     """
 
     def __init__(
-        self, cfg: CheckpointConfig, run_dir: Path, seed: int = 0, run_id: str | None = None,
+        self,
+        cfg: CheckpointConfig,
+        run_dir: Path,
+        seed: int = 0,
+        run_id: str | None = None,
         job_config: dict | None = None,
     ) -> None:
         self.cfg = cfg
@@ -181,8 +185,12 @@ class Checkpointer:
         """This run's newest checkpoint that verifies; a damaged newer one is skipped with a warning."""
         others = [p.name for p in complete_checkpoints(self.dir) if not self.own(p)]
         if others:
-            log.warning("resume=auto: ignoring %d checkpoint(s) of another run in %s (%s)",
-                        len(others), self.dir, ", ".join(others[:3]))
+            log.warning(
+                "resume=auto: ignoring %d checkpoint(s) of another run in %s (%s)",
+                len(others),
+                self.dir,
+                ", ".join(others[:3]),
+            )
         failures = []
         for path in reversed(self.own_checkpoints()):
             try:
@@ -214,8 +222,9 @@ class Checkpointer:
                 if state.get("world_size", self.world_size) != self.world_size:
                     warn_world_size(grad_accum, state["world_size"], self.world_size, grad_accum)
                 return
-            check_resume_config(saved, self.job_config, allowed, state.get("world_size", self.world_size),
-                                self.world_size, str(path))
+            check_resume_config(
+                saved, self.job_config, allowed, state.get("world_size", self.world_size), self.world_size, str(path)
+            )
 
         distributed.on_rank0_then_all(check)
 
@@ -340,6 +349,7 @@ class Checkpointer:
     def load(self, path: Path, state: TrainingState, total_steps: int) -> Restored:
         """Restore ``state`` from ``path``; returns the step and tokens seen to continue from."""
         start = time.perf_counter()
+
         def verify() -> None:  # rank 0 reads every file once; a bad checkpoint fails on every rank
             if self.cfg.verify and self._verified != (path, file_stamps(path)):
                 verify_checkpoint(path)
@@ -372,11 +382,17 @@ class Checkpointer:
         if saved["total_steps"] != total_steps and distributed.is_rank0():
             log.warning(
                 "the checkpoint's schedule spans %d steps, this run's %d: the learning-rate schedule changes "
-                "from here on (set max_steps to keep it)", saved["total_steps"], total_steps,
+                "from here on (set max_steps to keep it)",
+                saved["total_steps"],
+                total_steps,
             )
         log.info(
             "resumed from %s: step %d, %d tokens seen, saved on %d rank(s), now %d (%.2f s)",
-            path, saved["step"], saved["tokens_seen"], saved["world_size"], self.world_size,
+            path,
+            saved["step"],
+            saved["tokens_seen"],
+            saved["world_size"],
+            self.world_size,
             time.perf_counter() - start,
         )
         return Restored(step=saved["step"], tokens_seen=saved["tokens_seen"], path=path)
@@ -390,8 +406,11 @@ class Checkpointer:
         torch.manual_seed(seed)
         np.random.seed(seed)
         random.seed(seed)
-        log.warning("RNG states re-seeded: the checkpoint was saved on %d rank(s), this run has %d",
-                    saved_world_size, self.world_size)
+        log.warning(
+            "RNG states re-seeded: the checkpoint was saved on %d rank(s), this run has %d",
+            saved_world_size,
+            self.world_size,
+        )
 
 
 def _jsonable(value: Any) -> Any:

@@ -23,13 +23,34 @@ log = logging.getLogger("trainer.checkpoint")
 JOB_CONFIG = "job_config.json"
 
 HARMLESS = (
-    "max_steps", "stop_after_steps", "summary_skip_steps", "name", "output_root", "run_dir", "resume",
-    "resume_allow_changes", "logger", "checkpoint", "guard", "eval.every", "eval.max_examples",
-    "data.cache_dir", "data.plugins", "data.stream.eval_records", "model.attention", "model.self_check",
+    "max_steps",
+    "stop_after_steps",
+    "summary_skip_steps",
+    "name",
+    "output_root",
+    "run_dir",
+    "resume",
+    "resume_allow_changes",
+    "logger",
+    "checkpoint",
+    "guard",
+    "eval.every",
+    "eval.max_examples",
+    "data.cache_dir",
+    "data.plugins",
+    "data.stream.eval_records",
+    "model.attention",
+    "model.self_check",
     "model.self_check_tolerance",
-    "parallel.device", "parallel.backend", "parallel.dp_replicate", "parallel.reshard_after_forward",
-    "parallel.activation_checkpointing", "parallel.activation_checkpointing_every", "parallel.cpu_offload",
-    "parallel.compile", "parallel.compile_backend",
+    "parallel.device",
+    "parallel.backend",
+    "parallel.dp_replicate",
+    "parallel.reshard_after_forward",
+    "parallel.activation_checkpointing",
+    "parallel.activation_checkpointing_every",
+    "parallel.cpu_offload",
+    "parallel.compile",
+    "parallel.compile_backend",
 )
 """Keys (or sections) whose change leaves the trained math alone."""
 
@@ -74,13 +95,12 @@ def check_resume_config(
     for key, (old, new) in changes.items():
         log.warning("resume: %s changed from %r to %r (allowed by resume_allow_changes)", key, old, new)
     if saved_world != world:  # data-parallel worlds: a CP group trains one row
-        warn_world_size(saved.get("grad_accum", current.get("grad_accum", 1)), saved_world, world,
-                        current.get("grad_accum", 1))
+        warn_world_size(
+            saved.get("grad_accum", current.get("grad_accum", 1)), saved_world, world, current.get("grad_accum", 1)
+        )
 
 
-def cp_change(
-    saved: dict, current: dict, changes: dict, saved_world: int, world: int, where: str
-) -> tuple[int, int]:
+def cp_change(saved: dict, current: dict, changes: dict, saved_world: int, world: int, where: str) -> tuple[int, int]:
     """A changed ``parallel.cp`` changes the data-parallel world (world / cp groups). When the packed row
     (``cp x packing.token_budget``) stays the same, the bins are the same and the sampler re-deals the
     unserved ones to the new groups, as on a world-size change: both keys leave ``changes`` and the data
@@ -91,7 +111,10 @@ def cp_change(
         cp = int(current.get("parallel", {}).get("cp", 1))
         return saved_world // cp, world // cp
     saved_cp, cp = (int(x) for x in changes.pop("parallel.cp"))
-    budget = {"saved": saved.get("packing", {}).get("token_budget"), "now": current.get("packing", {}).get("token_budget")}
+    budget = {
+        "saved": saved.get("packing", {}).get("token_budget"),
+        "now": current.get("packing", {}).get("token_budget"),
+    }
     old_row, new_row = saved_cp * budget["saved"], cp * budget["now"]
     if old_row != new_row:
         keep = old_row / cp
@@ -101,8 +124,15 @@ def cp_change(
             f"{budget['saved']} = {old_row} -> {cp} x {budget['now']} = {new_row} tokens), so every bin differs; {how}"
         )
     changes.pop("packing.token_budget", None)
-    log.warning("resume: parallel.cp %d -> %d keeps rows of %d tokens; %d -> %d data-parallel group(s), the "
-                "unserved bins are re-dealt to them", saved_cp, cp, new_row, saved_world // saved_cp, world // cp)
+    log.warning(
+        "resume: parallel.cp %d -> %d keeps rows of %d tokens; %d -> %d data-parallel group(s), the "
+        "unserved bins are re-dealt to them",
+        saved_cp,
+        cp,
+        new_row,
+        saved_world // saved_cp,
+        world // cp,
+    )
     return saved_world // saved_cp, world // cp
 
 
@@ -110,10 +140,18 @@ def warn_world_size(saved_accum: int, saved_world: int, world: int, accum: int) 
     """Say what a world-size change does to tokens per step, and how to keep the global batch."""
     before, after = saved_accum * saved_world, accum * world
     keep = saved_accum * saved_world / world
-    how = (f"grad_accum={int(keep)} keeps it" if keep == int(keep) and keep >= 1
-           else f"no integer grad_accum keeps it on {world} rank(s)")
+    how = (
+        f"grad_accum={int(keep)} keeps it"
+        if keep == int(keep) and keep >= 1
+        else f"no integer grad_accum keeps it on {world} rank(s)"
+    )
     log.warning(
         "resume on %d rank(s), the checkpoint was saved on %d: each optimizer step now takes %d micro-batches "
         "instead of %d, so tokens per step change by x%.2f (learning-rate schedule unchanged); %s",
-        world, saved_world, after, before, after / before, "the global batch is kept" if after == before else how,
+        world,
+        saved_world,
+        after,
+        before,
+        after / before,
+        "the global batch is kept" if after == before else how,
     )

@@ -55,7 +55,9 @@ def complete_checkpoints(directory: str | Path) -> list[Path]:
     directory = Path(directory)
     if not directory.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)) and (p / MANIFEST).is_file()]
+    found = [
+        (int(m.group(1)), p) for p in directory.iterdir() if (m := _NAME.match(p.name)) and (p / MANIFEST).is_file()
+    ]
     return [p for _, p in sorted(found)]
 
 

@@ -76,7 +76,9 @@ def _check_complete(directory: Path, files: dict) -> None:
     edited manifest would otherwise "verify" anything."""
     for rel in (".metadata", TRAINER_STATE):
         if rel not in files:
-            raise CheckpointError(f"{directory}: the manifest does not list {rel}; the checkpoint is incomplete or damaged")
+            raise CheckpointError(
+                f"{directory}: the manifest does not list {rel}; the checkpoint is incomplete or damaged"
+            )
     _check_listed(directory, files, ".metadata")
     try:
         metadata = SafeFileSystemReader(str(directory)).read_metadata()
@@ -121,7 +123,9 @@ def file_stamps(directory: str | Path) -> tuple:
     """Size and modification time of every file of a checkpoint: unchanged stamps mean a verification
     done moments ago still holds (so ``resume=auto`` does not hash the checkpoint it picked twice)."""
     directory = Path(directory)
-    return tuple((str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns) for p in _payload_files(directory))
+    return tuple(
+        (str(p.relative_to(directory)), p.stat().st_size, p.stat().st_mtime_ns) for p in _payload_files(directory)
+    )
 
 
 def fsync_dir(path: Path) -> None:

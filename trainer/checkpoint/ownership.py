@@ -55,7 +55,8 @@ def foreign_files(folder: Path) -> list[str]:
     if not isinstance(listed, dict):
         return []
     return sorted(
-        str(p.relative_to(folder)) for p in folder.rglob("*")
+        str(p.relative_to(folder))
+        for p in folder.rglob("*")
         if (p.is_symlink() or not p.is_dir()) and p.name != MANIFEST and str(p.relative_to(folder)) not in listed
     )
 
@@ -78,8 +79,7 @@ def claim_checkpoint_dir(directory: Path, run_id: str, run_dir: Path) -> None:
             f"this run its own checkpoint.dir, or continue that run with run_dir={owner.get('run_dir')} resume=auto"
         )
     foreign = sorted(
-        p.name for p in directory.iterdir()
-        if not p.name.startswith(_OWN_LEFTOVERS) and not marked_by(p, run_id)
+        p.name for p in directory.iterdir() if not p.name.startswith(_OWN_LEFTOVERS) and not marked_by(p, run_id)
     )
     if foreign:
         raise CheckpointDirError(

@@ -30,7 +30,9 @@ def set_rng_tensors(t: dict[str, torch.Tensor]) -> None:
     if "cuda" in t and torch.cuda.is_available():
         torch.cuda.set_rng_state(t["cuda"])
     pos, has_gauss = t["numpy_pos_gauss"].tolist()
-    np.random.set_state(("MT19937", t["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, float(t["numpy_cached_gauss"])))
+    np.random.set_state(
+        ("MT19937", t["numpy_keys"].numpy().astype(np.uint32), pos, has_gauss, float(t["numpy_cached_gauss"]))
+    )
     version, py_has_gauss = t["python_meta"].tolist()
     gauss = float(t["python_gauss"]) if py_has_gauss else None
     random.setstate((version, tuple(t["python"].tolist()), gauss))

@@ -52,13 +52,42 @@ def load_tensor_file(path: str | Path, map_location: Any = "cpu") -> Any:
 def _metadata_classes() -> dict[tuple[str, str], Any]:
     allowed: dict[tuple[str, str], Any] = {}
     for module in (dcp_metadata, dcp_filesystem):
-        for name in ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                     "TensorProperties", "StorageMeta", "MetadataIndex", "_MEM_FORMAT_ENCODING", "_StorageInfo"):
+        for name in (
+            "Metadata",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "StorageMeta",
+            "MetadataIndex",
+            "_MEM_FORMAT_ENCODING",
+            "_StorageInfo",
+        ):
             if hasattr(module, name):
                 allowed[(module.__name__, name)] = getattr(module, name)
-    for name in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8", "bool",
-                 "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "strided", "sparse_coo",
-                 "contiguous_format", "channels_last", "preserve_format", "channels_last_3d", "Size"):
+    for name in (
+        "float64",
+        "float32",
+        "float16",
+        "bfloat16",
+        "int64",
+        "int32",
+        "int16",
+        "int8",
+        "uint8",
+        "bool",
+        "complex64",
+        "complex128",
+        "float8_e4m3fn",
+        "float8_e5m2",
+        "strided",
+        "sparse_coo",
+        "contiguous_format",
+        "channels_last",
+        "preserve_format",
+        "channels_last_3d",
+        "Size",
+    ):
         if hasattr(torch, name):
             allowed[("torch", name)] = getattr(torch, name)
     # Harmless constructors: a layout looked up by name, the checkpoint's own path, an ordered dict.

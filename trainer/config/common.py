@@ -30,6 +30,7 @@ LOSS_IMPLS = ("chunked", "naive")
 """``loss.impl`` choices (``trainer.loss``): the LM head fused with the cross-entropy in chunks of tokens, or
 the model's full logits then cross-entropy."""
 
+
 @dataclass(frozen=True)
 class StrategyKind:
     """What a packing strategy's micro-batches are, as config validation and every stage need to know it."""
@@ -46,8 +47,12 @@ class StrategyKind:
 
 
 PACKING_STRATEGIES = {
-    "none": StrategyKind(padded=True), "sorted": StrategyKind(padded=True), "ffd": StrategyKind(),
-    "bfd": StrategyKind(), "bfd_split": StrategyKind(splits=True), "wrapped": StrategyKind(splits=True),
+    "none": StrategyKind(padded=True),
+    "sorted": StrategyKind(padded=True),
+    "ffd": StrategyKind(),
+    "bfd": StrategyKind(),
+    "bfd_split": StrategyKind(splits=True),
+    "wrapped": StrategyKind(splits=True),
 }
 """``packing.strategy`` choices and what each packs (``trainer.packing.strategies`` implements exactly these)."""
 
@@ -80,9 +85,6 @@ LOCAL_PATH_PREFIXES = ("/", "./", "../", "~")
 GENERATED_SOURCES = ("dailydialog_synthetic", "chat_synthetic", "reasoning_synthetic", "preference_synthetic")
 """The sources ``trainer.data.sources`` generates offline (``generated_source`` registers exactly these; small:
 the local BPE may train on them even when they are streamed)."""
-
-
-
 
 
 RENAMED_KEYS: dict[str, str] = {

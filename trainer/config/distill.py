@@ -52,23 +52,33 @@ class DistillConfig:
         if not 0.0 <= self.alpha <= 1.0:
             raise ConfigError(f"distill.alpha must be in [0, 1], got {self.alpha}")
         if self.divergence == "jsd" and not 0.0 < self.beta < 1.0:
-            raise ConfigError(f"distill.beta must be in (0, 1) for distill.divergence=jsd, got {self.beta} "
-                              "(0 is forward_kl, 1 is reverse_kl)")
+            raise ConfigError(
+                f"distill.beta must be in (0, 1) for distill.divergence=jsd, got {self.beta} "
+                "(0 is forward_kl, 1 is reverse_kl)"
+            )
 
     def check_job(self, job: Any) -> None:
         """What ``objective=distill`` needs of the rest of ``job`` (a ``JobConfig``)."""
         if not self.teacher:
-            raise ConfigError("objective=distill needs a teacher: distill.teacher=DIR_OR_HUB_ID (a model with the "
-                              "student's tokenizer)")
+            raise ConfigError(
+                "objective=distill needs a teacher: distill.teacher=DIR_OR_HUB_ID (a model with the "
+                "student's tokenizer)"
+            )
         refused = {
-            "parallel.cp": (job.parallel.cp > 1, f"={job.parallel.cp} (the teacher's pass is not sharded over a "
-                            "context-parallel group)"),
-            "data.stream.enabled": (self.teacher_logits == "precompute" and job.data.stream.enabled,
-                                    "=true with distill.teacher_logits=precompute (the top-k is stored in the data "
-                                    "cache; a stream has none: distill.teacher_logits=live)"),
-            "data.mixture.sources": (self.teacher_logits == "precompute" and bool(job.data.mixture.sources),
-                                     " with distill.teacher_logits=precompute (the top-k is stored per cache folder: "
-                                     "distill.teacher_logits=live)"),
+            "parallel.cp": (
+                job.parallel.cp > 1,
+                f"={job.parallel.cp} (the teacher's pass is not sharded over a context-parallel group)",
+            ),
+            "data.stream.enabled": (
+                self.teacher_logits == "precompute" and job.data.stream.enabled,
+                "=true with distill.teacher_logits=precompute (the top-k is stored in the data "
+                "cache; a stream has none: distill.teacher_logits=live)",
+            ),
+            "data.mixture.sources": (
+                self.teacher_logits == "precompute" and bool(job.data.mixture.sources),
+                " with distill.teacher_logits=precompute (the top-k is stored per cache folder: "
+                "distill.teacher_logits=live)",
+            ),
         }
         for key, (bad, why) in refused.items():
             if bad:

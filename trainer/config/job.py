@@ -84,8 +84,19 @@ class JobConfig:
     def validate(self) -> None:
         check_finite_settings(self)  # nan/inf anywhere (optim.lr=inf, guard.collective_timeout_s=inf): one line
         for part in (
-            self.model, self.data, self.packing, self.parallel, self.optim, self.loss, self.logger, self.eval,
-            self.checkpoint, self.guard, self.peft, self.dpo, self.distill,
+            self.model,
+            self.data,
+            self.packing,
+            self.parallel,
+            self.optim,
+            self.loss,
+            self.logger,
+            self.eval,
+            self.checkpoint,
+            self.guard,
+            self.peft,
+            self.dpo,
+            self.distill,
         ):
             part.validate()
         check_sane_settings(self)  # finite but meaningless (dpo.beta=1e12, optim.lr=100): one line
@@ -110,12 +121,17 @@ class JobConfig:
         if self.objective != "dpo":
             return
         refused = {
-            "packing.strategy": (self.packing.splits_examples, f"={self.packing.strategy} (a pair is packed whole: "
-                                 "packing=bfd, or packing=none for the padded baseline)"),
+            "packing.strategy": (
+                self.packing.splits_examples,
+                f"={self.packing.strategy} (a pair is packed whole: "
+                "packing=bfd, or packing=none for the padded baseline)",
+            ),
             "data.stream.enabled": (self.data.stream.enabled, "=true (pairs are read through the data cache)"),
             "data.mixture.sources": (bool(self.data.mixture.sources), " (mix preference sources into one file)"),
-            "parallel.cp": (self.parallel.cp > 1, f"={self.parallel.cp} (a pair's sequences are short enough "
-                            "to stay on one rank)"),
+            "parallel.cp": (
+                self.parallel.cp > 1,
+                f"={self.parallel.cp} (a pair's sequences are short enough to stay on one rank)",
+            ),
         }
         for key, (bad, why) in refused.items():
             if bad:
@@ -131,10 +147,15 @@ class JobConfig:
                 "(each rank's share of the stream is read again from its start when it runs out)"
             )
         refused = {
-            "packing.strategy": (self.packing.strategy != "bfd", f"={self.packing.strategy} (streaming packs "
-                                 "online by best fit within data.stream.buffer examples: packing.strategy=bfd)"),
-            "data.mixture.sources": (bool(self.data.mixture.sources),
-                                     " (mixtures are not streamed yet: stream one source)"),
+            "packing.strategy": (
+                self.packing.strategy != "bfd",
+                f"={self.packing.strategy} (streaming packs "
+                "online by best fit within data.stream.buffer examples: packing.strategy=bfd)",
+            ),
+            "data.mixture.sources": (
+                bool(self.data.mixture.sources),
+                " (mixtures are not streamed yet: stream one source)",
+            ),
             "data.limit": (self.data.limit is not None, " (a stream has no head to cut: set max_steps)"),
             "model.tokenizer": (
                 self.model.tokenizer_name() == "local_bpe" and self.data.source not in GENERATED_SOURCES,
@@ -196,10 +217,14 @@ class JobConfig:
                 f"parallel.cp={cp} does not divide the world size {world_size}; launch a multiple of {cp} ranks"
             )
         if cp > 1 and not self.packing.packed:
-            raise ConfigError(f"parallel.cp={cp} needs a packed strategy: packing={self.packing.strategy} pads "
-                              "rectangles, which cannot be sharded along the sequence (use packing=bfd)")
+            raise ConfigError(
+                f"parallel.cp={cp} needs a packed strategy: packing={self.packing.strategy} pads "
+                "rectangles, which cannot be sharded along the sequence (use packing=bfd)"
+            )
         if cp > 1 and self.data.stream.enabled:
-            raise ConfigError(f"parallel.cp={cp} cannot be combined with data.stream.enabled=true (a stream is dealt per rank)")
+            raise ConfigError(
+                f"parallel.cp={cp} cannot be combined with data.stream.enabled=true (a stream is dealt per rank)"
+            )
         replicas = self.parallel.dp_replicate
         if replicas is not None and world_size % (replicas * cp) != 0:
             shape = f"parallel.dp_replicate={replicas}" + (f" x parallel.cp={cp}" if cp > 1 else "")

@@ -286,4 +286,3 @@ class ParallelConfig:
             check_choice(f"parallel.{key}", getattr(self, key), DTYPE_NAMES)
         if self.output_dtype is not None:
             check_choice("parallel.output_dtype", self.output_dtype, DTYPE_NAMES)
-

@@ -218,4 +218,3 @@ class GuardConfig:
         check_positive("guard.collective_timeout_s", self.collective_timeout_s)
         if self.collective_timeout_s > 366 * 86400:  # a process group's timeout must fit a timedelta
             raise ConfigError(f"guard.collective_timeout_s={self.collective_timeout_s:g} is over a year; give seconds")
-

@@ -44,11 +44,22 @@ def load_dataset(data_cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_l
         log_dataset_stats(component_name(cfg) if data_cfg.mixture.sources else cfg.source, datasets[-1].stats)
     if not data_cfg.mixture.sources:
         return datasets[0]
-    mixture = mix(datasets, [w for _, w in components], data_cfg.mixture.by, data_cfg.seed,
-                  [component_name(c) for c, _ in components])
+    mixture = mix(
+        datasets,
+        [w for _, w in components],
+        data_cfg.mixture.by,
+        data_cfg.seed,
+        [component_name(c) for c, _ in components],
+    )
     for share in mixture.shares():
-        log.info("data mix: %s: %d examples (%d unique), %.1f%% of examples, %.1f%% of tokens", share["source"],
-                 share["examples"], share["unique_examples"], 100 * share["example_share"], 100 * share["token_share"])
+        log.info(
+            "data mix: %s: %d examples (%d unique), %.1f%% of examples, %.1f%% of tokens",
+            share["source"],
+            share["examples"],
+            share["unique_examples"],
+            100 * share["example_share"],
+            100 * share["token_share"],
+        )
     return mixture
 
 

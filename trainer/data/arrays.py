@@ -27,8 +27,13 @@ import numpy as np
 from trainer.data.cache_integrity import stamps
 from trainer.data.examples import DatasetStats, TokenizedDataset, label_counts
 
-COLUMNS = {"tokens": np.int32, "loss_mask": np.bool_, "lengths": np.int64, "label_counts": np.int64,
-           "pair_splits": np.int64}
+COLUMNS = {
+    "tokens": np.int32,
+    "loss_mask": np.bool_,
+    "lengths": np.int64,
+    "label_counts": np.int64,
+    "pair_splits": np.int64,
+}
 """The arrays written chunk by chunk (``offsets`` is derived from ``lengths`` at the end)."""
 NPY_HEADER_BYTES = 128
 
@@ -45,16 +50,22 @@ class ArrayWriter:
         self.sizes = dict.fromkeys(COLUMNS, 0)
         self.stats = DatasetStats()
 
-    def add(self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray,
-            pair_splits: np.ndarray | None = None) -> None:
+    def add(
+        self, tokens: np.ndarray, loss_mask: np.ndarray, lengths: np.ndarray, pair_splits: np.ndarray | None = None
+    ) -> None:
         """Append examples given flat: their tokens and mask concatenated, each one's length and pair split."""
         lengths = np.asarray(lengths, dtype=np.int64)
         pair_splits = np.zeros(len(lengths), np.int64) if pair_splits is None else pair_splits
         offsets = np.concatenate([[0], np.cumsum(lengths)])
         if offsets[-1] != len(tokens) or len(tokens) != len(loss_mask):
             raise AssertionError(f"{len(tokens)} tokens, {len(loss_mask)} mask values, lengths sum {offsets[-1]}")
-        arrays = {"tokens": tokens, "loss_mask": loss_mask, "lengths": lengths,
-                  "label_counts": label_counts(np.asarray(loss_mask, dtype=bool), offsets), "pair_splits": pair_splits}
+        arrays = {
+            "tokens": tokens,
+            "loss_mask": loss_mask,
+            "lengths": lengths,
+            "label_counts": label_counts(np.asarray(loss_mask, dtype=bool), offsets),
+            "pair_splits": pair_splits,
+        }
         for name, values in arrays.items():
             np.ascontiguousarray(values, dtype=COLUMNS[name]).tofile(self.files[name])
             self.sizes[name] += len(values)
@@ -62,10 +73,12 @@ class ArrayWriter:
     def add_examples(self, examples: list[tuple[list[int], list[bool], int]]) -> None:
         """Append ``(ids, mask, pair_split)`` examples."""
         if examples:
-            self.add(np.fromiter((t for ids, *_ in examples for t in ids), np.int32),
-                     np.fromiter((m for _, mask, *_ in examples for m in mask), np.bool_),
-                     np.fromiter((len(ids) for ids, *_ in examples), np.int64),
-                     np.fromiter((e[2] if len(e) > 2 else 0 for e in examples), np.int64))
+            self.add(
+                np.fromiter((t for ids, *_ in examples for t in ids), np.int32),
+                np.fromiter((m for _, mask, *_ in examples for m in mask), np.bool_),
+                np.fromiter((len(ids) for ids, *_ in examples), np.int64),
+                np.fromiter((e[2] if len(e) > 2 else 0 for e in examples), np.int64),
+            )
 
     def count(self, stats: DatasetStats) -> None:
         """Add a chunk's record counts to the totals."""

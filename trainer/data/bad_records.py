@@ -74,7 +74,9 @@ class BadRecords:
         out.skipped_bad = self.skipped
         if self.skipped:
             parts = ", ".join(f"{n} {k}(s)" for k, n in sorted(self.reasons.items()))
-            log.warning("data %s: skipped %d bad input(s): %s (data.on_bad_record=skip)", self.source, self.skipped, parts)
+            log.warning(
+                "data %s: skipped %d bad input(s): %s (data.on_bad_record=skip)", self.source, self.skipped, parts
+            )
         if self.oversized:
             log.warning("data %s: skipped %d record(s) over data.max_record_bytes", self.source, self.oversized)
         return out
@@ -86,7 +88,7 @@ def utf8_lines(path: Path, bad: BadRecords) -> Iterator[tuple[int, str]]:
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             if n == 1 and raw.startswith(codecs.BOM_UTF8):  # Excel's "CSV UTF-8" starts with a byte-order mark
-                raw = raw[len(codecs.BOM_UTF8):]
+                raw = raw[len(codecs.BOM_UTF8) :]
             try:
                 yield n, raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -115,8 +117,10 @@ def record_bytes(value: Any) -> int:
 
 
 def oversize_reason(size: int, limit: int) -> str:
-    return (f"{size:,} bytes, over data.max_record_bytes={limit:,} "
-            "(skipped before tokenizing; raise it to keep such records)")
+    return (
+        f"{size:,} bytes, over data.max_record_bytes={limit:,} "
+        "(skipped before tokenizing; raise it to keep such records)"
+    )
 
 
 def check_not_empty(path: Path, rows_in_file: int, bad: BadRecords) -> None:

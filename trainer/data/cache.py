@@ -100,8 +100,9 @@ def open_cache(folder: Path, cfg: DataConfig) -> TokenizedDataset:
     ds = open_arrays(folder)
     if len(ds) == 0:
         s = ds.stats
-        raise BadRecordError(f"data.source={cfg.source}: no usable example ({s.records} records read; left out: "
-                             f"{s.left_out()})")
+        raise BadRecordError(
+            f"data.source={cfg.source}: no usable example ({s.records} records read; left out: {s.left_out()})"
+        )
     return ds
 
 
@@ -126,8 +127,13 @@ def write_source(
 
 
 def write_records(
-    records: list, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, writer: ArrayWriter,
-    bad: BadRecords, limit: int | None,
+    records: list,
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    writer: ArrayWriter,
+    bad: BadRecords,
+    limit: int | None,
 ) -> int:
     """Records rendered ``RECORDS_CHUNK`` at a time; the number of records used."""
     bad.skipped += getattr(records, "skipped_bad", 0)  # a source's own skips stay counted
@@ -135,13 +141,22 @@ def write_records(
     for lo in range(0, n, RECORDS_CHUNK):
         rendered = render_outcomes(records[lo : min(n, lo + RECORDS_CHUNK)], tokenizer, cfg, max_length, bad)
         writer.count(stats_of(np.array([outcome for _, _, outcome, _ in rendered], dtype=np.int8)))
-        writer.add_examples([(ids, mask, split) for ids, mask, outcome, split in rendered if outcome <= Outcome.TRUNCATED])
+        writer.add_examples(
+            [(ids, mask, split) for ids, mask, outcome, split in rendered if outcome <= Outcome.TRUNCATED]
+        )
     return n
 
 
 def write_arrow(
-    ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, writer: ArrayWriter,
-    bad: BadRecords, limit: int | None, key: str,
+    ds,
+    places: Places,
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    writer: ArrayWriter,
+    bad: BadRecords,
+    limit: int | None,
+    key: str,
 ) -> int:
     """One table part rendered by a ``map`` and copied into ``writer``; the number of rows used."""
     if limit is not None and limit < len(ds):
@@ -153,8 +168,12 @@ def write_arrow(
         ids, mask = batch.column("input_ids"), batch.column("loss_mask")
         lengths = ids.value_lengths().to_numpy(zero_copy_only=False)
         kept = status <= Outcome.TRUNCATED
-        writer.add(ids.flatten().to_numpy(), mask.flatten().to_numpy(zero_copy_only=False), lengths[kept],
-                   batch.column("pair_split").to_numpy()[kept])
+        writer.add(
+            ids.flatten().to_numpy(),
+            mask.flatten().to_numpy(zero_copy_only=False),
+            lengths[kept],
+            batch.column("pair_split").to_numpy()[kept],
+        )
         writer.count(stats_of(status))
         reasons = batch.column("reason")
         for i in np.flatnonzero(status == Outcome.BAD):  # skipped (an error was raised in the worker)
@@ -173,15 +192,28 @@ def map_render(ds, places: Places, cfg: DataConfig, tokenizer: PreTrainedTokeniz
     ds = mapped_columns_only(ds, cfg)
     if len(ds):  # an undetectable or missing column mapping fails here, once, with the config's message
         rows_to_records([ds[0]], cfg, RowProblems("skip", places))
-    procs = 1 if len(ds) < SINGLE_PROCESS_BELOW else max(1, min(cfg.num_proc or default_num_proc(), len(ds) // MAP_BATCH))
-    features = datasets.Features({
-        "input_ids": datasets.Sequence(datasets.Value("int32")), "loss_mask": datasets.Sequence(datasets.Value("bool")),
-        "status": datasets.Value("int8"), "reason": datasets.Value("string"), "pair_split": datasets.Value("int64"),
-    })
+    procs = (
+        1 if len(ds) < SINGLE_PROCESS_BELOW else max(1, min(cfg.num_proc or default_num_proc(), len(ds) // MAP_BATCH))
+    )
+    features = datasets.Features(
+        {
+            "input_ids": datasets.Sequence(datasets.Value("int32")),
+            "loss_mask": datasets.Sequence(datasets.Value("bool")),
+            "status": datasets.Value("int8"),
+            "reason": datasets.Value("string"),
+            "pair_split": datasets.Value("int64"),
+        }
+    )
     fingerprint = hashlib.sha256(f"{ds._fingerprint}|{key}".encode()).hexdigest()[:32]
     return ds.map(
-        render_batch, batched=True, batch_size=MAP_BATCH, with_indices=True, num_proc=procs if procs > 1 else None,
-        remove_columns=ds.column_names, features=features, new_fingerprint=fingerprint,
+        render_batch,
+        batched=True,
+        batch_size=MAP_BATCH,
+        with_indices=True,
+        num_proc=procs if procs > 1 else None,
+        remove_columns=ds.column_names,
+        features=features,
+        new_fingerprint=fingerprint,
         fn_kwargs={"tokenizer": tokenizer, "cfg": cfg, "max_length": max_length, "places": places},
         desc=f"packfsdp: rendering {cfg.source}",
     )
@@ -193,4 +225,3 @@ def default_num_proc() -> int:
 
 
 __all__ = ["build_cache", "build_dataset", "cache_folder", "default_num_proc", "open_cache", "write_source"]
-

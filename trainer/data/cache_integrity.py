@@ -41,7 +41,15 @@ from trainer.data.bad_records import BadRecordError
 log = logging.getLogger(__name__)
 
 CHECKSUMS = "checksums.json"
-SEALED = ("tokens.npy", "loss_mask.npy", "offsets.npy", "lengths.npy", "label_counts.npy", "pair_splits.npy", "stats.json")
+SEALED = (
+    "tokens.npy",
+    "loss_mask.npy",
+    "offsets.npy",
+    "lengths.npy",
+    "label_counts.npy",
+    "pair_splits.npy",
+    "stats.json",
+)
 """What a build writes, in ``checksums.json``."""
 
 
@@ -106,8 +114,12 @@ def intact(folder: Path, what: str) -> bool:
             raise CacheDamaged(f"it holds files its build did not write ({', '.join(extra[:4])})")
         check_files(folder, recorded)
     except (OSError, ValueError, KeyError, TypeError) as e:  # CacheDamaged is a ValueError
-        log.warning("the %s cache %s does not verify (%s): building it again", what, folder,
-                    e if isinstance(e, CacheDamaged) else f"{CHECKSUMS} is missing or unreadable: {type(e).__name__}")
+        log.warning(
+            "the %s cache %s does not verify (%s): building it again",
+            what,
+            folder,
+            e if isinstance(e, CacheDamaged) else f"{CHECKSUMS} is missing or unreadable: {type(e).__name__}",
+        )
         return False
     return True
 
@@ -150,7 +162,11 @@ def check_consistent(folder: Path, max_length: int) -> None:
     labelled = int(np.count_nonzero(mask)) - int(np.count_nonzero(mask[starts]))  # a first token never counts
     if int(counts.sum()) != labelled or (counts > lengths - 1).any() or (counts < 0).any():
         raise CacheDamaged("label_counts.npy disagrees with loss_mask.npy")
-    if (stats.get("examples"), stats.get("tokens"), stats.get("label_tokens")) != (n, int(offsets[-1]), int(counts.sum())):
+    if (stats.get("examples"), stats.get("tokens"), stats.get("label_tokens")) != (
+        n,
+        int(offsets[-1]),
+        int(counts.sum()),
+    ):
         raise CacheDamaged("stats.json disagrees with the arrays")
 
 
@@ -219,12 +235,16 @@ def build_errors(folder: Path) -> Iterator[None]:
             free = shutil.disk_usage(folder.parent).free
         except OSError:
             free = None
-        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or ("requested and" in text and free is not None and free < 2**26)
+        full = e.errno in (errno.ENOSPC, errno.EDQUOT) or (
+            "requested and" in text and free is not None and free < 2**26
+        )
         if not full and not str(e.filename or "").startswith(str(folder)):
             raise  # reading the source (a missing file...): its own error names it
         if full:
             text = f"no space left on device ({free} bytes free; {text})"
-        raise CacheBuildError(f"building the data cache in {folder} failed: {text}; free space or set data.cache_dir") from None
+        raise CacheBuildError(
+            f"building the data cache in {folder} failed: {text}; free space or set data.cache_dir"
+        ) from None
 
 
 def stamps(folder: Path) -> dict[str, list[int]]:

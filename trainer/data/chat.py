@@ -122,6 +122,7 @@ MEDIA_KEYS = ("images", "image", "videos", "video", "audios", "audio")
 
 def media_key(record: dict) -> str | None:
     """The first of ``MEDIA_KEYS`` that ``record`` holds a value under, or ``None``."""
+
     def held(value) -> bool:
         return value is not None and not (isinstance(value, (str, list, tuple, dict)) and len(value) == 0)
 
@@ -142,7 +143,9 @@ def check_messages(messages: object, where: str) -> list[dict]:
     """Validate the shape of a ``messages`` value; a malformed record is an error naming the record, one
     with an image (video, audio) part too (``media_refusal``)."""
     if not isinstance(messages, list):
-        raise ValueError(f"{where}: 'messages' must be a list of {{role, content}} dicts, got {type(messages).__name__}")
+        raise ValueError(
+            f"{where}: 'messages' must be a list of {{role, content}} dicts, got {type(messages).__name__}"
+        )
     for k, m in enumerate(messages):
         if isinstance(m, dict) and (kind := media_part(m.get("content"))):
             raise ValueError(f"{where}: {media_refusal(f'message {k} holds an {kind!r} part')}")
@@ -183,8 +186,10 @@ def chat_segments_batch(
             "ran. Fix the template (model.chat_template, or the tokenizer's own) or set model.chat_template=chatml"
         ) from None
     except TemplateSyntaxError as e:
-        raise ChatTemplateError(f"the chat template is not valid Jinja (line {e.lineno}: {e.message}); fix it, "
-                                "or set model.chat_template=chatml") from None
+        raise ChatTemplateError(
+            f"the chat template is not valid Jinja (line {e.lineno}: {e.message}); fix it, "
+            "or set model.chat_template=chatml"
+        ) from None
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is None:
         return [_text_segments(text, spans) for text, spans in texts_and_spans]
@@ -343,7 +348,9 @@ def _renderer(tokenizer: PreTrainedTokenizerBase, template: str, conversations: 
     itself here, where each conversation is rendered once per prefix."""
 
     def slow(messages: list[dict], gen: bool) -> str:
-        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False, add_generation_prompt=gen)
+        return tokenizer.apply_chat_template(
+            messages, chat_template=template, tokenize=False, add_generation_prompt=gen
+        )
 
     plain = all(set(m) == {"role", "content"} for c in conversations for m in c)
     try:

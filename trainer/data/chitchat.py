@@ -71,8 +71,14 @@ def read_chitchat(file: Path, bad: BadRecords) -> list[list[str]]:
         empty_messages += empty
         one_speaker += len(turns) == 1
         dialogs.append(turns)
-    log.info("data chitchat: %d conversations read from %s (%d with one speaker only: a single turn); "
-             "%d empty messages left out", len(dialogs), file, one_speaker, empty_messages)
+    log.info(
+        "data chitchat: %d conversations read from %s (%d with one speaker only: a single turn); "
+        "%d empty messages left out",
+        len(dialogs),
+        file,
+        one_speaker,
+        empty_messages,
+    )
     return dialogs
 
 

@@ -44,13 +44,20 @@ class DatasetStats:
     """Records over ``data.max_record_bytes``, left out before tokenizing (``trainer.data.bad_records``)."""
 
     def skipped(self) -> int:
-        return (self.dropped_empty + self.dropped_overlong + self.dropped_no_labels + self.dropped_bad
-                + self.dropped_oversize)
+        return (
+            self.dropped_empty
+            + self.dropped_overlong
+            + self.dropped_no_labels
+            + self.dropped_bad
+            + self.dropped_oversize
+        )
 
     def left_out(self) -> str:
         """Every reason a record was left out, with its count (the one wording of logs and errors)."""
-        return (f"{self.dropped_empty} empty, {self.dropped_overlong} over-long, {self.dropped_no_labels} with no "
-                f"label token, {self.dropped_bad} bad, {self.dropped_oversize} over data.max_record_bytes")
+        return (
+            f"{self.dropped_empty} empty, {self.dropped_overlong} over-long, {self.dropped_no_labels} with no "
+            f"label token, {self.dropped_bad} bad, {self.dropped_oversize} over data.max_record_bytes"
+        )
 
     def add(self, other: DatasetStats) -> None:
         """Add ``other``'s counts to these (chunks of one source, sources of a mixture)."""
@@ -179,9 +186,20 @@ class TokenizedDataset:
         indices = np.asarray(indices, dtype=np.int64)
         rows = indices if self.rows is None else self.rows[indices]
         self.label_counts(), self.lengths  # computed once on the base, shared by every view
-        return TokenizedDataset(self.tokens, self.loss_mask, self.offsets, self.stats, rows,
-                                self.stored_lengths, self.stored_label_counts, self.folder, self.hashes,
-                                self.stored_pair_splits, self.stored_ref_logps, self.opened)
+        return TokenizedDataset(
+            self.tokens,
+            self.loss_mask,
+            self.offsets,
+            self.stats,
+            rows,
+            self.stored_lengths,
+            self.stored_label_counts,
+            self.folder,
+            self.hashes,
+            self.stored_pair_splits,
+            self.stored_ref_logps,
+            self.opened,
+        )
 
 
 def holds_pairs(dataset) -> bool:
@@ -252,10 +270,17 @@ def log_dataset_stats(name: str, stats: DatasetStats) -> None:
     alone, what ``data.overlong=truncate`` asks for, as information."""
     log.info(
         "data %s: %d records -> %d examples, %d tokens, %d label tokens",
-        name, stats.records, stats.examples, stats.tokens, stats.label_tokens,
+        name,
+        stats.records,
+        stats.examples,
+        stats.tokens,
+        stats.label_tokens,
     )
     if stats.skipped() or stats.truncated:
         log.log(
             logging.WARNING if stats.skipped() else logging.INFO,
-            "data %s: skipped %s; truncated %d over-long", name, stats.left_out(), stats.truncated,
+            "data %s: skipped %s; truncated %d over-long",
+            name,
+            stats.left_out(),
+            stats.truncated,
         )

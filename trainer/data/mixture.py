@@ -35,8 +35,10 @@ def mix_components(cfg: DataConfig) -> list[tuple[DataConfig, float]]:
         if retired := next((r for name in unknown if (r := retired_key(f"data.{name}"))), None):
             raise ConfigError(f"data.mixture.sources[{k}]: {retired}")
         if unknown or weight <= 0:
-            raise ConfigError(f"data.mixture.sources[{k}]: " + (f"unknown field(s) {', '.join(unknown)}" if unknown else
-                                                    f"weight must be > 0, got {weight}"))
+            raise ConfigError(
+                f"data.mixture.sources[{k}]: "
+                + (f"unknown field(s) {', '.join(unknown)}" if unknown else f"weight must be > 0, got {weight}")
+            )
         components.append((replace(cfg, mixture=MixtureConfig(), **item), weight))
     return components
 
@@ -98,10 +100,17 @@ class MixtureDataset:
     def shares(self) -> list[dict]:
         """Per source: examples and tokens in the mixture and their shares (for ``trainer.analyze``)."""
         lengths, total = self.lengths, max(int(self.lengths.sum()), 1)
-        return [{"source": name, "examples": int((self.part == p).sum()), "tokens": int(lengths[self.part == p].sum()),
-                 "example_share": float((self.part == p).mean()), "token_share": int(lengths[self.part == p].sum()) / total,
-                 "unique_examples": len(self.parts[p])}
-                for p, name in enumerate(self.names)]
+        return [
+            {
+                "source": name,
+                "examples": int((self.part == p).sum()),
+                "tokens": int(lengths[self.part == p].sum()),
+                "example_share": float((self.part == p).mean()),
+                "token_share": int(lengths[self.part == p].sum()) / total,
+                "unique_examples": len(self.parts[p]),
+            }
+            for p, name in enumerate(self.names)
+        ]
 
 
 def mix(datasets: list[TokenizedDataset], weights: list[float], by: str, seed: int, names: list[str]) -> MixtureDataset:

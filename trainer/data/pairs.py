@@ -61,15 +61,23 @@ def pair_segments(record: dict, tokenizer, where: str) -> PairToRender:
     if all(isinstance(v, str) for v in (prompt, chosen, rejected)):
         _check_replies(chosen.strip(), rejected.strip(), chosen == rejected, where)
         bos = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+
         def side(reply):
-            return [Segment([bos], False), Segment(prompt, False), Segment(reply, True),
-                    Segment([tokenizer.eos_token_id], True)]
+            return [
+                Segment([bos], False),
+                Segment(prompt, False),
+                Segment(reply, True),
+                Segment([tokenizer.eos_token_id], True),
+            ]
+
         return PairToRender(side(chosen), side(rejected))
     if isinstance(prompt, str):  # a plain prompt with chat replies: the user's turn
         prompt = [{"role": "user", "content": prompt}]
     prompt = check_messages(prompt, where)
-    replies = [check_messages([{"role": "assistant", "content": r}] if isinstance(r, str) else r, where)
-               for r in (chosen, rejected)]
+    replies = [
+        check_messages([{"role": "assistant", "content": r}] if isinstance(r, str) else r, where)
+        for r in (chosen, rejected)
+    ]
     text = ["".join(m["content"] for m in r if m["role"] == "assistant") for r in replies]
     _check_replies(text[0].strip(), text[1].strip(), replies[0] == replies[1], where)
     turns = tuple(sum(m["role"] == "assistant" for m in r) for r in replies)
@@ -90,7 +98,7 @@ def with_explicit_prompt(record: dict) -> dict:
         return record | {"prompt": chosen[:shared] or None, "chosen": chosen[shared:], "rejected": rejected[shared:]}
     lead = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
     if lead and chosen[: len(lead)] == lead and rejected[: len(lead)] == lead:
-        return record | {"chosen": chosen[len(lead):], "rejected": rejected[len(lead):]}
+        return record | {"chosen": chosen[len(lead) :], "rejected": rejected[len(lead) :]}
     return record
 
 
@@ -123,7 +131,7 @@ def only_last_replies(segments: list[Segment], turns: int) -> list[Segment]:
     """A rendered chat's segments with loss left on its last ``turns`` loss-carrying pieces (the reply's
     assistant messages); the prompt's earlier assistant turns lose theirs."""
     carrying = [k for k, s in enumerate(segments) if s.loss]
-    keep = set(carrying[len(carrying) - turns:]) if turns else set()
+    keep = set(carrying[len(carrying) - turns :]) if turns else set()
     return [s if k in keep or not s.loss else Segment(s.text, False) for k, s in enumerate(segments)]
 
 

@@ -120,17 +120,26 @@ def source_parts(cfg: DataConfig, bad: BadRecords, streaming: bool = False) -> l
     name = shipped(cfg)
     if name in FORMATS:
         fmt = FORMATS[name]
-        return [Part(Places(str(files[0]), fmt.lines), functools.partial(_open_file, fmt, files[0], cfg, bad, streaming))
-                if len(files) == 1 else
-                Part(Places(f"{files[0]} .. {files[-1]} ({len(files)} files)"),
-                     functools.partial(_read_lines, fmt, files, cfg, bad))
-                for files in small_files_together(table_files(cfg, fmt.suffixes))]
+        return [
+            Part(Places(str(files[0]), fmt.lines), functools.partial(_open_file, fmt, files[0], cfg, bad, streaming))
+            if len(files) == 1
+            else Part(
+                Places(f"{files[0]} .. {files[-1]} ({len(files)} files)"),
+                functools.partial(_read_lines, fmt, files, cfg, bad),
+            )
+            for files in small_files_together(table_files(cfg, fmt.suffixes))
+        ]
     if name == "hf":
         check_hf_path(cfg)
         return [Part(Places(f"data.path={cfg.path}"), functools.partial(_open_hf, cfg, streaming), split_by_node=True)]
     source = check_source(cfg)
-    return [Part(Places(f"data.source={cfg.source}"), functools.partial(_registered, source, cfg, streaming),
-                 split_by_node=True)]
+    return [
+        Part(
+            Places(f"data.source={cfg.source}"),
+            functools.partial(_registered, source, cfg, streaming),
+            split_by_node=True,
+        )
+    ]
 
 
 def small_files_together(files: list[Path]) -> list[list[Path]]:
@@ -160,19 +169,26 @@ def _read_lines(fmt: TableFormat, files: list[Path], cfg: DataConfig, bad: BadRe
 def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, streaming: bool):
     if streaming:
         with library_load(f"data.path={file}"):
-            return datasets.load_dataset(fmt.builder, data_files=str(file), split="train", streaming=True,
-                                         **reader_options(fmt.builder, file))
+            return datasets.load_dataset(
+                fmt.builder, data_files=str(file), split="train", streaming=True, **reader_options(fmt.builder, file)
+            )
     try:
-        ds = datasets.load_dataset(fmt.builder, data_files=str(file), split="train",
-                                   cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"),
-                                   **reader_options(fmt.builder, file))
+        ds = datasets.load_dataset(
+            fmt.builder,
+            data_files=str(file),
+            split="train",
+            cache_dir=str(Path(cfg.cache_dir).expanduser() / "hf"),
+            **reader_options(fmt.builder, file),
+        )
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
         log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
         return rows_to_records(fmt.read([file], bad), cfg, bad)
     try:
         mapped_columns_only(ds, cfg).data.table.validate(full=True)  # the UTF-8 of the strings read, ~3 GB/s
     except pa.ArrowInvalid as e:
-        log.info("data %s: %s holds text that is not UTF-8 (%s); reading it line by line", cfg.source, file, str(e)[:200])
+        log.info(
+            "data %s: %s holds text that is not UTF-8 (%s); reading it line by line", cfg.source, file, str(e)[:200]
+        )
         return rows_to_records(fmt.read([file], bad), cfg, bad)
     if (column := _float_token_column(ds, cfg)) is not None:
         # One float in one row types the whole column float in Arrow: every row would then look bad (or be
@@ -228,7 +244,6 @@ def reader_options(builder: str, file: Path) -> dict:
         header = next(csv.reader(f), [])
     features = datasets.Features({name: datasets.Value("string") for name in header}) if header else None
     return {"features": features, "keep_default_na": False, "na_filter": False}
-
 
 
 __all__ = ["Part", "Places", "is_table", "reader_options", "source_parts"]

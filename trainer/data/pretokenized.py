@@ -40,8 +40,10 @@ def token_segments(record: dict, vocab_size: int, loss_on: str, where: str) -> l
         return None
     bad = next((t for t in ids if not 0 <= t < vocab_size), None)
     if bad is not None:
-        raise ValueError(f"{where}: input_ids holds {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}); "
-                         "was the data tokenized with another tokenizer?")
+        raise ValueError(
+            f"{where}: input_ids holds {bad}, outside the tokenizer's vocabulary (0..{vocab_size - 1}); "
+            "was the data tokenized with another tokenizer?"
+        )
     if loss_on == "all":
         mask = [True] * len(ids)
     elif "labels" in columns:

@@ -164,9 +164,13 @@ def stats_of(outcomes: np.ndarray) -> DatasetStats:
     """The record counts of an array of ``Outcome`` codes (the kept-token counts are filled in later)."""
     n = np.bincount(np.asarray(outcomes, dtype=np.int64), minlength=len(Outcome))
     return DatasetStats(
-        records=len(outcomes), examples=int(n[Outcome.KEPT] + n[Outcome.TRUNCATED]), truncated=int(n[Outcome.TRUNCATED]),
-        dropped_empty=int(n[Outcome.EMPTY]), dropped_overlong=int(n[Outcome.OVERLONG]),
-        dropped_no_labels=int(n[Outcome.NO_LABELS]), dropped_bad=int(n[Outcome.BAD]),
+        records=len(outcomes),
+        examples=int(n[Outcome.KEPT] + n[Outcome.TRUNCATED]),
+        truncated=int(n[Outcome.TRUNCATED]),
+        dropped_empty=int(n[Outcome.EMPTY]),
+        dropped_overlong=int(n[Outcome.OVERLONG]),
+        dropped_no_labels=int(n[Outcome.NO_LABELS]),
+        dropped_bad=int(n[Outcome.BAD]),
         dropped_oversize=int(n[Outcome.OVERSIZE]),
     )
 
@@ -201,13 +205,17 @@ def _record_segments(
     rendered = iter(chat_segments_batch([c.messages for c in chats], tokenizer, template, cfg.loss_on))
     pairs = [p for p in per_record if isinstance(p, PairToRender) and p.chat]
     # a pair's loss is on its reply, whatever data.loss_on says (its log-probs are what DPO compares)
-    sides = iter(chat_segments_batch([m for p in pairs for m in (p.chosen, p.rejected)], tokenizer, template, "responses"))
+    sides = iter(
+        chat_segments_batch([m for p in pairs for m in (p.chosen, p.rejected)], tokenizer, template, "responses")
+    )
     out = []
     for p in per_record:
         if isinstance(p, ChatToRender):
             p = next(rendered)
         elif isinstance(p, PairToRender) and p.chat:
-            p = PairToRender(only_last_replies(next(sides), p.reply_turns[0]), only_last_replies(next(sides), p.reply_turns[1]))
+            p = PairToRender(
+                only_last_replies(next(sides), p.reply_turns[0]), only_last_replies(next(sides), p.reply_turns[1])
+            )
         out.append(p)
     return out
 
@@ -267,8 +275,15 @@ class RowProblems(BadRecords):
         self.reasons[int(str.__str__(where).removeprefix("#"))] = reason
 
 
-def render_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTrainedTokenizerBase,
-                 cfg: DataConfig, max_length: int, places: Places) -> dict[str, list]:
+def render_batch(
+    batch: dict[str, list],
+    indices: list[int],
+    *,
+    tokenizer: PreTrainedTokenizerBase,
+    cfg: DataConfig,
+    max_length: int,
+    places: Places,
+) -> dict[str, list]:
     """The ``map`` function: a batch of rows -> one output row each (tokens, mask, outcome, reason)."""
     rows = []
     for k, index in enumerate(indices):
@@ -279,11 +294,21 @@ def render_batch(batch: dict[str, list], indices: list[int], *, tokenizer: PreTr
     records = rows_to_records(rows, cfg, problems)
     rendered = render_outcomes(records, tokenizer, cfg, max_length, problems)
     position = {index: k for k, index in enumerate(indices)}
-    out = {"input_ids": [[] for _ in indices], "loss_mask": [[] for _ in indices],
-           "status": [int(Outcome.BAD)] * len(indices), "reason": [""] * len(indices), "pair_split": [0] * len(indices)}
+    out = {
+        "input_ids": [[] for _ in indices],
+        "loss_mask": [[] for _ in indices],
+        "status": [int(Outcome.BAD)] * len(indices),
+        "reason": [""] * len(indices),
+        "pair_split": [0] * len(indices),
+    }
     for record, (ids, mask, outcome, split) in zip(records, rendered, strict=True):
         k = position[int(record.where[1:])]
-        out["input_ids"][k], out["loss_mask"][k], out["status"][k], out["pair_split"][k] = ids, mask, int(outcome), split
+        out["input_ids"][k], out["loss_mask"][k], out["status"][k], out["pair_split"][k] = (
+            ids,
+            mask,
+            int(outcome),
+            split,
+        )
     for index, reason in problems.reasons.items():
         out["reason"][position[index]] = reason
     return out

@@ -198,7 +198,9 @@ def chitchat(cfg: DataConfig) -> list[Record]:
 def read_dailydialog_text(path: Path, bad: BadRecords | None = None) -> list[list[str]]:
     """The original format: one dialog per line, each utterance followed by ``__eou__``. A line that is not
     UTF-8 is an error naming it (or a counted skip with ``bad`` in skip mode)."""
-    return [[u.strip() for u in line.split("__eou__") if u.strip()] for _, line in utf8_lines(path, bad or BadRecords())]
+    return [
+        [u.strip() for u in line.split("__eou__") if u.strip()] for _, line in utf8_lines(path, bad or BadRecords())
+    ]
 
 
 def read_dialog_parquet(files: list[Path], bad: BadRecords | None = None) -> list[list[str]]:
@@ -279,7 +281,9 @@ def open_hf_dataset(cfg: DataConfig):
         ds = datasets.load_from_disk(str(path))
         if isinstance(ds, datasets.DatasetDict):
             if cfg.split not in ds:
-                raise ConfigError(f"data.path={cfg.path} has no split {cfg.split!r} (data.split; it has: {', '.join(ds)})")
+                raise ConfigError(
+                    f"data.path={cfg.path} has no split {cfg.split!r} (data.split; it has: {', '.join(ds)})"
+                )
             ds = ds[cfg.split]
         return ds
     arrow = [path] if path.suffix == ".arrow" else sorted(path.rglob("*.arrow")) if path.is_dir() else []

@@ -56,6 +56,8 @@ STREAM_CHUNK = 256
 """Rows rendered at a time (one batched tokenizer call)."""
 PROBE_EXAMPLES = 256
 """Training examples of the stream's head kept for the start-up self-check."""
+
+
 class RowStream:
     """This rank's rows of one part, resumable: ``state_dict`` holds the rows read and, for a ``datasets``
     stream, its own position (``IterableDataset.state_dict``), so a resume skips whole shards unread."""
@@ -90,8 +92,11 @@ class RowStream:
                 break
             except Exception as e:  # noqa: BLE001 - any parse failure of the stream: named, never a trace
                 self._rows = iter(())
-                bad.bad(self.name, f"not readable as a stream after row {self.index} ({str(e).splitlines()[0][:200]})",
-                        "file")
+                bad.bad(
+                    self.name,
+                    f"not readable as a stream after row {self.index} ({str(e).splitlines()[0][:200]})",
+                    "file",
+                )
                 break
             i, self.index = self.index, self.index + 1
             if self.keep(i):
@@ -114,8 +119,16 @@ class ExampleStream:
     """This rank's training examples of a source, rendered on the fly, pass after pass (see the module
     docstring). ``next_chunk`` gives the next examples; ``state_dict`` says where the stream stands."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, rank: int = 0,
-                 world_size: int = 1, holdout: tuple[float, int] = (0.0, 0), label: str = "stream") -> None:
+    def __init__(
+        self,
+        cfg: DataConfig,
+        tokenizer: PreTrainedTokenizerBase,
+        max_length: int,
+        rank: int = 0,
+        world_size: int = 1,
+        holdout: tuple[float, int] = (0.0, 0),
+        label: str = "stream",
+    ) -> None:
         self.cfg, self.tokenizer, self.max_length = cfg, tokenizer, max_length
         self.rank, self.world_size, self.holdout, self.label = rank, world_size, holdout, label
         self.bad = BadRecords(cfg.on_bad_record, cfg.source)
@@ -161,8 +174,11 @@ class ExampleStream:
         records = rows_to_records(rows, self.cfg, self.bad) if self.rows.table else rows
         rendered = render_outcomes(records, self.tokenizer, self.cfg, self.max_length, self.bad)
         counts = stats_of(np.array([outcome for _, _, outcome, _ in rendered], dtype=np.int8))
-        kept = [(np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
-                for ids, mask, outcome, _ in rendered if outcome <= Outcome.TRUNCATED]
+        kept = [
+            (np.asarray(ids, dtype=np.int32), np.asarray(mask, dtype=bool))
+            for ids, mask, outcome, _ in rendered
+            if outcome <= Outcome.TRUNCATED
+        ]
         held = self.held_out_mask(kept)
         train = [e for e, h in zip(kept, held, strict=True) if not h]
         counts = count_kept(counts, train)
@@ -183,9 +199,13 @@ class ExampleStream:
     # ------------------------------------------------------------------------------------------- resume
     def state_dict(self) -> dict:
         return {
-            "part": self.part, "passes": self.passes, "pass_examples": self.pass_examples,
+            "part": self.part,
+            "passes": self.passes,
+            "pass_examples": self.pass_examples,
             "rows": self.rows.state_dict() if self.rows is not None else self._rows_state,
-            "stats": asdict(self.stats), "held_out": self.held_out, "bad_skipped": self.bad.skipped,
+            "stats": asdict(self.stats),
+            "held_out": self.held_out,
+            "bad_skipped": self.bad.skipped,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -197,7 +217,10 @@ class ExampleStream:
 
 
 def head_sets(
-    cfg: DataConfig, tokenizer: PreTrainedTokenizerBase, max_length: int, holdout: tuple[float, int],
+    cfg: DataConfig,
+    tokenizer: PreTrainedTokenizerBase,
+    max_length: int,
+    holdout: tuple[float, int],
     max_eval: int | None,
 ) -> tuple[TokenizedDataset | None, TokenizedDataset]:
     """(eval set, self-check examples) from the stream's first ``data.stream.eval_records`` records, read once
@@ -215,8 +238,11 @@ def head_sets(
             held += more_held
         held = held[:max_eval] if max_eval is not None else held
         if holdout[0] > 0 and not held:
-            log.warning("no held-out example among the stream's first %d records: eval is off "
-                        "(raise data.stream.eval_records or eval.holdout_fraction)", read)
+            log.warning(
+                "no held-out example among the stream's first %d records: eval is off "
+                "(raise data.stream.eval_records or eval.holdout_fraction)",
+                read,
+            )
         found["sets"] = (from_examples(held) if held else None, from_examples(train or held))
 
     distributed.on_rank0_then_all(scan)

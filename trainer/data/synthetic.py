@@ -101,14 +101,19 @@ def generate_chats(num_chats: int = 2000, seed: int = 1234) -> list[list[dict]]:
     chats = []
     for turns in generate_dialogs(num_chats, seed):
         turns = turns[: len(turns) - len(turns) % 2]
-        messages = [{"role": "system", "content": SYSTEM_PROMPTS[rng.integers(len(SYSTEM_PROMPTS))]}] if rng.random() < 0.5 else []
+        messages = (
+            [{"role": "system", "content": SYSTEM_PROMPTS[rng.integers(len(SYSTEM_PROMPTS))]}]
+            if rng.random() < 0.5
+            else []
+        )
         messages += [{"role": "user" if k % 2 == 0 else "assistant", "content": t} for k, t in enumerate(turns)]
         chats.append(messages)
     return chats
 
 
-def generate_reasoning_traces(num_traces: int = 600, seed: int = 1234, mean_tokens: int = 420,
-                              max_tokens: int = 2000) -> list[list[str]]:
+def generate_reasoning_traces(
+    num_traces: int = 600, seed: int = 1234, mean_tokens: int = 420, max_tokens: int = 2000
+) -> list[list[str]]:
     """Return ``num_traces`` long-context examples shaped like reasoning-trace SFT data: a short question
     turn, then one long "thinking + answer" turn whose length is log-normal with a heavy right tail (mean
     ~``mean_tokens``, capped at ``max_tokens``), so a good share exceeds one rank's budget and wants
@@ -131,8 +136,9 @@ PREFERRED_SHARE = 0.6
 """Share of a reply's words drawn from its side's half of the vocabulary (0.5: no preference to learn)."""
 
 
-def generate_preference_pairs(num_pairs: int = 2000, seed: int = 1234, mean_reply_tokens: int = 60,
-                              max_reply_tokens: int = 600) -> list[dict]:
+def generate_preference_pairs(
+    num_pairs: int = 2000, seed: int = 1234, mean_reply_tokens: int = 60, max_reply_tokens: int = 600
+) -> list[dict]:
     """Return ``num_pairs`` preference pairs in TRL's conversational format (``prompt``: a user turn,
     sometimes after a system prompt; ``chosen`` / ``rejected``: one assistant message each). Reply lengths
     are drawn apart for the two replies, log-normal with a heavy right tail (mean ~``mean_reply_tokens``,
@@ -155,13 +161,19 @@ def generate_preference_pairs(num_pairs: int = 2000, seed: int = 1234, mean_repl
 
     pairs = []
     for (n_chosen, n_rejected), q in zip(replies, questions, strict=True):
-        prompt = [{"role": "system", "content": SYSTEM_PROMPTS[rng.integers(len(SYSTEM_PROMPTS))]}] if rng.random() < 0.3 else []
+        prompt = (
+            [{"role": "system", "content": SYSTEM_PROMPTS[rng.integers(len(SYSTEM_PROMPTS))]}]
+            if rng.random() < 0.3
+            else []
+        )
         prompt.append({"role": "user", "content": sentence(int(q) - 1, words, words, "?")})
-        pairs.append({
-            "prompt": prompt,
-            "chosen": [{"role": "assistant", "content": sentence(int(n_chosen) - 1, good, bad, ".")}],
-            "rejected": [{"role": "assistant", "content": sentence(int(n_rejected) - 1, bad, good, ".")}],
-        })
+        pairs.append(
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": sentence(int(n_chosen) - 1, good, bad, ".")}],
+                "rejected": [{"role": "assistant", "content": sentence(int(n_rejected) - 1, bad, good, ".")}],
+            }
+        )
     return pairs
 
 
@@ -190,9 +202,11 @@ def heavy_tailed_lengths(n: int, seed: int = 0, scale: int = 64, alpha: float = 
 def ultrafeedback_like_pairs(n: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
     """Tokens of each pair's ``prompt``, ``chosen`` and ``rejected`` (drawn from ``rng`` in that order): the prompt
     log-normal with median 150 (sigma 0.6, 8..512), each reply median 250 (sigma 0.7, 4..1536), independent."""
-    return {"prompt": np.clip(rng.lognormal(np.log(150), 0.6, n), 8, 512).astype(int),
-            "chosen": np.clip(rng.lognormal(np.log(250), 0.7, n), 4, 1536).astype(int),
-            "rejected": np.clip(rng.lognormal(np.log(250), 0.7, n), 4, 1536).astype(int)}
+    return {
+        "prompt": np.clip(rng.lognormal(np.log(150), 0.6, n), 8, 512).astype(int),
+        "chosen": np.clip(rng.lognormal(np.log(250), 0.7, n), 4, 1536).astype(int),
+        "rejected": np.clip(rng.lognormal(np.log(250), 0.7, n), 4, 1536).astype(int),
+    }
 
 
 WORKLOADS = {"dailydialog_like": dailydialog_like_lengths, "heavy_tailed": heavy_tailed_lengths}

@@ -158,8 +158,11 @@ def detect_columns(names: Iterable[str]) -> dict[str, str]:
             return {f: f for f in fields if f in names}
     if "input_ids" in names:  # pre-tokenized: the ids and whichever mask columns came with them
         return {name: name for name in TOKEN_FIELDS if name in names}
-    for field, candidates in (("messages", ("messages", "conversations")), ("text", ("text",)),
-                              ("turns", ("turns", "dialog"))):
+    for field, candidates in (
+        ("messages", ("messages", "conversations")),
+        ("text", ("text",)),
+        ("turns", ("turns", "dialog")),
+    ):
         for c in candidates:
             if c in names:
                 return {field: c}
@@ -222,8 +225,10 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
             if kind == "chosen_input_ids":
                 record = {name: row[columns[name]] for name in TOKEN_PAIR_FIELDS if name in columns}
             elif kind == "chosen":
-                record = {name: _pair_side(row.get(columns.get(name, name)), role_key, content_key, roles, where)
-                          for name in PAIR_FIELDS}
+                record = {
+                    name: _pair_side(row.get(columns.get(name, name)), role_key, content_key, roles, where)
+                    for name in PAIR_FIELDS
+                }
             elif kind == "input_ids":
                 record = {name: row[columns[name]] for name in TOKEN_FIELDS if name in columns}
             elif kind == "text":
@@ -231,9 +236,13 @@ def rows_to_records(rows: Iterable[dict], cfg: DataConfig, bad: BadRecords | Non
             elif kind == "turns":
                 record = {"turns": [t for t in (row[columns["turns"]] or []) if t is not None]}
             elif kind == "prompt":
-                messages = [{"role": "system", "content": row[columns["system"]]}] if row.get(columns.get("system")) else []
-                messages += [{"role": "user", "content": row[columns["prompt"]] or ""},
-                             {"role": "assistant", "content": row[columns["response"]] or ""}]
+                messages = (
+                    [{"role": "system", "content": row[columns["system"]]}] if row.get(columns.get("system")) else []
+                )
+                messages += [
+                    {"role": "user", "content": row[columns["prompt"]] or ""},
+                    {"role": "assistant", "content": row[columns["response"]] or ""},
+                ]
                 record = {"messages": messages}
             else:
                 record = {"messages": normalise_messages(row[columns["messages"]], role_key, content_key, roles, where)}
@@ -271,7 +280,9 @@ def normalise_messages(value, role_key: str | None, content_key: str | None, rol
         rk = role_key or ("role" if "role" in m else "from")
         ck = content_key or ("content" if "content" in m else "value")
         if rk not in m or ck not in m:
-            raise ValueError(f"{where}: message {m!r} has no {rk!r}/{ck!r}; set data.columns.role / data.columns.content")
+            raise ValueError(
+                f"{where}: message {m!r} has no {rk!r}/{ck!r}; set data.columns.role / data.columns.content"
+            )
         content = m[ck]
         if kind := media_part(content):  # never dropped silently: the text around an image is about the image
             raise ValueError(f"{where}: {media_refusal(f'message {k} holds an {kind!r} part')}")

@@ -52,7 +52,11 @@ def train_bpe_tokenizer(
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token=EOS, eos_token=EOS, unk_token=EOS, pad_token=EOS,
+        tokenizer_object=tok,
+        bos_token=EOS,
+        eos_token=EOS,
+        unk_token=EOS,
+        pad_token=EOS,
         additional_special_tokens=list(extra_special_tokens or []),
     )
 
@@ -147,8 +151,12 @@ def bpe_sample(cfg: DataConfig) -> Iterator[dict]:
             continue
         yield record
     if oversized:
-        log.warning("data %s: %d record(s) over data.max_record_bytes=%d left out of the tokenizer's sample",
-                    cfg.source, oversized, cfg.max_record_bytes)
+        log.warning(
+            "data %s: %d record(s) over data.max_record_bytes=%d left out of the tokenizer's sample",
+            cfg.source,
+            oversized,
+            cfg.max_record_bytes,
+        )
 
 
 def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTokenizerBase:
@@ -159,8 +167,10 @@ def load_tokenizer(model_cfg: ModelConfig, data_cfg: DataConfig) -> PreTrainedTo
     name = model_cfg.tokenizer_name()
     if name == "local_bpe":
         components = [c for c, _ in mix_components(data_cfg)]
+
         def texts():
             return (t for c in components for r in bpe_sample(c) for t in record_texts(r))
+
         extra = CHATML_SPECIAL_TOKENS if model_cfg.chat_template == "chatml" else []
         key = "".join(source_fingerprint(c) for c in components) + f"|sample {BPE_SAMPLE_RECORDS}"
         tokenizer = local_tokenizer(texts, model_cfg.tokenizer_vocab_size, data_cfg.cache_dir, key, extra)

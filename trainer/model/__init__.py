@@ -1,5 +1,6 @@
 """Stage 4: the model and its attention backends for packed (varlen) batches."""
 
+from trainer.errors import SelfCheckError
 from trainer.model.attention import (
     BACKENDS,
     AttentionBackend,
@@ -8,7 +9,6 @@ from trainer.model.attention import (
     attention_dropout,
     resolve_backend,
 )
-from trainer.errors import SelfCheckError
 from trainer.model.certification import Certificate, certify, measure
 from trainer.model.loading import DTYPES, build_model
 from trainer.model.wrapper import VarlenCausalLM

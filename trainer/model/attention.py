@@ -88,16 +88,27 @@ BACKENDS: dict[str, AttentionBackend] = {
     b.name: b
     for b in (
         AttentionBackend(
-            "flash_attn", flash_attn_attention, "flash-attn varlen kernel", flash_attn_unavailable,
+            "flash_attn",
+            flash_attn_attention,
+            "flash-attn varlen kernel",
+            flash_attn_unavailable,
             supports_softcap=True,
         ),
         AttentionBackend(
-            "torch_varlen", torch_varlen_attention, "torch varlen_attn (flash kernel)", torch_varlen_unavailable,
-            supports_dropout=False, sinks_unavailable=torch_varlen_sinks_unavailable,
+            "torch_varlen",
+            torch_varlen_attention,
+            "torch varlen_attn (flash kernel)",
+            torch_varlen_unavailable,
+            supports_dropout=False,
+            sinks_unavailable=torch_varlen_sinks_unavailable,
         ),
         AttentionBackend(
-            "flex", flex_attention_backend, "FlexAttention with a document-causal block mask", flex_unavailable,
-            supports_dropout=False, supports_softcap=True,
+            "flex",
+            flex_attention_backend,
+            "FlexAttention with a document-causal block mask",
+            flex_unavailable,
+            supports_dropout=False,
+            supports_softcap=True,
         ),
         AttentionBackend("sdpa_varlen", sdpa_varlen_attention, "exact causal SDPA per example", _anywhere),
         AttentionBackend(
@@ -120,7 +131,9 @@ for _backend in BACKENDS.values():
     AttentionInterface.register(_backend.hf_name, fn)
 
 
-def _why_not(backend: AttentionBackend, device: torch.device, dtype: torch.dtype | None, needs: AttentionNeeds) -> str | None:
+def _why_not(
+    backend: AttentionBackend, device: torch.device, dtype: torch.dtype | None, needs: AttentionNeeds
+) -> str | None:
     if reason := backend.unavailable(device, dtype):
         return reason
     if needs.dropout > 0 and not backend.supports_dropout:

@@ -17,7 +17,14 @@ from trainer.model.packed_layout import AttentionBackendError
 
 SINK_FAMILIES = frozenset(
     {
-        "gpt_oss", "flint", "granite_swa", "granitemoe_swa", "hy_v4", "hy_v4_vl", "deepseek_v4", "openai_privacy_filter",
+        "gpt_oss",
+        "flint",
+        "granite_swa",
+        "granitemoe_swa",
+        "hy_v4",
+        "hy_v4_vl",
+        "deepseek_v4",
+        "openai_privacy_filter",
         "mimo_v2_flash",
     }
 )

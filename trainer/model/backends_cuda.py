@@ -107,9 +107,17 @@ def flash_attn_attention(module, query, key, value, attention_mask, scaling=None
     # comes from a call without dropout (it does not depend on the dropout).
     with_lse = sinks is not None and dropout == 0
     out = flash_attn_varlen_func(
-        q, k, v, cu, cu, args.max_seqlen, args.max_seqlen, dropout_p=dropout,
+        q,
+        k,
+        v,
+        cu,
+        cu,
+        args.max_seqlen,
+        args.max_seqlen,
+        dropout_p=dropout,
         softcap=0.0 if softcap is None else float(softcap),  # flash-attn's "off" is 0
-        return_attn_probs=with_lse, **options,
+        return_attn_probs=with_lse,
+        **options,
     )
     if sinks is not None:
         if with_lse:
@@ -300,7 +308,12 @@ def flex_attention_backend(module, query, key, value, attention_mask, scaling=No
     block_mask = flex_block_mask(args.cu_seqlens, args.window, query.device)
     softcap = kwargs.get("softcap")
     out = _flex_fn(query.device)(
-        query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=query.shape[1] != key.shape[1],
+        query,
+        key,
+        value,
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
         score_mod=None if softcap is None else softcap_score_mod(float(softcap)),
         **({} if sinks is None else {"return_aux": AuxRequest(lse=True)}),
     )
@@ -311,8 +324,9 @@ def flex_attention_backend(module, query, key, value, attention_mask, scaling=No
 
 
 # ------------------------------------------------------------------------------- query runs against their keys
-def flash_attn_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, dropout, window,
-                          softcap=None) -> torch.Tensor:
+def flash_attn_query_runs(
+    query, key, value, cu_q, cu_k, max_q: int, max_k: int, scaling, dropout, window, softcap=None
+) -> torch.Tensor:
     """flash-attn's varlen kernel with separate boundaries (``cu_q != cu_k``: each run of queries the last of
     its keys, bottom-right causal). ``query`` ``[1, H, S, D]``, keys back to back ``[1, Hkv, K, D]``; returns
     ``[1, S, H, D]``. A context-parallel shard's queries against the row's gathered keys."""
@@ -321,8 +335,18 @@ def flash_attn_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: int,
     q, k, v = _one_compute_dtype(query, key, value)
     cq, ck = cu_q.to(device=q.device, dtype=torch.int32), cu_k.to(device=q.device, dtype=torch.int32)
     out = flash_attn_varlen_func(
-        _flat(q), _flat(k), _flat(v), cq, ck, max_q, max_k, dropout_p=dropout, softmax_scale=scaling, causal=True,
-        window_size=_window_size(window), softcap=0.0 if softcap is None else float(softcap),
+        _flat(q),
+        _flat(k),
+        _flat(v),
+        cq,
+        ck,
+        max_q,
+        max_k,
+        dropout_p=dropout,
+        softmax_scale=scaling,
+        causal=True,
+        window_size=_window_size(window),
+        softcap=0.0 if softcap is None else float(softcap),
     )
     return out.unsqueeze(0)
 
@@ -348,7 +372,12 @@ def flex_query_runs(query, key, value, doc_q, pos_q, doc_k, pos_k, scaling, wind
 
     block_mask = create_block_mask(mask, None, None, q.shape[2], k.shape[2], device=q.device)
     out = _flex_fn(q.device)(
-        q, k, v, block_mask=block_mask, scale=scaling, enable_gqa=q.shape[1] != k.shape[1],
+        q,
+        k,
+        v,
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=q.shape[1] != k.shape[1],
         score_mod=None if softcap is None else softcap_score_mod(float(softcap)),
     )
     return out.transpose(1, 2).contiguous()

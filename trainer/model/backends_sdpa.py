@@ -215,8 +215,9 @@ def lower_right_mask(lq: int, lk: int, window: int | None, device) -> torch.Tens
     return ok
 
 
-def sdpa_query_runs(query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, scaling, dropout, window,
-                    softcap=None) -> torch.Tensor:
+def sdpa_query_runs(
+    query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, scaling, dropout, window, softcap=None
+) -> torch.Tensor:
     """Each run of queries ``cu_q[n]:cu_q[n + 1]`` of ``query`` ``[1, H, S, D]`` against its keys
     ``cu_k[n]:cu_k[n + 1]`` of ``key``/``value`` ``[1, Hkv, K, D]`` (runs back to back), the run's queries the last
     of its keys, causal bottom-right (``lower_right_mask``: SDPA's ``is_causal`` is top-left on non-square
@@ -228,8 +229,15 @@ def sdpa_query_runs(query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, s
     for n in range(len(cq) - 1):
         qs, qe, ks, ke = cq[n], cq[n + 1], ck[n], ck[n + 1]
         mask = lower_right_mask(qe - qs, ke - ks, window, query.device)
-        outs.append(F.scaled_dot_product_attention(
-            query[:, :, qs:qe], key[:, :, ks:ke], value[:, :, ks:ke], attn_mask=mask, dropout_p=dropout, scale=scaling,
-            enable_gqa=query.shape[1] != key.shape[1],
-        ))
+        outs.append(
+            F.scaled_dot_product_attention(
+                query[:, :, qs:qe],
+                key[:, :, ks:ke],
+                value[:, :, ks:ke],
+                attn_mask=mask,
+                dropout_p=dropout,
+                scale=scaling,
+                enable_gqa=query.shape[1] != key.shape[1],
+            )
+        )
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()

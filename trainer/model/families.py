@@ -41,7 +41,9 @@ class FamilyRefusedError(ConfigError):
 
 
 # Reasons, one per kind of failure the matrix found.
-NO_INTERFACE = "its attention does not go through transformers' attention interface, so the example boundaries never reach it"
+NO_INTERFACE = (
+    "its attention does not go through transformers' attention interface, so the example boundaries never reach it"
+)
 DROPS_KWARGS = "its layers call the attention without the keyword arguments that carry the example boundaries"
 HUB_KERNEL = (
     "on a GPU transformers builds its WKV attention by fetching a kernel from the Hugging Face Hub "
@@ -99,31 +101,144 @@ boundaries to their attention modules directly (``trainer.model.prepare.relay_bo
 
 EXACT: frozenset[str] = frozenset(
     {
-        "afmoe", "apertus", "apertus1p5_text", "arcee", "aria_text", "axk1", "beam", "biogpt", "bitnet",
-        "codegen", "cohere", "cohere2", "cohere2_moe", "ctrl", "cwm", "deepseek_v2", "deepseek_v3", "deepseek_v4",
-        "diffllama", "dory", "dots1", "ernie4_5", "ernie4_5_moe", "exaone", "exaone4", "exaone_moe", "flex_olmo",
-        "flint", "gemma", "gemma2", "gemma3_text", "gemma4_text", "gemma4_unified_text", "glm", "glm4", "glm4_moe",
-        "glm4_moe_lite", "gpt-sw3", "gpt2", "gpt_bigcode", "gpt_neox", "gpt_oss", "gptj", "granite", "granite_swa",
-        "granitemoe", "granitemoe_swa", "granitemoeshared", "helium", "hrm_text", "hunyuan_v1_dense",
-        "hunyuan_v1_moe", "hy_v3", "hyperclovax", "internlm3", "iquestcoder", "jais2", "jetmoe", "kolibri1", "laguna", "lfm2", "llama", "llama4_text",
-        "mellum", "mimo_v2_flash", "minicpm3", "minimax_m2", "minimax_m3_vl_text", "ministral", "ministral3",
-        "mistral", "mixtral", "modernbert-decoder", "moshi", "nanochat", "nemotron", "olmo", "olmo2", "olmo3", "olmoe",
-        "opt", "persimmon", "phi", "phi3", "phimoe", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "sarvam_mla",
-        "sarvam_moe", "seed_oss", "smollm3", "solar_open", "stablelm", "starcoder2", "vaultgemma", "whisper",
+        "afmoe",
+        "apertus",
+        "apertus1p5_text",
+        "arcee",
+        "aria_text",
+        "axk1",
+        "beam",
+        "biogpt",
+        "bitnet",
+        "codegen",
+        "cohere",
+        "cohere2",
+        "cohere2_moe",
+        "ctrl",
+        "cwm",
+        "deepseek_v2",
+        "deepseek_v3",
+        "deepseek_v4",
+        "diffllama",
+        "dory",
+        "dots1",
+        "ernie4_5",
+        "ernie4_5_moe",
+        "exaone",
+        "exaone4",
+        "exaone_moe",
+        "flex_olmo",
+        "flint",
+        "gemma",
+        "gemma2",
+        "gemma3_text",
+        "gemma4_text",
+        "gemma4_unified_text",
+        "glm",
+        "glm4",
+        "glm4_moe",
+        "glm4_moe_lite",
+        "gpt-sw3",
+        "gpt2",
+        "gpt_bigcode",
+        "gpt_neox",
+        "gpt_oss",
+        "gptj",
+        "granite",
+        "granite_swa",
+        "granitemoe",
+        "granitemoe_swa",
+        "granitemoeshared",
+        "helium",
+        "hrm_text",
+        "hunyuan_v1_dense",
+        "hunyuan_v1_moe",
+        "hy_v3",
+        "hyperclovax",
+        "internlm3",
+        "iquestcoder",
+        "jais2",
+        "jetmoe",
+        "kolibri1",
+        "laguna",
+        "lfm2",
+        "llama",
+        "llama4_text",
+        "mellum",
+        "mimo_v2_flash",
+        "minicpm3",
+        "minimax_m2",
+        "minimax_m3_vl_text",
+        "ministral",
+        "ministral3",
+        "mistral",
+        "mixtral",
+        "modernbert-decoder",
+        "moshi",
+        "nanochat",
+        "nemotron",
+        "olmo",
+        "olmo2",
+        "olmo3",
+        "olmoe",
+        "opt",
+        "persimmon",
+        "phi",
+        "phi3",
+        "phimoe",
+        "qwen2",
+        "qwen2_moe",
+        "qwen3",
+        "qwen3_moe",
+        "sarvam_mla",
+        "sarvam_moe",
+        "seed_oss",
+        "smollm3",
+        "solar_open",
+        "stablelm",
+        "starcoder2",
+        "vaultgemma",
+        "whisper",
         "youtu",
         # built by the tiny probe since its shrinking rules keep each config's constraints (transformers 5.25)
-        "cohere_compass_text", "dbrx", "ergo", "gemma3n_text", "longcat_flash", "minicpm5_moe", "param2moe",
+        "cohere_compass_text",
+        "dbrx",
+        "ergo",
+        "gemma3n_text",
+        "longcat_flash",
+        "minicpm5_moe",
+        "param2moe",
         # token mixers outside attention, kept per example (trainer.model.mixers)
-        "bailing_hybrid", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "jamba", "kimi_linear",
-        "lara_mini", "lfm3", "mamba", "mamba2", "minimax", "nemotron_h", "olmo_hybrid", "qwen3_5_moe_text",
-        "qwen3_5_text", "qwen3_next", "recurrent_gemma", "xlstm", "zamba", "zamba2", "lfm2_moe", "zaya",
+        "bailing_hybrid",
+        "bamba",
+        "falcon_h1",
+        "falcon_mamba",
+        "granitemoehybrid",
+        "jamba",
+        "kimi_linear",
+        "lara_mini",
+        "lfm3",
+        "mamba",
+        "mamba2",
+        "minimax",
+        "nemotron_h",
+        "olmo_hybrid",
+        "qwen3_5_moe_text",
+        "qwen3_5_text",
+        "qwen3_next",
+        "recurrent_gemma",
+        "xlstm",
+        "zamba",
+        "zamba2",
+        "lfm2_moe",
+        "zaya",
     }
 )
 """Probed exact (transformers ``TESTED_WITH``): the trainer's step on a tiny default config. Some only for
 some configs (``EXACT_IF``)."""
 
 EXACT_IF: dict[str, str] = {
-    "gemma2": "with flash_attn or flex, which honour its attention softcapping (the other backends are refused at start)",
+    "gemma2": "with flash_attn or flex, which honour its attention softcapping (other backends are refused at start)",
     "llama4_text": (
         "with its chunked-attention layers cut at every chunk and its NoPE layers' attention temperature read from "
         "positions (trainer.model.layer_relay); a chunk shorter than an example is refused under parallel.cp"
@@ -142,10 +257,13 @@ EXACT_IF: dict[str, str] = {
         "with attention sinks on every backend (trainer.model.sinks; torch_varlen where its varlen_attn returns the "
         "log-sum-exp), not under parallel.cp",
     ),
-    **dict.fromkeys(("dory", "gemma3n_text"), (
-        "while no example starts with a token whose embedding row is zero: with a pad token (padding_idx, a zero "
-        "row at random init) the replica refuses it, its own gradients are NaN there, packed or not"
-    )),
+    **dict.fromkeys(
+        ("dory", "gemma3n_text"),
+        (
+            "while no example starts with a token whose embedding row is zero: with a pad token (padding_idx, a zero "
+            "row at random init) the replica refuses it, its own gradients are NaN there, packed or not"
+        ),
+    ),
 }
 """Exact families whose verdict depends on the config: the condition (the certification's replica and
 self-check stages, or its prior's ``selected_keys``, enforce it per config)."""
@@ -170,21 +288,60 @@ REFUSED: dict[str, str] = {
     **_reasons(DROPS_KWARGS, "blt", "inkling2_text", "inkling2_loop_text"),
     **_reasons(HUB_KERNEL, "rwkv"),
     **_reasons(ROW_POSITIONS, "inkling_text"),
-    **_reasons(INDEXER, "axk2", "deepseek_v32", "dots3_note_text", "glm_moe_dsa", "hy_v4", "hy_v4_vl", "kolibri1_1",
-              "qwen4_exp_text"),
+    **_reasons(
+        INDEXER,
+        "axk2",
+        "deepseek_v32",
+        "dots3_note_text",
+        "glm_moe_dsa",
+        "hy_v4",
+        "hy_v4_vl",
+        "kolibri1_1",
+        "qwen4_exp_text",
+    ),
     **_reasons(OWN_MASK, "doge"),
 }
 """Would crash or train wrong when packed: ``build_model`` refuses them with the reason."""
 
 SKIPPED: dict[str, str] = {
     **_reasons(
-        NOT_CAUSAL, "bert", "bert-generation", "big_bird", "camembert", "data2vec-text", "electra", "ernie",
-        "megatron-bert", "openai_privacy_filter", "reformer", "rembert", "roberta", "roberta-prelayernorm",
-        "roc_bert", "roformer", "xlm", "xlm-roberta", "xlm-roberta-xl", "xlnet", "xmod",
+        NOT_CAUSAL,
+        "bert",
+        "bert-generation",
+        "big_bird",
+        "camembert",
+        "data2vec-text",
+        "electra",
+        "ernie",
+        "megatron-bert",
+        "openai_privacy_filter",
+        "reformer",
+        "rembert",
+        "roberta",
+        "roberta-prelayernorm",
+        "roc_bert",
+        "roformer",
+        "xlm",
+        "xlm-roberta",
+        "xlm-roberta-xl",
+        "xlnet",
+        "xmod",
     ),
     **_reasons(
-        ENCODER_DECODER, "bart", "bigbird_pegasus", "blenderbot", "blenderbot-small", "marian", "mbart",
-        "musicgen", "musicgen_melody", "mvp", "pegasus", "plbart", "prophetnet", "trocr",
+        ENCODER_DECODER,
+        "bart",
+        "bigbird_pegasus",
+        "blenderbot",
+        "blenderbot-small",
+        "marian",
+        "mbart",
+        "musicgen",
+        "musicgen_melody",
+        "mvp",
+        "pegasus",
+        "plbart",
+        "prophetnet",
+        "trocr",
     ),
     **_reasons(ASSISTANT, "gemma4_assistant", "gemma4_unified_assistant"),
 }
@@ -238,7 +395,9 @@ def multimodal_verdict(family: str) -> Verdict | None:
     if config.is_encoder_decoder:
         return Verdict(family, "skipped", ENCODER_DECODER)
     inner = config.get_text_config(decoder=True)
-    return Verdict(family, "skipped", MULTIMODAL_FLAT if inner is config else MULTIMODAL_NO_LM.format(text=inner.model_type))
+    return Verdict(
+        family, "skipped", MULTIMODAL_FLAT if inner is config else MULTIMODAL_NO_LM.format(text=inner.model_type)
+    )
 
 
 def text_family(family: str) -> str | None:
@@ -256,7 +415,9 @@ def text_family(family: str) -> str | None:
 def has_causal_lm(config) -> bool:
     """transformers (or the model's own code, ``auto_map``) has a causal-LM class for ``config``."""
     auto_map = getattr(config, "auto_map", None) or {}
-    return getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map
+    return (
+        getattr(config, "model_type", None) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or "AutoModelForCausalLM" in auto_map
+    )
 
 
 def _installed() -> str:
@@ -285,6 +446,17 @@ _SELECTION_SIZES = ("index_topk", "index_block_size", "index_topk_blocks", "inde
 
 
 __all__ = [
-    "EXACT", "EXACT_FROM", "EXACT_IF", "NOT_PROBED", "REFUSED", "SKIPPED", "TESTED_WITH", "FamilyRefusedError", "Verdict",
-    "has_causal_lm", "selected_keys", "text_family", "verdict",
+    "EXACT",
+    "EXACT_FROM",
+    "EXACT_IF",
+    "NOT_PROBED",
+    "REFUSED",
+    "SKIPPED",
+    "TESTED_WITH",
+    "FamilyRefusedError",
+    "Verdict",
+    "has_causal_lm",
+    "selected_keys",
+    "text_family",
+    "verdict",
 ]

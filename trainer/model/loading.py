@@ -22,7 +22,9 @@ log = logging.getLogger(__name__)
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
-def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int) -> VarlenCausalLM:
+def build_model(
+    cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: AttentionBackend, seed: int
+) -> VarlenCausalLM:
     """A pretrained model (``name_or_path``) or a random one from ``family`` + ``random_init``, run
     through ``backend`` for packed batches. The trainer resolves ``backend`` once, against the model's
     attention needs (``trainer.pipeline.resolve_attention``).
@@ -46,8 +48,12 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
         whole = folder_config(cfg)
         config = trained_config(whole)  # model_config(cfg): a multimodal model's language model's
         if whole is not config:
-            log.info("%s: a multimodal %s; its language model is judged and trained as %s, the rest is kept aside",
-                     cfg.name_or_path, whole.model_type, config.model_type)
+            log.info(
+                "%s: a multimodal %s; its language model is judged and trained as %s, the rest is kept aside",
+                cfg.name_or_path,
+                whole.model_type,
+                config.model_type,
+            )
         certificate = certify_config(config, cfg.self_check)
         torch.manual_seed(seed)  # after the verdict: its replica draws numbers only on a cache miss
         load = dict(
@@ -77,7 +83,10 @@ def build_model(cfg: ModelConfig, tokenizer: PreTrainedTokenizerBase, backend: A
     model.config.use_cache = False
     n_params = sum(p.numel() for p in model.parameters())
     log.info(
-        "model %s: %s, %.2fM parameters, %s", cfg.name_or_path or cfg.family, model.config.model_type, n_params / 1e6,
+        "model %s: %s, %.2fM parameters, %s",
+        cfg.name_or_path or cfg.family,
+        model.config.model_type,
+        n_params / 1e6,
         cfg.dtype,
     )
     wrapped = prepare_model(model, backend)

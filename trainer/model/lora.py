@@ -122,8 +122,12 @@ def trainable_counts(model: nn.Module) -> tuple[int, int]:
 
 def log_trainable(model: nn.Module) -> None:
     trainable, total = trainable_counts(model)
-    log.info("LoRA: %d trainable parameters of %d (%.3f%%); the base model is frozen",
-             trainable, total, 100 * trainable / max(total, 1))
+    log.info(
+        "LoRA: %d trainable parameters of %d (%.3f%%); the base model is frozen",
+        trainable,
+        total,
+        100 * trainable / max(total, 1),
+    )
 
 
 def save_lora_assets(model: nn.Module, directory: Path) -> None:
@@ -168,15 +172,24 @@ def rebuild_base(hf_dir: Path, attn_implementation: str | None = None) -> nn.Mod
     if base.name_or_path and is_multimodal_checkpoint(hf_dir):  # the language model of the multimodal model there
         whole = AutoConfig.from_pretrained(hf_dir / MULTIMODAL_DIR)
         model, _ = load_multimodal(
-            base.name_or_path, whole, dtype=DTYPES[base.dtype], weights_only=True, attn_implementation=attn_implementation,
+            base.name_or_path,
+            whole,
+            dtype=DTYPES[base.dtype],
+            weights_only=True,
+            attn_implementation=attn_implementation,
         )
     elif base.name_or_path:
         model = AutoModelForCausalLM.from_pretrained(
-            base.name_or_path, config=config, dtype=DTYPES[base.dtype], weights_only=True,
+            base.name_or_path,
+            config=config,
+            dtype=DTYPES[base.dtype],
+            weights_only=True,
             attn_implementation=attn_implementation,
         )
     else:
-        model = AutoModelForCausalLM.from_config(config, dtype=DTYPES[base.dtype], attn_implementation=attn_implementation)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=DTYPES[base.dtype], attn_implementation=attn_implementation
+        )
     if base_fingerprint(model) != base.sha256:
         where = base.name_or_path or f"a random init under seed {base.seed}"
         raise ValueError(f"the base model rebuilt from {where} is not the one the adapters were trained on")

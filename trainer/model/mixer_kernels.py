@@ -64,10 +64,15 @@ VARLEN_KERNELS: dict[str, VarlenKernel] = {
 """transformers' module-level kernel names -> the varlen kernel that takes the boundaries."""
 UNFUSED = frozenset({"mamba2_split_conv1d_scan_combined"})
 """Fused kernels replaced by ``None`` (the mixer then takes its unfused path through the kernels above)."""
-SINGLE_STEP = frozenset({
-    "causal_conv1d_update", "torch_recurrent_gated_delta_rule", "recurrent_kimi_delta_attention",
-    "mamba2_selective_state_update", "mamba_selective_state_update",
-})
+SINGLE_STEP = frozenset(
+    {
+        "causal_conv1d_update",
+        "torch_recurrent_gated_delta_rule",
+        "recurrent_kimi_delta_attention",
+        "mamba2_selective_state_update",
+        "mamba_selective_state_update",
+    }
+)
 """Cached decode steps: never part of a training forward; an adapter raises if one is reached."""
 NO_VARLEN = frozenset({"mamba_selective_scan", "mamba_inner_fn"})
 """Token-mixing kernels without a varlen kernel (Mamba-1's selective scan): their mixers run per example."""
@@ -96,7 +101,9 @@ def varlen_names(module: torch.nn.Module, kinds: set[str]) -> tuple[list[str], s
         return found, "its modeling file calls no kernel that takes the boundaries"
     if uncovered := sorted(kinds - {VARLEN_KERNELS[n].kind for n in found}):
         return found, f"its modeling file calls no varlen kernel for its {' and '.join(uncovered)}"
-    if missing := sorted({VARLEN_KERNELS[n].package.split(".")[0] for n in found if not _installed(VARLEN_KERNELS[n].package)}):
+    if missing := sorted(
+        {VARLEN_KERNELS[n].package.split(".")[0] for n in found if not _installed(VARLEN_KERNELS[n].package)}
+    ):
         return found, f"{', '.join(missing)} not installed"
     return found + sorted((UNFUSED | SINGLE_STEP) & names.keys()), None
 
@@ -116,7 +123,9 @@ class _Boundaries:
             lengths = torch.tensor(layout.lengths, device=cu.device)
             examples = torch.arange(len(layout.lengths), device=cu.device, dtype=torch.int32)
             layout._plans["mixer:boundaries"] = (
-                cu.to(torch.long), torch.repeat_interleave(examples, lengths, output_size=layout.total)[None])
+                cu.to(torch.long),
+                torch.repeat_interleave(examples, lengths, output_size=layout.total)[None],
+            )
         self.cu_seqlens, self.seq_idx = layout._plans["mixer:boundaries"]
 
 
@@ -126,26 +135,75 @@ def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:
     def conv(hidden_states, weight, bias=None, activation=None, **_):
         calls["convolution"] += 1
         channel_last = hidden_states.transpose(1, 2).contiguous().transpose(1, 2)  # what seq_idx needs
-        return _kernel("causal_conv1d_fn")(channel_last, weight, bias, seq_idx=boundaries.seq_idx, activation=activation)
+        return _kernel("causal_conv1d_fn")(
+            channel_last, weight, bias, seq_idx=boundaries.seq_idx, activation=activation
+        )
 
     def delta_rule(name):
-        def run(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
-                use_qk_l2norm_in_kernel=False, **_):
+        def run(
+            query,
+            key,
+            value,
+            g,
+            beta,
+            chunk_size=64,
+            initial_state=None,
+            output_final_state=False,
+            use_qk_l2norm_in_kernel=False,
+            **_,
+        ):
             calls["recurrence"] += 1
             if initial_state is not None:
                 raise VarlenKernelError(f"{name} got an initial state in a packed call")
-            return _kernel(name)(query, key, value, g=g, beta=beta, initial_state=None,
-                                 output_final_state=output_final_state, use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                                 cu_seqlens=boundaries.cu_seqlens)
+            return _kernel(name)(
+                query,
+                key,
+                value,
+                g=g,
+                beta=beta,
+                initial_state=None,
+                output_final_state=output_final_state,
+                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                cu_seqlens=boundaries.cu_seqlens,
+            )
+
         return run
 
-    def chunk_scan(hidden_states, dt, A, B, C, chunk_size, D=None, dt_bias=None, initial_states=None, dt_softplus=False,
-                   dt_limit=(0.0, float("inf")), return_final_states=False, z=None, **_):
+    def chunk_scan(
+        hidden_states,
+        dt,
+        A,
+        B,
+        C,
+        chunk_size,
+        D=None,
+        dt_bias=None,
+        initial_states=None,
+        dt_softplus=False,
+        dt_limit=(0.0, float("inf")),
+        return_final_states=False,
+        z=None,
+        **_,
+    ):
         calls["recurrence"] += 1
         if initial_states is not None or return_final_states:
-            raise VarlenKernelError("mamba2_chunk_scan got an initial state or was asked for a final one in a packed call")
-        return _kernel("mamba2_chunk_scan")(hidden_states, dt, A, B, C, chunk_size, D=D, z=z, dt_bias=dt_bias,
-                                            seq_idx=boundaries.seq_idx, dt_softplus=dt_softplus, dt_limit=dt_limit)
+            raise VarlenKernelError(
+                "mamba2_chunk_scan got an initial state or was asked for a final one in a packed call"
+            )
+        return _kernel("mamba2_chunk_scan")(
+            hidden_states,
+            dt,
+            A,
+            B,
+            C,
+            chunk_size,
+            D=D,
+            z=z,
+            dt_bias=dt_bias,
+            seq_idx=boundaries.seq_idx,
+            dt_softplus=dt_softplus,
+            dt_limit=dt_limit,
+        )
 
     def unfused(*_args, **_kwargs):
         return None
@@ -153,10 +211,15 @@ def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:
     def single_step(name):
         def refuse(*_args, **_kwargs):
             raise VarlenKernelError(f"a packed call reached {name}, a cached single-step kernel")
+
         return refuse
 
-    adapters = {"causal_conv1d_fn": conv, "torch_chunk_gated_delta_rule": delta_rule("torch_chunk_gated_delta_rule"),
-                "chunk_kimi_delta_attention": delta_rule("chunk_kimi_delta_attention"), "mamba2_chunk_scan": chunk_scan}
+    adapters = {
+        "causal_conv1d_fn": conv,
+        "torch_chunk_gated_delta_rule": delta_rule("torch_chunk_gated_delta_rule"),
+        "chunk_kimi_delta_attention": delta_rule("chunk_kimi_delta_attention"),
+        "mamba2_chunk_scan": chunk_scan,
+    }
     adapters |= dict.fromkeys(UNFUSED, unfused) | {n: single_step(n) for n in SINGLE_STEP}
     return adapters
 
@@ -172,7 +235,9 @@ class VarlenKernels:
         """What each packed call must have run through an adapter (``convolution``, ``recurrence``)."""
 
     def describe(self) -> str:
-        kernels = sorted({f"{VARLEN_KERNELS[n].package}.{VARLEN_KERNELS[n].function}" for n in self.names if n in VARLEN_KERNELS})
+        kernels = sorted(
+            {f"{VARLEN_KERNELS[n].package}.{VARLEN_KERNELS[n].function}" for n in self.names if n in VARLEN_KERNELS}
+        )
         return f"varlen_kernels ({', '.join(kernels)}, handed the example boundaries)"
 
     def run(self, module, forward, boundaries: dict, args: tuple, kwargs: dict):
@@ -198,5 +263,13 @@ def _varlen_run(route: VarlenKernels, module, forward, boundaries: dict, args: t
     return out
 
 
-__all__ = ["NO_VARLEN", "SINGLE_STEP", "UNFUSED", "VARLEN_KERNELS", "VarlenKernelError", "VarlenKernels",
-           "kernels_run_on", "varlen_names"]
+__all__ = [
+    "NO_VARLEN",
+    "SINGLE_STEP",
+    "UNFUSED",
+    "VARLEN_KERNELS",
+    "VarlenKernelError",
+    "VarlenKernels",
+    "kernels_run_on",
+    "varlen_names",
+]

@@ -87,8 +87,10 @@ class _Cutter:
             flat = value.squeeze(0).movedim(dim - 1, 0)  # squeeze: a view, its backward no full-size copy
             slots = _Rows.apply(flat, self.plan.index, self.plan.token_slot, self.none)
             parts = torch.split(slots, self.sizes) if n > 1 else (slots,)
-            return [p.view(rows, width, *p.shape[1:]).movedim(1, dim).contiguous()
-                    for p, (rows, width) in zip(parts, self.plan.shapes, strict=True)]
+            return [
+                p.view(rows, width, *p.shape[1:]).movedim(1, dim).contiguous()
+                for p, (rows, width) in zip(parts, self.plan.shapes, strict=True)
+            ]
         if isinstance(value, (tuple, list)):
             cut = [self.cut(v) for v in value]
             return [type(value)(c[r] for c in cut) for r in range(n)]
@@ -99,7 +101,11 @@ class _Cutter:
         first = outputs[0]
         if isinstance(first, torch.Tensor):
             rows, width = self.plan.shapes[0]
-            dim = 1 if first.dim() > 1 and first.shape[1] == width else (first.dim() - 1 if first.shape[-1] == width else None)
+            dim = (
+                1
+                if first.dim() > 1 and first.shape[1] == width
+                else (first.dim() - 1 if first.shape[-1] == width else None)
+            )
             if first.dim() < 2 or first.shape[0] != rows or dim is None:
                 return None  # a state of the rows, not laid along the tokens: no row-level meaning
             flat = [o.movedim(dim, 1).reshape(o.shape[0] * o.shape[dim], *o.movedim(dim, 1).shape[2:]) for o in outputs]
@@ -110,7 +116,9 @@ class _Cutter:
             return type(first)(self.join([o[i] for o in outputs]) for i in range(len(first)))
         if first is None:
             return None
-        raise MixerError(f"a token mixer returned a {type(first).__name__}, which packfsdp cannot put back in row order")
+        raise MixerError(
+            f"a token mixer returned a {type(first).__name__}, which packfsdp cannot put back in row order"
+        )
 
 
 def equal_length_groups(lengths: list[int]) -> list[list[int]]:
@@ -146,7 +154,9 @@ def _per_example(forward, boundaries: dict, args: tuple, kwargs: dict):
     primary = next((v for v in (*args, *kwargs.values()) if isinstance(v, torch.Tensor)), None)
     if primary is None or _token_dim(primary, layout.total) is None:
         shape = None if primary is None else tuple(primary.shape)
-        raise MixerError(f"a token mixer got no input laid along the packed row's {layout.total} tokens (first tensor: {shape})")
+        raise MixerError(
+            f"a token mixer got no input laid along the packed row's {layout.total} tokens (first tensor: {shape})"
+        )
     if len(layout.lengths) == 1:
         return forward(*args, **kwargs)
     groups = equal_length_groups(layout.lengths)

@@ -130,9 +130,19 @@ def describe(mixers: list[TokenMixer]) -> list[str]:
     """One line per mixer class: how many, what makes them mixers, the route their packed calls take."""
     counts = Counter(type(m.module) for m in mixers)
     first = {type(m.module): m for m in reversed(mixers)}
-    return [f"token mixer {cls.__name__} x{n} ({' + '.join(first[cls].traits)}): packed rows through "
-            f"{first[cls].module.forward.route.describe()}" for cls, n in counts.items()]
+    return [
+        f"token mixer {cls.__name__} x{n} ({' + '.join(first[cls].traits)}): packed rows through "
+        f"{first[cls].module.forward.route.describe()}"
+        for cls, n in counts.items()
+    ]
 
 
-__all__ = ["KNOWN_MIXERS", "RECURRENT_TENSORS", "PackedMixerForward", "TokenMixer", "describe", "find_token_mixers",
-           "keep_mixers_apart"]
+__all__ = [
+    "KNOWN_MIXERS",
+    "RECURRENT_TENSORS",
+    "PackedMixerForward",
+    "TokenMixer",
+    "describe",
+    "find_token_mixers",
+    "keep_mixers_apart",
+]

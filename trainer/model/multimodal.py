@@ -56,7 +56,11 @@ MULTIMODAL_DIR = "multimodal"
 FROZEN_WEIGHTS = "frozen.safetensors"
 """The tensors left out of the step, under the multimodal model's names."""
 CARRIED_FILES = (
-    PROCESSOR_NAME, IMAGE_PROCESSOR_NAME, VIDEO_PROCESSOR_NAME, CHAT_TEMPLATE_FILE, LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE,
+    PROCESSOR_NAME,
+    IMAGE_PROCESSOR_NAME,
+    VIDEO_PROCESSOR_NAME,
+    CHAT_TEMPLATE_FILE,
+    LEGACY_PROCESSOR_CHAT_TEMPLATE_FILE,
     GENERATION_CONFIG_NAME,
 )
 """The folder's files that serving it needs besides the weights, config and tokenizer (the processor's, the
@@ -104,8 +108,12 @@ def load(source: str, config: PretrainedConfig, **kwargs) -> tuple[nn.Module, Ke
     kept = KeptParts(whole.config, unaliased(frozen) if distributed.rank() == 0 else None, files)
     log.info(
         "%s: %s; training its language model as %s (%.2fM parameters); left out of the step, frozen and written "
-        "back by export: %s (%.2fM parameters)", source, cls.__name__, type(model).__name__,
-        sum(p.numel() for p in model.parameters()) / 1e6, ", ".join(frozen_modules(whole, model)),
+        "back by export: %s (%.2fM parameters)",
+        source,
+        cls.__name__,
+        type(model).__name__,
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        ", ".join(frozen_modules(whole, model)),
         sum(t.numel() for t in frozen.values()) / 1e6,
     )
     return model, kept
@@ -127,10 +135,16 @@ def frozen_modules(whole: nn.Module, model: nn.Module) -> list[str]:
     """The outermost modules of ``whole`` that hold none of ``model``'s tensors (``model.vision_tower``,
     ``model.multi_modal_projector``, ...)."""
     held = {id(t) for t in chain(model.parameters(), model.buffers())}
-    shared = {prefix for name, t in whole.state_dict(keep_vars=True).items() if id(t) in held
-              for prefix in _prefixes(name)}
-    return sorted({next(p for p in _prefixes(name) if p not in shared)
-                   for name, t in whole.state_dict(keep_vars=True).items() if id(t) not in held})
+    shared = {
+        prefix for name, t in whole.state_dict(keep_vars=True).items() if id(t) in held for prefix in _prefixes(name)
+    }
+    return sorted(
+        {
+            next(p for p in _prefixes(name) if p not in shared)
+            for name, t in whole.state_dict(keep_vars=True).items()
+            if id(t) not in held
+        }
+    )
 
 
 def _prefixes(name: str) -> list[str]:
@@ -158,7 +172,9 @@ def language_model_of(whole: nn.Module) -> nn.Module:
     device around ``whole.get_decoder()`` and ``whole.get_output_embeddings()``, with the decoder's config."""
     text_config = language_model_config(whole.config)
     if text_config is None:
-        raise MultimodalError(f"{type(whole).__name__} is not a multimodal model with a language model packfsdp can train")
+        raise MultimodalError(
+            f"{type(whole).__name__} is not a multimodal model with a language model packfsdp can train"
+        )
     cls = MODEL_FOR_CAUSAL_LM_MAPPING[type(text_config)]
     for module in whole.modules():
         if type(module) is cls:
@@ -176,7 +192,9 @@ def language_model_of(whole: nn.Module) -> nn.Module:
     model.set_output_embeddings(head)
     model.config = decoder.config  # one config object: the attention the trainer selects reaches the layers
     whole_tensors = {id(t) for t in chain(whole.parameters(), whole.buffers())}
-    if left := [name for name, t in chain(model.named_parameters(), model.named_buffers()) if id(t) not in whole_tensors]:
+    if left := [
+        name for name, t in chain(model.named_parameters(), model.named_buffers()) if id(t) not in whole_tensors
+    ]:
         raise MultimodalError(f"{cls.__name__} has weights {type(whole).__name__} does not: {', '.join(left[:3])}")
     return model
 
@@ -186,7 +204,9 @@ def language_model_mismatch(whole: nn.Module, model: nn.Module, tokens: int = 8)
     """Why ``model`` (``language_model_of(whole)``) does not compute what ``whole`` computes on a text-only
     input, or ``None``: their logits on ``tokens`` ordinary tokens (none of the config's special token ids),
     to the dtype's precision (``head_matches_logits``)."""
-    special = {v for k, v in whole.config.to_dict().items() if k.endswith(("token_id", "token_index")) and isinstance(v, int)}
+    special = {
+        v for k, v in whole.config.to_dict().items() if k.endswith(("token_id", "token_index")) and isinstance(v, int)
+    }
     vocab = model.get_input_embeddings().num_embeddings
     ids = [i for i in range(3, vocab) if i not in special][:tokens]
     device = next(model.parameters()).device
@@ -254,7 +274,18 @@ def carried_files(hf_dir: Path) -> list[Path]:
 
 
 __all__ = [
-    "CARRIED_FILES", "FROZEN_WEIGHTS", "MULTIMODAL_DIR", "KeptParts", "MultimodalError", "carried_files",
-    "is_multimodal_checkpoint", "language_model_mismatch", "language_model_of", "load", "rebuild",
-    "save_multimodal_assets", "split", "unaliased",
+    "CARRIED_FILES",
+    "FROZEN_WEIGHTS",
+    "MULTIMODAL_DIR",
+    "KeptParts",
+    "MultimodalError",
+    "carried_files",
+    "is_multimodal_checkpoint",
+    "language_model_mismatch",
+    "language_model_of",
+    "load",
+    "rebuild",
+    "save_multimodal_assets",
+    "split",
+    "unaliased",
 ]

@@ -47,8 +47,10 @@ def packed_attention_kwargs(cu_seqlens: torch.Tensor, num_tokens: int) -> dict:
     # Packs differ in their number of examples: a new length of cu_seqlens must not recompile a block.
     torch._dynamo.maybe_mark_dynamic(cu_seqlens, 0)
     return {
-        "cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
-        "max_length_q": layout.max_len, "max_length_k": layout.max_len,
+        "cu_seq_lens_q": cu_seqlens,
+        "cu_seq_lens_k": cu_seqlens,
+        "max_length_q": layout.max_len,
+        "max_length_k": layout.max_len,
     }
 
 
@@ -190,4 +192,3 @@ def causal_window_mask(length: int, window: int | None, device: torch.device) ->
         return None
     i = torch.arange(length, device=device)
     return (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < window)
-

@@ -94,14 +94,18 @@ class PerExampleRope:
     def __call__(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None):
         rope_type = self.types.get(layer_type)
         if rope_type is None or not length_dependent(rope_type):
-            return self.original(x, position_ids, layer_type) if layer_type is not None else self.original(x, position_ids)
+            return (
+                self.original(x, position_ids, layer_type) if layer_type is not None else self.original(x, position_ids)
+            )
         lengths = example_lengths(
             position_ids, self.boundaries.get("cu_seq_lens_q"), self.boundaries.get("attention_mask")
         )
         groups: list[tuple[torch.Tensor, float, torch.Tensor]] = []  # (inv_freq, scaling, tokens using them)
         for length in lengths.unique().tolist():
             extra = {"layer_type": layer_type} if layer_type is not None else {}
-            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](self.module.config, x.device, seq_len=int(length), **extra)
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](
+                self.module.config, x.device, seq_len=int(length), **extra
+            )
             mask = lengths == length
             for k, (seen, seen_scaling, seen_mask) in enumerate(groups):
                 if seen_scaling == scaling and torch.equal(seen, inv_freq):  # longrope: two sets for all lengths
@@ -168,7 +172,10 @@ def verify_alone(module: nn.Module, per_example: PerExampleRope, family: str) ->
         start = 0
         for n in lengths:
             expected = copy.deepcopy(module)(x, torch.arange(n)[None], *extra)  # fresh: dynamic rope keeps state
-            if not all(torch.allclose(e[0], g[0, start : start + n], rtol=1e-5, atol=1e-6) for e, g in zip(expected, got, strict=True)):
+            if not all(
+                torch.allclose(e[0], g[0, start : start + n], rtol=1e-5, atol=1e-6)
+                for e, g in zip(expected, got, strict=True)
+            ):
                 raise RopeError(
                     f"{family}: rope type {rope_type!r} in {type(module).__name__} depends on the sequence length "
                     f"in a way packfsdp cannot compute per packed example (an example of {n} tokens differs)"

@@ -98,14 +98,30 @@ class VarlenCausalLM(nn.Module):
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, layout=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        layout=None,
+    ) -> torch.Tensor:
         """Logits ``[batch, seq, vocab]``."""
         return self.model(**self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, layout)).logits
 
-    def token_loss(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                   max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, layout=None, *,
-                   labels: torch.Tensor, router: bool = False):
+    def token_loss(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        layout=None,
+        *,
+        labels: torch.Tensor,
+        router: bool = False,
+    ):
         """The summed token loss (fp32 scalar) through the loss implementation ``use_loss`` picked; the trainer
         normalises it by the global label count. With ``router`` (``self.router_aux`` set), ``(that,
         RouterStats of the batch's real tokens)``, from the router logits the decoder records on the same pass."""
@@ -115,8 +131,9 @@ class VarlenCausalLM(nn.Module):
         if self.loss.impl == "naive":
             outputs = self.model(**inputs)
             if layout is not None:  # labels already shifted before the row was laid over the ranks
-                loss = F.cross_entropy(outputs.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX,
-                                       reduction="sum")
+                loss = F.cross_entropy(
+                    outputs.logits.flatten(0, 1).float(), labels.flatten(), ignore_index=IGNORE_INDEX, reduction="sum"
+                )
             else:
                 loss = naive_summed_loss(outputs.logits, labels)
         else:
@@ -127,9 +144,16 @@ class VarlenCausalLM(nn.Module):
             return loss
         return loss, self.router_aux.statistics(getattr(outputs, "router_logits", None), attention_mask)
 
-    def sequence_logps(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                       max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, *,
-                       labels: torch.Tensor) -> torch.Tensor:
+    def sequence_logps(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        labels: torch.Tensor,
+    ) -> torch.Tensor:
         """Summed label log-probabilities per sequence (a packed segment or a padded row), fp32 ``[sequences]``:
         the chunked head (``trainer.loss.chunked_token_logps``, never full logits) unless ``loss.impl=naive``."""
         inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
@@ -137,23 +161,41 @@ class VarlenCausalLM(nn.Module):
             token_logps = naive_token_logps(self.model(**inputs).logits, labels)
         else:
             head = self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels)
-            token_logps = chunked_token_logps(head.hidden, head.weight, head.bias, head.targets, head.transform,
-                                              head.chunk_tokens)
+            token_logps = chunked_token_logps(
+                head.hidden, head.weight, head.bias, head.targets, head.transform, head.chunk_tokens
+            )
         sequences = labels.shape[0] if cu_seqlens is None else len(cu_seqlens) - 1
         out = torch.zeros(sequences, dtype=torch.float32, device=token_logps.device)
         return out.index_add(0, sequence_of_labels(labels, cu_seqlens), token_logps)
 
-    def label_hidden(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                     max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None, layout=None, *,
-                     labels: torch.Tensor, fn: Callable[[LabelHidden], T]) -> T:
+    def label_hidden(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+        layout=None,
+        *,
+        labels: torch.Tensor,
+        fn: Callable[[LabelHidden], T],
+    ) -> T:
         """``fn`` of the hidden states that predict a label and the head that makes their logits (``LabelHidden``),
         run here, inside the forward window, so an objective's chunked loss reads the head's gathered weight.
         ``fn`` returns a tensor or a tuple of tensors (FSDP2 hooks the backward on them)."""
         inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask, layout)
-        return fn(self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels, shifted=layout is not None))
+        return fn(
+            self.label_head(decoder_of(self.model)(**inputs).last_hidden_state, labels, shifted=layout is not None)
+        )
 
-    def router_statistics(self, input_ids: torch.Tensor, position_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                          max_seqlen: int | None = None, attention_mask: torch.Tensor | None = None):
+    def router_statistics(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        cu_seqlens: torch.Tensor | None = None,
+        max_seqlen: int | None = None,
+        attention_mask: torch.Tensor | None = None,
+    ):
         """``RouterStats`` of one forward's real tokens (the self-check's one-by-one reference of the router aux
         loss): the decoder's router logits, no loss."""
         inputs = self.inputs(input_ids, position_ids, cu_seqlens, max_seqlen, attention_mask)
@@ -168,10 +210,18 @@ class VarlenCausalLM(nn.Module):
             hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
         hidden, targets = label_positions(hidden, labels)
         head = self.model.get_output_embeddings()
-        return LabelHidden(hidden, targets, head.weight, head.bias, self.loss.transform,
-                           chunk_tokens_for(head.weight.shape[0], self.loss.chunk_tokens))
+        return LabelHidden(
+            hidden,
+            targets,
+            head.weight,
+            head.bias,
+            self.loss.transform,
+            chunk_tokens_for(head.weight.shape[0], self.loss.chunk_tokens),
+        )
 
-    def inputs(self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, attention_mask=None, layout=None) -> dict:
+    def inputs(
+        self, input_ids, position_ids, cu_seqlens=None, max_seqlen=None, attention_mask=None, layout=None
+    ) -> dict:
         """The transformers call's keyword arguments for the batch: a packed row (``cu_seqlens``), a padded batch
         (``attention_mask``), or one rank's share of a row laid over several ranks (``layout``, the parallel stage's:
         ``trainer.parallel.cp_layout.CPShard``; it names the attention that runs it and what that attention reads;

@@ -130,8 +130,15 @@ class Objective(ABC):
         return {"loss": loss_sum / max(counts.units, 1.0)}
 
     @abstractmethod
-    def evaluate(self, model: torch.nn.Module, dataset: TokenizedDataset, token_budget: int, device: torch.device,
-                 pad_id: int, route: Any) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        dataset: TokenizedDataset,
+        token_budget: int,
+        device: torch.device,
+        pad_id: int,
+        route: Any,
+    ) -> dict[str, Any]:
         """The held-out loss (``eval_loss``, ``eval_tokens``, ``eval_time_s``, and the objective's own)."""
 
     @abstractmethod

@@ -80,8 +80,13 @@ metrics with TRL's names (``preference_metrics`` adds ``rewards/margins``)."""
 
 
 def pair_losses(
-    policy_c: torch.Tensor, policy_r: torch.Tensor, ref_c: torch.Tensor | None, ref_r: torch.Tensor | None,
-    cfg: DPOConfig, len_c: torch.Tensor | None = None, len_r: torch.Tensor | None = None,
+    policy_c: torch.Tensor,
+    policy_r: torch.Tensor,
+    ref_c: torch.Tensor | None,
+    ref_r: torch.Tensor | None,
+    cfg: DPOConfig,
+    len_c: torch.Tensor | None = None,
+    len_r: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per pair ``[P]``: the loss, the chosen reward and the rejected reward (rewards detached). ``len_*``:
     reply tokens per sequence (``ipo`` and ``simpo`` average the log-probs over them)."""
@@ -121,7 +126,9 @@ class PairLoss:
 
     def describe(self) -> str:
         ref = "none (reference-free)" if self.reference is None else self.reference.describe()
-        return f"dpo loss={self.cfg.loss} beta={self.cfg.beta} label_smoothing={self.cfg.label_smoothing} reference={ref}"
+        return (
+            f"dpo loss={self.cfg.loss} beta={self.cfg.beta} label_smoothing={self.cfg.label_smoothing} reference={ref}"
+        )
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
         """(summed pair loss, fp32 scalar with grad; ``PAIR_SUMS`` of the batch, float64, detached). A
@@ -129,7 +136,9 @@ class PairLoss:
         ref = None if self.reference is None else self.reference.logps(batch)
         return self.from_logps(sequence_logps(model, batch), ref, batch)
 
-    def from_logps(self, logps: torch.Tensor, ref: torch.Tensor | None, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    def from_logps(
+        self, logps: torch.Tensor, ref: torch.Tensor | None, batch: Batch
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = batch.num_pairs
         if n == 0:
             return logps.sum() * 0.0, torch.zeros(len(PAIR_SUMS), dtype=torch.float64, device=logps.device)
@@ -140,10 +149,21 @@ class PairLoss:
             ref_c, ref_r = ref[0::2], ref[1::2]
         policy_c, policy_r = logps[0 : 2 * n : 2], logps[1 : 2 * n : 2]
         losses, chosen, rejected = pair_losses(policy_c, policy_r, ref_c, ref_r, self.cfg, lengths[0::2], lengths[1::2])
-        sums = torch.stack([losses.sum(), chosen.sum(), rejected.sum(), (chosen > rejected).float().sum(),
-                            policy_c.sum(), policy_r.sum()]).detach().double()
+        sums = (
+            torch.stack(
+                [
+                    losses.sum(),
+                    chosen.sum(),
+                    rejected.sum(),
+                    (chosen > rejected).float().sum(),
+                    policy_c.sum(),
+                    policy_r.sum(),
+                ]
+            )
+            .detach()
+            .double()
+        )
         return losses.sum(), sums
-
 
 
 class DPO(Objective):
@@ -172,8 +192,9 @@ class DPO(Objective):
         after the policy is sharded (a live copy is sharded the same way, ``precompute`` runs its pass now)."""
         plan = plan_reference(self.cfg.dpo, model, *run.facts, dtype=run.dtype)
         model = run.shard(model)
-        self.pair_loss.reference = plan.build(model, lambda m: run.shard(m, frozen=True), run.datasets,
-                                              run.token_budget, run.device, run.pad_id)
+        self.pair_loss.reference = plan.build(
+            model, lambda m: run.shard(m, frozen=True), run.datasets, run.token_budget, run.device, run.pad_id
+        )
         return model
 
     def units(self, batch: Batch) -> int:
@@ -197,13 +218,25 @@ class DPO(Objective):
     def check_indices(self, indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
         """Pairs are packed whole: the pieces' pairs, as many as the budget holds (``whole_pairs``)."""
         pairs = whole_pairs(indices, lengths, budget)
-        log.info("startup self-check batch: %d preference pairs, their %d sequences each checked alone (logits, reply "
-                 "log-probs, the %s's gradient)", len(pairs), 2 * len(pairs), self.check_loss().describe())
+        log.info(
+            "startup self-check batch: %d preference pairs, their %d sequences each checked alone (logits, reply "
+            "log-probs, the %s's gradient)",
+            len(pairs),
+            2 * len(pairs),
+            self.check_loss().describe(),
+        )
         return pairs
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, dataset: TokenizedDataset, token_budget: int, device: torch.device,
-                 pad_id: int = 0, route=None) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        dataset: TokenizedDataset,
+        token_budget: int,
+        device: torch.device,
+        pad_id: int = 0,
+        route=None,
+    ) -> dict[str, Any]:
         """The held-out pairs, packed and dealt like SFT eval (every rank takes part): the eval loss (mean
         pair loss) and the TRL-named metrics prefixed ``eval_``."""
         start = time.perf_counter()
@@ -217,8 +250,12 @@ class DPO(Objective):
         model.train(was_training)
         *sums, pairs, tokens = distributed.all_reduce_sum([*sums.tolist(), pairs, tokens], device)
         metrics = preference_metrics(sums, pairs, prefix="eval_")
-        return {"eval_loss": metrics.pop("eval_loss"), "eval_tokens": int(tokens),
-                "eval_time_s": time.perf_counter() - start, "preference": metrics | {"eval_pairs": int(pairs)}}
+        return {
+            "eval_loss": metrics.pop("eval_loss"),
+            "eval_tokens": int(tokens),
+            "eval_time_s": time.perf_counter() - start,
+            "preference": metrics | {"eval_pairs": int(pairs)},
+        }
 
 
 def whole_pairs(indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.ndarray:
@@ -233,7 +270,8 @@ def whole_pairs(indices: np.ndarray, lengths: np.ndarray, budget: int) -> np.nda
 
 
 class PairLossCheck:
-    """The self-check's loss of the check (``trainer.model.certification.TokenLossCheck``'s interface) for preference pairs (sequences ``2k``, ``2k + 1``)."""
+    """The self-check's loss of the check (``trainer.model.certification.TokenLossCheck``'s interface) for
+    preference pairs (sequences ``2k``, ``2k + 1``)."""
 
     group = 2
     """A pair's two sequences: their loss comes together."""

@@ -79,8 +79,10 @@ def frozen_copy(model: torch.nn.Module, dtype: torch.dtype | None = None) -> tor
     frequencies stay fp32, as in the policy). The parameters are cast as they are copied (``deepcopy``'s memo
     holds their cast copies), so setup holds the policy plus the cast copy, never two policies; tied weights
     stay tied (one memo entry per parameter object)."""
-    memo = {id(p): torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
-            for p in model.parameters()}
+    memo = {
+        id(p): torch.nn.Parameter(p.detach().to(dtype or p.dtype, copy=True), requires_grad=False)
+        for p in model.parameters()
+    }
     reference = copy.deepcopy(model, memo)
     reference.requires_grad_(False)
     return reference.eval()
@@ -134,8 +136,12 @@ def reference_fingerprint(model: torch.nn.Module, *facts: str) -> str:
 
 
 def precompute_reference(
-    model: torch.nn.Module, datasets: list[TokenizedDataset | None], fingerprint: str, token_budget: int,
-    device: torch.device, pad_id: int = 0,
+    model: torch.nn.Module,
+    datasets: list[TokenizedDataset | None],
+    fingerprint: str,
+    token_budget: int,
+    device: torch.device,
+    pad_id: int = 0,
 ) -> PrecomputedReference:
     """Every pair's reference log-probs (all base examples of the cache folder, so the held-out split is
     covered too), read from the cache or computed once by ``model`` (the starting policy, as sharded for
@@ -182,8 +188,9 @@ class ReferencePlan:
     copy: torch.nn.Module | None = None
     fingerprint: str = ""
 
-    def build(self, policy: torch.nn.Module, shard, datasets: list, token_budget: int, device: torch.device,
-              pad_id: int = 0):
+    def build(
+        self, policy: torch.nn.Module, shard, datasets: list, token_budget: int, device: torch.device, pad_id: int = 0
+    ):
         """The reference object (``None`` for simpo). ``shard(model)``: FSDP2 as the policy got it."""
         if self.kind == "copy":
             return LiveReference(shard(self.copy))

@@ -46,8 +46,15 @@ if TYPE_CHECKING:  # trainer.config imports the strategy registry from this pack
 
 
 def build_sampler(
-    lengths: np.ndarray, cfg: PackingConfig, rank: int, world_size: int, seed: int, grad_accum: int = 1,
-    oversize: str = "error", cost: TokenCost | None = None, pair_splits: np.ndarray | None = None,
+    lengths: np.ndarray,
+    cfg: PackingConfig,
+    rank: int,
+    world_size: int,
+    seed: int,
+    grad_accum: int = 1,
+    oversize: str = "error",
+    cost: TokenCost | None = None,
+    pair_splits: np.ndarray | None = None,
 ) -> MicroBatchSampler:
     """The sampler for ``cfg.strategy``; a padded baseline's batch size is matched to the packed run.
     ``oversize``: ``error`` or ``drop`` an example over the budget (tools only; see ``pack_params``);
@@ -56,8 +63,18 @@ def build_sampler(
     padded_bs = None
     if get_strategy(cfg.strategy).padded:
         padded_bs = cfg.padded_batch_size or matched_padded_batch_size(lengths, cfg, seed)
-    return MicroBatchSampler(lengths, cfg, rank, world_size, seed, padded_batch_size=padded_bs, grad_accum=grad_accum,
-                             oversize=oversize, cost=cost, pair_splits=pair_splits)
+    return MicroBatchSampler(
+        lengths,
+        cfg,
+        rank,
+        world_size,
+        seed,
+        padded_batch_size=padded_bs,
+        grad_accum=grad_accum,
+        oversize=oversize,
+        cost=cost,
+        pair_splits=pair_splits,
+    )
 
 
 __all__ = [

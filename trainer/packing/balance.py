@@ -53,14 +53,17 @@ def work_measure(balance: str | Measure, cost: TokenCost | None = None) -> Measu
         return lambda sizes: sizes * sizes
     if balance == "flops":
         if cost is None:
-            raise ValueError("packfsdp: packing.balance=flops needs the model's FLOP sizes (a TokenCost); "
-                             "pass cost= or choose packing.balance=tokens")
+            raise ValueError(
+                "packfsdp: packing.balance=flops needs the model's FLOP sizes (a TokenCost); "
+                "pass cost= or choose packing.balance=tokens"
+            )
         return cost.of
     raise ValueError(f"packfsdp: packing.balance={balance!r}; choose one of {', '.join(WORK_MEASURES)}")
 
 
-def item_work(items: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens",
-              pair_splits: np.ndarray | None = None) -> np.ndarray:
+def item_work(
+    items: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens", pair_splits: np.ndarray | None = None
+) -> np.ndarray:
     """Work of every item (example, piece, or preference pair) of a bin: the measure of each of its
     sequences, summed. A pair runs as two sequences (``pair_splits``, ``item_sequences``), so its attention
     term is ``a^2 + b^2``, not ``(a + b)^2``; any other item is one sequence (the other is 0 tokens)."""
@@ -71,21 +74,29 @@ def item_work(items: np.ndarray, lengths: np.ndarray, balance: str | Measure = "
     return measure(sequences[:, 0]) + measure(sequences[:, 1])
 
 
-def bin_weight(bin_: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens",
-               pair_splits: np.ndarray | None = None) -> int:
+def bin_weight(
+    bin_: np.ndarray, lengths: np.ndarray, balance: str | Measure = "tokens", pair_splits: np.ndarray | None = None
+) -> int:
     """Work in a bin (``item_work``): its tokens, its attention cost (sum of squared sequence lengths), ..."""
     return int(item_work(bin_, lengths, balance, pair_splits).sum())
 
 
-def bin_weights(bins: Sequence[np.ndarray], lengths: np.ndarray, balance: str | Measure = "tokens",
-                pair_splits: np.ndarray | None = None) -> np.ndarray:
+def bin_weights(
+    bins: Sequence[np.ndarray],
+    lengths: np.ndarray,
+    balance: str | Measure = "tokens",
+    pair_splits: np.ndarray | None = None,
+) -> np.ndarray:
     """``bin_weight`` of every bin, in one numpy pass (a plan over 1M examples has ~100k bins)."""
     bins = Bins.of(bins)
     return bins.segment_sums(item_work(bins.items, lengths, balance, pair_splits))
 
 
 def even_out_bins(
-    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, balance: str | Measure = "tokens",
+    bins: Sequence[np.ndarray],
+    world_size: int,
+    lengths: np.ndarray,
+    balance: str | Measure = "tokens",
     pair_splits: np.ndarray | None = None,
 ) -> tuple[Bins, int, int]:
     """Make ``len(bins)`` a multiple of ``world_size``: split the heaviest splittable bins, then add empty
@@ -111,8 +122,12 @@ def even_out_bins(
 
 
 def deal_bins(
-    bins: Sequence[np.ndarray], world_size: int, lengths: np.ndarray, rng: np.random.Generator | None,
-    balance: str | Measure = "tokens", pair_splits: np.ndarray | None = None,
+    bins: Sequence[np.ndarray],
+    world_size: int,
+    lengths: np.ndarray,
+    rng: np.random.Generator | None,
+    balance: str | Measure = "tokens",
+    pair_splits: np.ndarray | None = None,
 ) -> list[list[np.ndarray]]:
     """Rounds of ``world_size`` bins of similar weight (snake order), shuffled when ``rng`` is given."""
     order = deal_order(bin_weights(bins, lengths, balance, pair_splits), world_size, rng)

@@ -82,4 +82,3 @@ class Bins(Sequence):
             gathered = np.arange(int(counts.sum())) - np.repeat(firsts - starts, counts)
             out[full] = np.maximum.reduceat(np.asarray(per_item)[gathered], firsts)
         return out
-

@@ -132,7 +132,9 @@ class _OpenBinsByRoom:
         return np.repeat(np.asarray(ids, dtype=np.int64), [t] * (new - 1) + [last])  # never t x new items
 
 
-def _best_fit_decreasing_capped(sizes: np.ndarray, budget: int, cap: int, rng: np.random.Generator | None) -> np.ndarray:
+def _best_fit_decreasing_capped(
+    sizes: np.ndarray, budget: int, cap: int, rng: np.random.Generator | None
+) -> np.ndarray:
     """Best-fit decreasing one item at a time, for a cap on items per bin (rooms alone no longer decide).
 
     Open bins are kept by their remaining room (a stack per room some bin has, the rooms sorted), so "the

@@ -116,8 +116,9 @@ class StreamingSampler:
     Example ids are ``k * world_size + rank`` for this rank's k-th example, so they are unique over ranks.
     """
 
-    def __init__(self, stream: ExampleSource, cfg: PackingConfig, window: int, rank: int, world_size: int,
-                 fingerprint: str = "") -> None:
+    def __init__(
+        self, stream: ExampleSource, cfg: PackingConfig, window: int, rank: int, world_size: int, fingerprint: str = ""
+    ) -> None:
         self.stream, self.cfg = stream, cfg
         self.rank, self.world_size = rank, world_size
         self.packer = OnlineBestFit(cfg.token_budget, window, cfg.max_examples_per_bin)
@@ -139,9 +140,13 @@ class StreamingSampler:
         while not self.packer.full:
             if self.stream.passes > passes and not self.packer.bins_made:
                 passes = self.stream.passes  # warned once per pass, only while the first window fills
-                log.warning("data.stream.buffer=%d is more than rank %d's share of the stream (%d examples): the "
-                            "window holds repeats of the same examples; lower data.stream.buffer",
-                            self.packer.window, self.rank, self.examples_read // max(passes, 1))
+                log.warning(
+                    "data.stream.buffer=%d is more than rank %d's share of the stream (%d examples): the "
+                    "window holds repeats of the same examples; lower data.stream.buffer",
+                    self.packer.window,
+                    self.rank,
+                    self.examples_read // max(passes, 1),
+                )
             for example in self.stream.next_chunk():
                 example_id = self.examples_read * self.world_size + self.rank
                 self.waiting[example_id] = example
@@ -167,8 +172,9 @@ class StreamingSampler:
 
     def load_state_dict(self, state: dict) -> None:
         if not state.get("streaming"):
-            raise ValueError("the checkpoint was saved without data.stream.enabled; resume it with "
-                             "data.stream.enabled=false")
+            raise ValueError(
+                "the checkpoint was saved without data.stream.enabled; resume it with data.stream.enabled=false"
+            )
         if int(state["world_size"]) != self.world_size:
             raise ValueError(
                 f"a streaming run resumes on the world size it was saved on ({state['world_size']} rank(s), "

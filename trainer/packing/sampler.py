@@ -182,14 +182,22 @@ class MicroBatchSampler:
         if s.skipped_empty or s.dropped_oversize:
             log.warning(
                 "packing epoch %d: skipped %d empty example(s); dropped %d example(s) (%d tokens) longer than "
-                "the budget %d", epoch, s.skipped_empty, s.dropped_oversize, s.dropped_oversize_tokens, s.budget,
+                "the budget %d",
+                epoch,
+                s.skipped_empty,
+                s.dropped_oversize,
+                s.dropped_oversize_tokens,
+                s.budget,
             )
         if plan.splits or plan.filler_microbatches:
             # Splitting a bin moves no data; an empty micro-batch is wasted work, so it is a warning.
             log.log(
                 logging.WARNING if plan.filler_microbatches else logging.INFO,
                 "packing epoch %d: %d bins split and %d empty micro-batches added so every rank runs %d",
-                epoch, plan.splits, plan.filler_microbatches, plan.microbatches_per_rank,
+                epoch,
+                plan.splits,
+                plan.filler_microbatches,
+                plan.microbatches_per_rank,
             )
         if epoch == 0:
             report = self.balance_report(epoch)
@@ -201,8 +209,14 @@ class MicroBatchSampler:
             log.info(
                 "packing %s: %d examples -> %d micro-batches per rank x %d ranks (%s); "
                 "rank skew (%s per step) %.2f%%, worst step %.2f%%",
-                s.strategy, s.examples, plan.microbatches_per_rank, plan.world_size, fill,
-                self.cfg.balance, 100 * report["skew"], 100 * report["worst_step_skew"],
+                s.strategy,
+                s.examples,
+                plan.microbatches_per_rank,
+                plan.world_size,
+                fill,
+                self.cfg.balance,
+                100 * report["skew"],
+                100 * report["worst_step_skew"],
             )
 
     def balance_report(self, epoch: int = 0, weight=None) -> dict[str, float]:
@@ -271,7 +285,10 @@ class MicroBatchSampler:
             self.lineage, self.next_index = lineage + [(saved_world, consumed)], 0
             log.info(
                 "sampler: resuming epoch %d on %d ranks after %d micro-batches on %d; re-dealing the remaining bins",
-                self.epoch, self.world_size, consumed, saved_world,
+                self.epoch,
+                self.world_size,
+                consumed,
+                saved_world,
             )
         self._cache, self._logged = None, set()
 

@@ -168,8 +168,12 @@ class PackStats:
         return self.positions / self.bin_tokens - 1 if self.bin_tokens else 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self) | {"lower_bound": self.lower_bound, "fill": self.fill, "efficiency": self.efficiency,
-                               "padding_overhead": self.padding_overhead}
+        return asdict(self) | {
+            "lower_bound": self.lower_bound,
+            "fill": self.fill,
+            "efficiency": self.efficiency,
+            "padding_overhead": self.padding_overhead,
+        }
 
 
 @dataclass
@@ -208,7 +212,9 @@ def register_strategy(name: str, description: str = ""):
     kind = PACKING_STRATEGIES[name]
 
     def wrap(fn: BuildFn) -> BuildFn:
-        STRATEGIES[name] = Strategy(name, fn, kind.padded, kind.splits, description or (fn.__doc__ or "").split("\n")[0])
+        STRATEGIES[name] = Strategy(
+            name, fn, kind.padded, kind.splits, description or (fn.__doc__ or "").split("\n")[0]
+        )
         return fn
 
     return wrap
@@ -233,7 +239,10 @@ def check_params(strategy: Strategy, params: PackParams) -> None:
 
 
 def pack(
-    lengths: np.ndarray, strategy: str, params: PackParams, rng: np.random.Generator | None = None,
+    lengths: np.ndarray,
+    strategy: str,
+    params: PackParams,
+    rng: np.random.Generator | None = None,
     pair_splits: np.ndarray | None = None,
 ) -> PackResult:
     """Group examples of ``lengths`` tokens into bins with ``strategy``; skips and drops are counted.

@@ -18,6 +18,12 @@ from trainer.parallel.fsdp import (
 from trainer.parallel.route import ContextParallelRoute, Route, build_route
 
 __all__ = [
-    "ContextParallelRoute", "Route", "apply_activation_checkpointing", "apply_compile", "build_mesh", "build_route",
-    "parallelize", "set_gradient_sync",
+    "ContextParallelRoute",
+    "Route",
+    "apply_activation_checkpointing",
+    "apply_compile",
+    "build_mesh",
+    "build_route",
+    "parallelize",
+    "set_gradient_sync",
 ]

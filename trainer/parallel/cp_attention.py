@@ -63,15 +63,17 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
     softcap = kwargs.get("softcap")
     k_all, v_all = gather_tokens(key, group), gather_tokens(value, group)
     if kernel == "flex":
-        return flex_query_runs(query, k_all, v_all, shard.doc_q, shard.pos_q, shard.doc_all, shard.pos_all, scaling,
-                               window, softcap), None
+        return flex_query_runs(
+            query, k_all, v_all, shard.doc_q, shard.pos_q, shard.doc_all, shard.pos_all, scaling, window, softcap
+        ), None
     k_runs, v_runs = k_all.index_select(2, shard.key_index), v_all.index_select(2, shard.key_index)
     cq, ck = shard.cu_seqlens_q, shard.cu_seqlens_k
     if kernel in ("sdpa_varlen", "sdpa_block_mask"):
         return sdpa_query_runs(query, k_runs, v_runs, cq, ck, scaling, dropout, window, softcap), None
     if kernel == "flash_attn":
-        return flash_attn_query_runs(query, k_runs, v_runs, cq, ck, shard.max_q, shard.max_k, scaling, dropout, window,
-                                     softcap), None
+        return flash_attn_query_runs(
+            query, k_runs, v_runs, cq, ck, shard.max_q, shard.max_k, scaling, dropout, window, softcap
+        ), None
     if kernel == "torch_varlen":
         return torch_varlen_query_runs(query, k_runs, v_runs, cq, ck, shard.max_q, shard.max_k, scaling, window), None
     raise ValueError(f"packfsdp: no context-parallel path for attention backend {kernel!r}")

@@ -126,8 +126,14 @@ class CPShard:
         return {"cp_shard": self, "cp_group": self.group, "cp_kernel": self.kernel}
 
     def to(self, device: torch.device) -> CPShard:
-        return dataclasses.replace(self, **{f.name: getattr(self, f.name).to(device) for f in dataclasses.fields(self)
-                                            if isinstance(getattr(self, f.name), torch.Tensor)})
+        return dataclasses.replace(
+            self,
+            **{
+                f.name: getattr(self, f.name).to(device)
+                for f in dataclasses.fields(self)
+                if isinstance(getattr(self, f.name), torch.Tensor)
+            },
+        )
 
 
 def plan_shards(cu_seqlens: list[int], cp: int, split: str) -> list[CPShard]:
@@ -163,17 +169,24 @@ def plan_shards(cu_seqlens: list[int], cp: int, split: str) -> list[CPShard]:
             keys.append(r * slots + np.arange(len(h), slots))
         lens_q = np.diff(runs_q)
         lens_k = [len(x) for x in keys]
-        shards.append(CPShard(
-            index=torch.from_numpy(index[r].copy()),
-            cu_seqlens_q=torch.tensor(runs_q, dtype=torch.int32),
-            key_index=torch.from_numpy(np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)),
-            cu_seqlens_k=torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32),
-            max_q=int(max(lens_q, default=1)), max_k=int(max(lens_k, default=1)),
-            doc_q=torch.from_numpy(doc_all[r].copy()), pos_q=torch.from_numpy(np.asarray(pos_all[r]).copy()),
-            doc_all=torch.from_numpy(doc_all.reshape(-1).copy()),
-            pos_all=torch.from_numpy(np.asarray(pos_all).reshape(-1).copy()),
-            slots=slots, cp=cp, rank=r, pairs=float((pos_all[r][index[r] >= 0] + 1).sum()),
-        ))
+        shards.append(
+            CPShard(
+                index=torch.from_numpy(index[r].copy()),
+                cu_seqlens_q=torch.tensor(runs_q, dtype=torch.int32),
+                key_index=torch.from_numpy(np.concatenate(keys) if keys else np.zeros(0, dtype=np.int64)),
+                cu_seqlens_k=torch.tensor(np.concatenate([[0], np.cumsum(lens_k)]), dtype=torch.int32),
+                max_q=int(max(lens_q, default=1)),
+                max_k=int(max(lens_k, default=1)),
+                doc_q=torch.from_numpy(doc_all[r].copy()),
+                pos_q=torch.from_numpy(np.asarray(pos_all[r]).copy()),
+                doc_all=torch.from_numpy(doc_all.reshape(-1).copy()),
+                pos_all=torch.from_numpy(np.asarray(pos_all).reshape(-1).copy()),
+                slots=slots,
+                cp=cp,
+                rank=r,
+                pairs=float((pos_all[r][index[r] >= 0] + 1).sum()),
+            )
+        )
     return shards
 
 

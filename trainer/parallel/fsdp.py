@@ -124,7 +124,9 @@ def parallelize(model: VarlenCausalLM, mesh: DeviceMesh, cfg: ParallelConfig, fr
         # The last block's parameters are needed right away in backward: keep them gathered.
         reshard = cfg.reshard_after_forward and i < len(layers) - 1
         fully_shard(layer, mesh=mesh, mp_policy=block_mp, offload_policy=offload, reshard_after_forward=reshard)
-    fully_shard(model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward)
+    fully_shard(
+        model, mesh=mesh, mp_policy=root_mp, offload_policy=offload, reshard_after_forward=cfg.reshard_after_forward
+    )
     for method in model.FORWARD_METHODS:  # the wrapper's other passes (token loss, log-probs, ...) are forwards too
         register_fsdp_forward_method(model, method)
     for module in model.modules():
@@ -135,9 +137,18 @@ def parallelize(model: VarlenCausalLM, mesh: DeviceMesh, cfg: ParallelConfig, fr
     log.info(
         "%s over %s ranks (%s): %d blocks + root | params %s, reduce %s, output %s | reshard_after_forward=%s | "
         "activation checkpointing on %d/%d blocks | cpu_offload=%s | compile=%s",
-        "HSDP" if mesh.ndim == 2 else "FSDP2", shape, ",".join(mesh.mesh_dim_names or ()), len(layers),
-        cfg.param_dtype, cfg.reduce_dtype, cfg.output_dtype or "unchanged", cfg.reshard_after_forward,
-        len(ac_ids), len(layers), cfg.cpu_offload, cfg.compile_backend if cfg.compile else False,
+        "HSDP" if mesh.ndim == 2 else "FSDP2",
+        shape,
+        ",".join(mesh.mesh_dim_names or ()),
+        len(layers),
+        cfg.param_dtype,
+        cfg.reduce_dtype,
+        cfg.output_dtype or "unchanged",
+        cfg.reshard_after_forward,
+        len(ac_ids),
+        len(layers),
+        cfg.cpu_offload,
+        cfg.compile_backend if cfg.compile else False,
     )
     return model
 

@@ -88,7 +88,9 @@ class CPRoute:
     group's logits come back in row order (this rank's own part differentiable, so its backward gives this
     rank's share of the gradient) and the gradient projections are summed over the group."""
 
-    def __init__(self, model: torch.nn.Module, cp: int, rank: int, split: str, group, kernel: str = "sdpa_varlen") -> None:
+    def __init__(
+        self, model: torch.nn.Module, cp: int, rank: int, split: str, group, kernel: str = "sdpa_varlen"
+    ) -> None:
         self.model, self.cp, self.rank, self.split, self.group, self.kernel = model, cp, rank, split, group, kernel
 
     def __str__(self) -> str:
@@ -162,8 +164,15 @@ class ContextParallelRoute(Route):
     """``parallel.cp = C > 1``: a row is the CP group's (ranks ``g*C .. g*C + C - 1``), each rank runs its shard
     (``shard_batch``), the attention gathers the row's keys over the group (``cp_attention``)."""
 
-    def __init__(self, cp: int, split: str, rank: int | None = None, world_size: int | None = None, group=None,
-                 kernel: str = "sdpa_varlen") -> None:
+    def __init__(
+        self,
+        cp: int,
+        split: str,
+        rank: int | None = None,
+        world_size: int | None = None,
+        group=None,
+        kernel: str = "sdpa_varlen",
+    ) -> None:
         super().__init__(rank, world_size)
         self.cp, self.split = cp, split
         self.group = group
@@ -190,10 +199,16 @@ class ContextParallelRoute(Route):
         self.group = new_cp_group(self.world_size, self.cp, self.rank)
         self.kernel = model.backend.name
         rows = [row_lengths(b, sampler.lengths) for round_ in sampler.plan(0).rounds[:64] for b in round_]
-        log.info("context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
-                 "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%", self.cp, self.split,
-                 self.dp_size, sampler.params.budget, 100 * split_skew(rows, self.cp, "contiguous"),
-                 100 * split_skew(rows, self.cp, "balanced"))
+        log.info(
+            "context parallel: cp=%d (%s split), %d data-parallel group(s), rows of %d tokens; attention-cost "
+            "skew across the group (first 64 rounds): contiguous %.1f%%, balanced %.1f%%",
+            self.cp,
+            self.split,
+            self.dp_size,
+            sampler.params.budget,
+            100 * split_skew(rows, self.cp, "contiguous"),
+            100 * split_skew(rows, self.cp, "balanced"),
+        )
 
     def local(self, batch: Batch) -> Batch:
         return shard_batch(batch, self.cp, self.rank % self.cp, self.split, self.group, self.kernel)

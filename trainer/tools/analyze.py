@@ -48,8 +48,10 @@ def text_histogram(lengths: np.ndarray, buckets: int = 16, width: int = 50) -> l
     edges = np.linspace(0, int(lengths.max()) + 1, buckets + 1).round().astype(int)
     counts, _ = np.histogram(lengths, bins=edges)
     top = max(int(counts.max()), 1)
-    return [f"  {lo:>6}-{hi - 1:<6} {c:>8}  {'#' * math.ceil(width * c / top) if c else ''}"
-            for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True)]
+    return [
+        f"  {lo:>6}-{hi - 1:<6} {c:>8}  {'#' * math.ceil(width * c / top) if c else ''}"
+        for lo, hi, c in zip(edges[:-1], edges[1:], counts, strict=True)
+    ]
 
 
 def draw_histogram(lengths: np.ndarray, budget: int, title: str, path: Path) -> None:
@@ -86,29 +88,53 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
         f"{int(dataset.label_counts().sum())} label tokens",
         f"lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
         f"max {lengths.max()} | token budget {budget} | lower bound ceil({total}/{budget}) = {lower} bins",
-        "", "length histogram (tokens: examples)", *text_histogram(lengths), "",
+        "",
+        "length histogram (tokens: examples)",
+        *text_histogram(lengths),
+        "",
         f"padded batching at the recipe's batch size ({batch_size} "
         f"{'examples' if pair_splits is None else f'pairs ({2 * batch_size} rows)'} per micro-batch, "
         f"{'set' if cfg.packing.padded_batch_size else 'matched to the packed run'}):",
     ]
     if pair_splits is not None:
-        lines[-1:-1] = [f"the examples are preference pairs: {2 * len(lengths)} sequences, each its own segment "
-                        "(packed) or row (padded); strategies that cut examples are not shown (a pair is packed whole)", ""]
-    figures: dict = {"examples": len(lengths), "tokens": total, "lower_bound": lower, "batch_size": batch_size,
-                     "strategies": {}}
-    rows = [f"  {'strategy':<10} {'micro-batches':>13} {'fill':>8} {'vs bound':>9} {'positions':>11} "
-            f"{'pad overhead':>12} {'pos/token':>9} " + " ".join(f"{'skew@' + str(w):>8}" for w in world_sizes)]
+        lines[-1:-1] = [
+            f"the examples are preference pairs: {2 * len(lengths)} sequences, each its own segment "
+            "(packed) or row (padded); strategies that cut examples are not shown (a pair is packed whole)",
+            "",
+        ]
+    figures: dict = {
+        "examples": len(lengths),
+        "tokens": total,
+        "lower_bound": lower,
+        "batch_size": batch_size,
+        "strategies": {},
+    }
+    rows = [
+        f"  {'strategy':<10} {'micro-batches':>13} {'fill':>8} {'vs bound':>9} {'positions':>11} "
+        f"{'pad overhead':>12} {'pos/token':>9} " + " ".join(f"{'skew@' + str(w):>8}" for w in world_sizes)
+    ]
     # a pair is packed whole: the strategies that cut examples are refused for pairs (JobConfig), so not shown
     names = [n for n in STRATEGIES if pair_splits is None or not STRATEGIES[n].splits]
     for name in names:
         pcfg = replace(cfg.packing, strategy=name)  # the report's lengths may exceed the budget: drop, counted
-        result = pack(lengths, name, pack_params(pcfg, batch_size, "drop"), np.random.default_rng([seed, 0, 0]),
-                      pair_splits)
+        result = pack(
+            lengths, name, pack_params(pcfg, batch_size, "drop"), np.random.default_rng([seed, 0, 0]), pair_splits
+        )
         s = result.stats
         skews, worst = [], []
         for w in world_sizes:
-            sampler = MicroBatchSampler(lengths, pcfg, 0, w, seed, padded_batch_size=batch_size,
-                                        grad_accum=cfg.grad_accum, oversize="drop", cost=cost, pair_splits=pair_splits)
+            sampler = MicroBatchSampler(
+                lengths,
+                pcfg,
+                0,
+                w,
+                seed,
+                padded_batch_size=batch_size,
+                grad_accum=cfg.grad_accum,
+                oversize="drop",
+                cost=cost,
+                pair_splits=pair_splits,
+            )
             balance = sampler.balance_report(0, weight=useful)
             skews.append(balance["skew"])
             worst.append(balance["worst_step_skew"])
@@ -120,15 +146,18 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
             f"{100 * s.padding_overhead:>11.1f}% {s.positions / total:>9.2f} "
             + " ".join(f"{100 * k:>7.2f}%" for k in skews)
         )
-        figures["strategies"][name] = s.as_dict() | {"skew": dict(zip(world_sizes, skews, strict=True)),
-                                                     "worst_step_skew": dict(zip(world_sizes, worst, strict=True))}
+        figures["strategies"][name] = s.as_dict() | {
+            "skew": dict(zip(world_sizes, skews, strict=True)),
+            "worst_step_skew": dict(zip(world_sizes, worst, strict=True)),
+        }
     lines += rows + mixture_lines(dataset, cfg, figures)
     figures["max_speedup"] = figures["strategies"]["none"]["positions"] / total
     lines += [
         "",
         "fill = real tokens / (micro-batches x budget); vs bound = lower bound / micro-batches (100% is optimal);",
         "positions = what the model computes (padded: rows x longest row"
-        + ("; a pair is two rows, one per sequence" if pair_splits is not None else "") + "); pos/token = positions / real tokens;",
+        + ("; a pair is two rows, one per sequence" if pair_splits is not None else "")
+        + "); pos/token = positions / real tokens;",
         f"skew@W = sum over steps of the busiest rank's useful tokens / sum of the mean, minus 1, over W ranks"
         f" (grad_accum {cfg.grad_accum}); the worst single step (bfd: "
         + ", ".join(f"{100 * k:.1f}% @{w}" for w, k in figures["strategies"]["bfd"]["worst_step_skew"].items())
@@ -176,8 +205,10 @@ def run(argv: list[str]) -> dict:
     logging.getLogger("trainer.packing").setLevel(logging.WARNING)  # the report prints its own figures
     cfg = compose_job_config(overrides)
     if cfg.data.stream.enabled:
-        raise ConfigError("analyze reports on the whole dataset, which a stream never holds; run it without "
-                          "data.stream.enabled (benchmarks/stream_fill.py measures the online packing's fill)")
+        raise ConfigError(
+            "analyze reports on the whole dataset, which a stream never holds; run it without "
+            "data.stream.enabled (benchmarks/stream_fill.py measures the online packing's fill)"
+        )
     data = build_training_data(cfg)
     dataset = data.dataset
     lines, figures = packing_report(dataset, cfg, worlds, data.sampler.cost)

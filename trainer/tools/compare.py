@@ -65,10 +65,15 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
         epilog="Everything else is a Hydra override for both runs, e.g. recipe=cpu_dailydialog max_steps=40.",
     )
     parser.add_argument("--nproc", type=int, default=int(os.environ.get("NPROC", 2)), help="ranks per run")
-    parser.add_argument("--out", type=Path, default=None, help="compare directory (default outputs/<recipe>/compare-<time>)")
+    parser.add_argument(
+        "--out", type=Path, default=None, help="compare directory (default outputs/<recipe>/compare-<time>)"
+    )
     parser.add_argument("--report-only", type=Path, default=None, metavar="DIR", help="rebuild the report of DIR")
-    parser.add_argument("--variability", action="store_true",
-                        help="also measure the speedup vs length variability (packfsdp variability) into the same directory")
+    parser.add_argument(
+        "--variability",
+        action="store_true",
+        help="also measure the speedup vs length variability (packfsdp variability) into the same directory",
+    )
     parser.add_argument("--publish", type=Path, default=None, metavar="DIR", help="copy report.md and plots to DIR")
     args, overrides = parser.parse_known_args(argv)
     for o in overrides:
@@ -104,8 +109,16 @@ def run_both(overrides: list[str], nproc: int, out: Path) -> None:
         else:
             os.environ["WORLD_SIZE"] = saved_world
     for name, run_overrides in runs.items():
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "trainer.train", *run_overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            "trainer.train",
+            *run_overrides,
+        ]
         print(f"== compare: {name} run: {' '.join(cmd[1:])}", flush=True)
         rc = subprocess.run(cmd, env=env).returncode
         if rc != 0:
@@ -121,8 +134,11 @@ def load_summary(run_dir: Path) -> dict:
     config_path = run_dir / "config.yaml"
     config = yaml.safe_load(config_path.read_text()) if config_path.is_file() else {}
     parallel, model = config.get("parallel") or {}, config.get("model") or {}
-    setup = {"param_dtype": parallel.get("param_dtype"), "reduce_dtype": parallel.get("reduce_dtype"),
-             "attention": model.get("attention")}
+    setup = {
+        "param_dtype": parallel.get("param_dtype"),
+        "reduce_dtype": parallel.get("reduce_dtype"),
+        "attention": model.get("attention"),
+    }
     return json.loads(summary_path.read_text()) | {"setup": setup}
 
 
@@ -144,10 +160,14 @@ def machine() -> dict:
     except (AttributeError, RuntimeError):
         native_bf16 = None
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()  # this process's
-    return {"cpu": field("model name") or platform.processor() or "unknown", "cores": cores,
-            "cpu_flags": [f for f in CPU_FLAGS if f in field("flags").split()],
-            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "bf16_native": native_bf16,
-            "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ}}
+    return {
+        "cpu": field("model name") or platform.processor() or "unknown",
+        "cores": cores,
+        "cpu_flags": [f for f in CPU_FLAGS if f in field("flags").split()],
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "bf16_native": native_bf16,
+        "isa_env": {k: os.environ[k] for k in ISA_ENV if k in os.environ},
+    }
 
 
 def versions() -> dict[str, str]:
@@ -159,12 +179,22 @@ def versions() -> dict[str, str]:
     except PackageNotFoundError:
         packfsdp = "source tree"
     try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                                text=True, timeout=10).stdout.strip() or "unknown"
+        commit = (
+            subprocess.run(
+                ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+            or "unknown"
+        )
     except (OSError, subprocess.SubprocessError):  # no git, or not a checkout
         commit = "unknown"
-    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-            "packfsdp": packfsdp, "git_commit": commit, "platform": platform.platform()}
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "packfsdp": packfsdp,
+        "git_commit": commit,
+        "platform": platform.platform(),
+    }
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -218,7 +248,10 @@ def build_report(
             # The loss of predicting every token by its frequency in the training set: learning goes below it.
             "unigram_entropy": packed.get("unigram_entropy"),
             "eval_loss_below_unigram": _diff(packed.get("unigram_entropy"), packed.get("final_eval_loss")),
-            "held_out_reward_accuracy": {"packed": packed.get(HELD_OUT_ACCURACY), "padded": padded.get(HELD_OUT_ACCURACY)},
+            "held_out_reward_accuracy": {
+                "packed": packed.get(HELD_OUT_ACCURACY),
+                "padded": padded.get(HELD_OUT_ACCURACY),
+            },
         },
         "versions": versions(),
         "created": datetime.now().isoformat(timespec="seconds"),
@@ -240,28 +273,85 @@ def comparison_table(report: dict) -> str:
     p, q = report["runs"]["padded"], report["runs"]["packed"]
     c = report["comparison"]
     rows = [
-        ("useful tokens/s", _fmt(p["useful_tokens_per_s"], ",.0f"), _fmt(q["useful_tokens_per_s"], ",.0f"),
-         _fmt(c["useful_tokens_per_s_ratio"], ".2f", suffix="x")),
-        ("padding limit (padded / packed positions per token)", "", "",
-         _fmt(c.get("padding_limit"), ".2f", suffix="x")),
-        ("padding fraction", _fmt(p["padding_fraction"], ".1f", 100, "%"), _fmt(q["padding_fraction"], ".1f", 100, "%"), ""),
-        ("positions saved vs padding the same examples", _fmt(p.get("padding_saved_fraction"), ".1f", 100, "%"),
-         _fmt(q.get("padding_saved_fraction"), ".1f", 100, "%"), ""),
-        ("mean step time", _fmt(p["mean_step_time_s"], ".0f", 1000, " ms"), _fmt(q["mean_step_time_s"], ".0f", 1000, " ms"),
-         _fmt(c["step_time_ratio"], ".2f", suffix="x")),
+        (
+            "useful tokens/s",
+            _fmt(p["useful_tokens_per_s"], ",.0f"),
+            _fmt(q["useful_tokens_per_s"], ",.0f"),
+            _fmt(c["useful_tokens_per_s_ratio"], ".2f", suffix="x"),
+        ),
+        (
+            "padding limit (padded / packed positions per token)",
+            "",
+            "",
+            _fmt(c.get("padding_limit"), ".2f", suffix="x"),
+        ),
+        (
+            "padding fraction",
+            _fmt(p["padding_fraction"], ".1f", 100, "%"),
+            _fmt(q["padding_fraction"], ".1f", 100, "%"),
+            "",
+        ),
+        (
+            "positions saved vs padding the same examples",
+            _fmt(p.get("padding_saved_fraction"), ".1f", 100, "%"),
+            _fmt(q.get("padding_saved_fraction"), ".1f", 100, "%"),
+            "",
+        ),
+        (
+            "mean step time",
+            _fmt(p["mean_step_time_s"], ".0f", 1000, " ms"),
+            _fmt(q["mean_step_time_s"], ".0f", 1000, " ms"),
+            _fmt(c["step_time_ratio"], ".2f", suffix="x"),
+        ),
         ("peak memory (GiB)", _fmt(p["peak_mem_gib"], ".2f"), _fmt(q["peak_mem_gib"], ".2f"), ""),
-        ("final train loss", _fmt(p["final_loss"], ".4f"), _fmt(q["final_loss"], ".4f"), _fmt(c["final_train_loss_diff"], "+.4f")),
-        *([("final train token loss", _fmt(p.get("final_token_loss"), ".4f"), _fmt(q.get("final_token_loss"), ".4f"),
-            _fmt(_diff(q.get("final_token_loss"), p.get("final_token_loss")), "+.4f")),
-           ("final router aux loss (MoE)", _fmt(p.get("final_aux_loss"), ".4f"), _fmt(q.get("final_aux_loss"), ".4f"),
-            _fmt(c.get("final_aux_loss_diff"), "+.4f"))] if q.get("final_aux_loss") is not None else []),
-        ("final eval loss (held out)", _fmt(p.get("final_eval_loss"), ".4f"), _fmt(q.get("final_eval_loss"), ".4f"),
-         _fmt(c["final_eval_loss_diff"], "+.4f")),
-        *([("held-out reward accuracy (dpo)", _fmt(p.get(HELD_OUT_ACCURACY), ".3f"), _fmt(q.get(HELD_OUT_ACCURACY), ".3f"), "")]
-          if q.get(HELD_OUT_ACCURACY) is not None else []),
+        (
+            "final train loss",
+            _fmt(p["final_loss"], ".4f"),
+            _fmt(q["final_loss"], ".4f"),
+            _fmt(c["final_train_loss_diff"], "+.4f"),
+        ),
+        *(
+            [
+                (
+                    "final train token loss",
+                    _fmt(p.get("final_token_loss"), ".4f"),
+                    _fmt(q.get("final_token_loss"), ".4f"),
+                    _fmt(_diff(q.get("final_token_loss"), p.get("final_token_loss")), "+.4f"),
+                ),
+                (
+                    "final router aux loss (MoE)",
+                    _fmt(p.get("final_aux_loss"), ".4f"),
+                    _fmt(q.get("final_aux_loss"), ".4f"),
+                    _fmt(c.get("final_aux_loss_diff"), "+.4f"),
+                ),
+            ]
+            if q.get("final_aux_loss") is not None
+            else []
+        ),
+        (
+            "final eval loss (held out)",
+            _fmt(p.get("final_eval_loss"), ".4f"),
+            _fmt(q.get("final_eval_loss"), ".4f"),
+            _fmt(c["final_eval_loss_diff"], "+.4f"),
+        ),
+        *(
+            [
+                (
+                    "held-out reward accuracy (dpo)",
+                    _fmt(p.get(HELD_OUT_ACCURACY), ".3f"),
+                    _fmt(q.get(HELD_OUT_ACCURACY), ".3f"),
+                    "",
+                )
+            ]
+            if q.get(HELD_OUT_ACCURACY) is not None
+            else []
+        ),
         ("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), ""),
-        *([("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), "")]
-          if _known(p.get("mfu")) or _known(q.get("mfu")) else []),  # no known peak (a CPU): not shown
+        *(
+            [("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), "")]
+            if _known(p.get("mfu")) or _known(q.get("mfu"))
+            else []
+        ),  # no known peak (a CPU): not shown
         ("attention", f"`{p['attention']}`", f"`{q['attention']}`", ""),
         ("loss implementation", f"`{p.get('loss_impl', 'n/a')}`", f"`{q.get('loss_impl', 'n/a')}`", ""),
         ("compile", f"`{p.get('compile', 'n/a')}`", f"`{q.get('compile', 'n/a')}`", ""),
@@ -277,10 +367,12 @@ def learning_line(report: dict) -> list[str]:
     if not _known(c.get("eval_loss_below_unigram")):
         return []
     gap = c["eval_loss_below_unigram"]
-    return [f"Held-out loss {_fmt(q.get('final_eval_loss'), '.3f')} packed, {_fmt(p.get('final_eval_loss'), '.3f')} "
-            f"padded: {abs(gap):.2f} nats {'below' if gap >= 0 else 'above'} the unigram entropy of the training "
-            f"tokens, {_fmt(c['unigram_entropy'], '.3f')} nats (the loss of predicting every token by its frequency "
-            "alone; the dashed line of the loss plot)."]
+    return [
+        f"Held-out loss {_fmt(q.get('final_eval_loss'), '.3f')} packed, {_fmt(p.get('final_eval_loss'), '.3f')} "
+        f"padded: {abs(gap):.2f} nats {'below' if gap >= 0 else 'above'} the unigram entropy of the training "
+        f"tokens, {_fmt(c['unigram_entropy'], '.3f')} nats (the loss of predicting every token by its frequency "
+        "alone; the dashed line of the loss plot)."
+    ]
 
 
 def setup_lines(report: dict) -> list[str]:
@@ -288,24 +380,37 @@ def setup_lines(report: dict) -> list[str]:
     q, p, m = report["runs"]["packed"], report["runs"]["padded"], report.get("machine") or {}
     setup = q.get("setup") or {}
     compute, device = setup.get("param_dtype"), q.get("device")
-    precision = (f"Mixed precision (FSDP2): compute in {compute}, gradients reduced in {setup.get('reduce_dtype')} "
-                 "(`parallel.param_dtype`, `parallel.reduce_dtype`).")
+    precision = (
+        f"Mixed precision (FSDP2): compute in {compute}, gradients reduced in {setup.get('reduce_dtype')} "
+        "(`parallel.param_dtype`, `parallel.reduce_dtype`)."
+    )
     if device == "cpu" and compute == "bfloat16" and m.get("bf16_native") is False:
-        precision += (" **This CPU has no native bf16: its bf16 matmuls are emulated, tens of times slower than "
-                      "float32** (`parallel=fsdp_fp32` computes in float32).")
+        precision += (
+            " **This CPU has no native bf16: its bf16 matmuls are emulated, tens of times slower than "
+            "float32** (`parallel=fsdp_fp32` computes in float32)."
+        )
     elif device == "cpu":
         native = {True: "has", False: "lacks"}.get(m.get("bf16_native"), "may lack")
-        precision += (f" On a CPU, bf16 matmuls are native only with AVX-512 BF16 or AMX, which this one {native}; "
-                      "why a recipe picks its policy: docs/measuring.md, mixed precision on a CPU.")
+        precision += (
+            f" On a CPU, bf16 matmuls are native only with AVX-512 BF16 or AMX, which this one {native}; "
+            "why a recipe picks its policy: docs/measuring.md, mixed precision on a CPU."
+        )
     requested = setup.get("attention")
-    why = (f"`model.attention=auto` takes the first of {', '.join(ATTENTION_BACKENDS)} that can run on {device} "
-           f"in {compute} for this model" if requested == "auto" else f"named by `model.attention={requested}`")
-    attention = (f"Attention: packed `{q.get('attention')}` ({why}); padded `{p.get('attention')}` (SDPA with a "
-                 "padding mask).")
+    why = (
+        f"`model.attention=auto` takes the first of {', '.join(ATTENTION_BACKENDS)} that can run on {device} "
+        f"in {compute} for this model"
+        if requested == "auto"
+        else f"named by `model.attention={requested}`"
+    )
+    attention = (
+        f"Attention: packed `{q.get('attention')}` ({why}); padded `{p.get('attention')}` (SDPA with a padding mask)."
+    )
     flags = " ".join(m.get("cpu_flags") or []) or "none of " + " ".join(CPU_FLAGS)
     caps = "".join(f"; {k}={v}" for k, v in (m.get("isa_env") or {}).items())
-    cpu = (f"CPU: {m.get('cpu', 'unknown')}, {m.get('cores')} cores, flags {flags}; torch CPU capability "
-           f"{m.get('torch_cpu_capability')}; native bf16 (oneDNN): {m.get('bf16_native')}{caps}.")
+    cpu = (
+        f"CPU: {m.get('cpu', 'unknown')}, {m.get('cores')} cores, flags {flags}; torch CPU capability "
+        f"{m.get('torch_cpu_capability')}; native bf16 (oneDNN): {m.get('bf16_native')}{caps}."
+    )
     certified = q.get("certification")  # the packed run's certification (trainer.model.certification)
     return [precision, attention, cpu, *([f"Packed run {certified['line']}."] if certified else [])]
 
@@ -316,39 +421,54 @@ def render_markdown(report: dict) -> str:
     v = report["versions"]
     parity = c["eval_loss_within_tolerance"]
     verdict = "n/a (no eval)" if parity is None else ("yes" if parity else "**no**")
-    return "\n".join([
-        "# packfsdp: packed vs padded",
-        "",
-        f"`{report['command']}` on {report['world_size']} rank(s), device {report['device']}; "
-        f"{q.get('steps')} steps each, throughput averaged over the last {q.get('steps_averaged')}.",
-        "",
-        comparison_table(report),
-        "",
-        f"Packed makes {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x the useful tokens/s of the padded "
-        f"baseline; the padding limit on these lengths is {_fmt(c.get('padding_limit'), '.2f')}x "
-        "(the padded run computes that many positions per real token for each the packed run computes).",
-        "",
-        *learning_line(report),
-        f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
-        "",
-        *([] if c.get("same_per_token_setup", True) else [
-            "**Warning: the two runs used a different loss implementation or compile mode**, so the ratio "
-            "measures more than packing.", ""]),
-        *([] if c.get("same_data", True) else [
-            "**Warning: the two runs did not train on the same examples** (dataset statistics differ: a "
-            "splitting strategy keeps examples the padded run truncated to the token budget).", ""]),
-        *(f"- {line}" for line in setup_lines(report)),
-        f"- MFU: model FLOPs on real tokens (6N per token + causal attention) over {q.get('peak_tflops_source')} "
-        f"({_fmt(q.get('peak_tflops_per_device'), '.3f')} TFLOP/s per device)." if _known(q.get("mfu"))
-        else f"- MFU: not shown ({q.get('peak_tflops_source')}).",
-        "",
-        "![loss](loss.png)",
-        "![useful tokens/s](throughput.png)",
-        "",
-        f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
-        f"packfsdp {v['packfsdp']} ({v['git_commit']}), {v['platform']}.",
-        "",
-    ])
+    return "\n".join(
+        [
+            "# packfsdp: packed vs padded",
+            "",
+            f"`{report['command']}` on {report['world_size']} rank(s), device {report['device']}; "
+            f"{q.get('steps')} steps each, throughput averaged over the last {q.get('steps_averaged')}.",
+            "",
+            comparison_table(report),
+            "",
+            f"Packed makes {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x the useful tokens/s of the padded "
+            f"baseline; the padding limit on these lengths is {_fmt(c.get('padding_limit'), '.2f')}x "
+            "(the padded run computes that many positions per real token for each the packed run computes).",
+            "",
+            *learning_line(report),
+            f"Eval loss within {c['loss_parity_tolerance']} of the padded baseline: {verdict}.",
+            "",
+            *(
+                []
+                if c.get("same_per_token_setup", True)
+                else [
+                    "**Warning: the two runs used a different loss implementation or compile mode**, so the ratio "
+                    "measures more than packing.",
+                    "",
+                ]
+            ),
+            *(
+                []
+                if c.get("same_data", True)
+                else [
+                    "**Warning: the two runs did not train on the same examples** (dataset statistics differ: a "
+                    "splitting strategy keeps examples the padded run truncated to the token budget).",
+                    "",
+                ]
+            ),
+            *(f"- {line}" for line in setup_lines(report)),
+            f"- MFU: model FLOPs on real tokens (6N per token + causal attention) over {q.get('peak_tflops_source')} "
+            f"({_fmt(q.get('peak_tflops_per_device'), '.3f')} TFLOP/s per device)."
+            if _known(q.get("mfu"))
+            else f"- MFU: not shown ({q.get('peak_tflops_source')}).",
+            "",
+            "![loss](loss.png)",
+            "![useful tokens/s](throughput.png)",
+            "",
+            f"Versions: python {v['python']}, torch {v['torch']}, transformers {v['transformers']}, "
+            f"packfsdp {v['packfsdp']} ({v['git_commit']}), {v['platform']}.",
+            "",
+        ]
+    )
 
 
 def write_report(out: Path, overrides: list[str], nproc: int, machine_facts: dict | None = None) -> dict:
@@ -358,8 +478,12 @@ def write_report(out: Path, overrides: list[str], nproc: int, machine_facts: dic
     (out / "report.md").write_text(render_markdown(report))
     plotted = ("packed", "padded")
     steps = {name: read_metrics(out / name) for name in plotted}
-    plot_loss(steps, {name: read_evals(out / name) for name in plotted}, out / "loss.png",
-              unigram_entropy=report["comparison"]["unigram_entropy"])
+    plot_loss(
+        steps,
+        {name: read_evals(out / name) for name in plotted},
+        out / "loss.png",
+        unigram_entropy=report["comparison"]["unigram_entropy"],
+    )
     plot_throughput(steps, out / "throughput.png", summaries)
     return report
 
@@ -390,17 +514,26 @@ def main(argv: list[str] | None = None) -> dict:
         variability.main(["--out", str(out)])
     if args.publish:
         args.publish.mkdir(parents=True, exist_ok=True)
-        for name in ("report.md", "report.json", "loss.png", "throughput.png", "variability.png", "variability.json",
-                     "variability.md"):
+        for name in (
+            "report.md",
+            "report.json",
+            "loss.png",
+            "throughput.png",
+            "variability.png",
+            "variability.json",
+            "variability.md",
+        ):
             if (out / name).is_file():
                 shutil.copy2(out / name, args.publish / name)
     print(f"\n{comparison_table(report)}\n")
     c = report["comparison"]
-    print(f"packing speedup (useful tokens/s): {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x "
-          f"(padding limit {_fmt(c['padding_limit'], '.2f')}x) | "
-          f"eval loss diff {_fmt(c['final_eval_loss_diff'], '+.4f')} "
-          f"| held-out loss {_fmt(report['runs']['packed'].get('final_eval_loss'), '.3f')} vs unigram entropy "
-          f"{_fmt(c['unigram_entropy'], '.3f')} | report: {out / 'report.md'}")
+    print(
+        f"packing speedup (useful tokens/s): {_fmt(c['useful_tokens_per_s_ratio'], '.2f')}x "
+        f"(padding limit {_fmt(c['padding_limit'], '.2f')}x) | "
+        f"eval loss diff {_fmt(c['final_eval_loss_diff'], '+.4f')} "
+        f"| held-out loss {_fmt(report['runs']['packed'].get('final_eval_loss'), '.3f')} vs unigram entropy "
+        f"{_fmt(c['unigram_entropy'], '.3f')} | report: {out / 'report.md'}"
+    )
     return report
 
 

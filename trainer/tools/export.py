@@ -58,8 +58,12 @@ MODEL_PREFIX = "model.model."
 
 
 def export(
-    checkpoint: str | Path, out: str | Path, dtype: str | None = None, attn_implementation: str = "sdpa",
-    format: str = "merged", overwrite: bool = False,
+    checkpoint: str | Path,
+    out: str | Path,
+    dtype: str | None = None,
+    attn_implementation: str = "sdpa",
+    format: str = "merged",
+    overwrite: bool = False,
 ) -> Path:
     """Write ``out`` (safetensors weights, config, tokenizer) from ``checkpoint``; returns ``out``.
 
@@ -73,7 +77,7 @@ def export(
     hf_dir = path / HF_DIR
     if not (hf_dir / "config.json").is_file():
         raise CheckpointError(f"{path} holds no {HF_DIR}/config.json (saved by an older packfsdp?)")
-    tensors = {k[len(MODEL_PREFIX):]: v for k, v in read_full_tensors(path, prefix=MODEL_PREFIX).items()}
+    tensors = {k[len(MODEL_PREFIX) :]: v for k, v in read_full_tensors(path, prefix=MODEL_PREFIX).items()}
     if format == "adapter" and is_multimodal_checkpoint(hf_dir):
         raise CheckpointError(
             f"{path} trained a multimodal model's language model: its adapter names the language model's modules, "
@@ -97,14 +101,19 @@ def export(
             if not (out / carried.name).exists():
                 shutil.copyfile(carried, out / carried.name)
         state = json.loads((path / TRAINER_STATE).read_text())
-        write_record(out, {
-            "checkpoint": str(path.resolve()),
-            "step": state["step"],
-            "tokens_seen": state["tokens_seen"],
-            "format": format,
-            "dtype": str(torch_dtype).removeprefix("torch."),
-            "manifest_sha256": {k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))},
-        })
+        write_record(
+            out,
+            {
+                "checkpoint": str(path.resolve()),
+                "step": state["step"],
+                "tokens_seen": state["tokens_seen"],
+                "format": format,
+                "dtype": str(torch_dtype).removeprefix("torch."),
+                "manifest_sha256": {
+                    k: v["sha256"] for k, v in manifest["files"].items() if k.endswith((".distcp", ".metadata"))
+                },
+            },
+        )
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         raise
@@ -126,7 +135,9 @@ def full_model(path: Path, tensors: dict[str, torch.Tensor], attn_implementation
         whole = model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation)
     missing, unexpected = model.load_state_dict(tensors, strict=False, assign=True)
     whole.tie_weights()
-    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {name for name, _ in model.named_parameters()}
+    tied = {name for name, p in model.named_parameters(remove_duplicate=False)} - {
+        name for name, _ in model.named_parameters()
+    }
     # Buffers that are rebuilt at init (e.g. rotary inv_freq) are not in a checkpoint either.
     buffers = {name for name, _ in model.named_buffers()}
     missing = [k for k in missing if k not in tied and k not in buffers]
@@ -188,10 +199,20 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(levelname)s] %(message)s", datefmt="%H:%M:%S")
     args = parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        with signals_interrupt(lambda name: f"packfsdp export: stopped by {name}; {args['out']} left as it was: "
-                                            f"run the export again (exit code {PREEMPTED_EXIT_CODE})"):
-            export(args["checkpoint"], args["out"], args.get("dtype"), args.get("attn_implementation", "sdpa"),
-                   args.get("format", "merged"), overwrite=args.get("overwrite") == "true")
+        with signals_interrupt(
+            lambda name: (
+                f"packfsdp export: stopped by {name}; {args['out']} left as it was: "
+                f"run the export again (exit code {PREEMPTED_EXIT_CODE})"
+            )
+        ):
+            export(
+                args["checkpoint"],
+                args["out"],
+                args.get("dtype"),
+                args.get("attn_implementation", "sdpa"),
+                args.get("format", "merged"),
+                overwrite=args.get("overwrite") == "true",
+            )
     except Interrupted as e:
         exit_interrupted(e.line)
     except CheckpointError as e:

@@ -70,7 +70,8 @@ def write_record(folder: Path, info: dict) -> None:
     """``packfsdp_export.json``: ``info`` and the size and SHA-256 of every file in ``folder`` (written last)."""
     files = {
         str(p.relative_to(folder)): {"bytes": p.stat().st_size, "sha256": sha256_file(p)}
-        for p in sorted(folder.rglob("*")) if p.is_file()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file()
     }
     (folder / RECORD).write_text(json.dumps({"writer": "packfsdp", **info, "files": files}, indent=1))
 

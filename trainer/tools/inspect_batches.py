@@ -58,7 +58,9 @@ def render_tokens(tokenizer, ids: np.ndarray, has_loss: np.ndarray, show: int) -
 def positions_summary(pos: np.ndarray, start: int = 0) -> str:
     ok = np.array_equal(pos, np.arange(start, start + len(pos)))
     shown = " ".join(map(str, pos[:4])) + (f" ... {pos[-1]}" if len(pos) > 4 else "")
-    verdict = ("restart at 0: ok" if start == 0 else f"split piece, continues at {start}: ok") if ok else "DO NOT RESTART"
+    verdict = (
+        ("restart at 0: ok" if start == 0 else f"split piece, continues at {start}: ok") if ok else "DO NOT RESTART"
+    )
     return f"position_ids {shown} ({verdict})"
 
 
@@ -70,23 +72,37 @@ def describe(batch: Batch, tokenizer, budget: int, show: int, starts: list[int] 
     slots = [(row, span.start, span.stop) for row, span in example_spans(batch)]
     if batch.packed:
         cu = batch.cu_seqlens.tolist()
-        what = f"{batch.num_pairs} pairs ({batch.num_examples} sequences)" if batch.num_pairs else f"{batch.num_examples} examples"
-        head = (f"packed row: {what}, {batch.num_tokens}/{budget} tokens "
-                f"({100 * batch.num_tokens / budget:.1f}% of the budget), {batch.num_label_tokens} carry loss | "
-                f"cu_seqlens {cu}")
+        what = (
+            f"{batch.num_pairs} pairs ({batch.num_examples} sequences)"
+            if batch.num_pairs
+            else f"{batch.num_examples} examples"
+        )
+        head = (
+            f"packed row: {what}, {batch.num_tokens}/{budget} tokens "
+            f"({100 * batch.num_tokens / budget:.1f}% of the budget), {batch.num_label_tokens} carry loss | "
+            f"cu_seqlens {cu}"
+        )
     else:
-        head = (f"padded: {batch.num_examples} rows x {batch.input_ids.shape[1]} positions, {batch.num_tokens} real "
-                f"tokens ({100 * (1 - batch.num_tokens / batch.num_positions):.1f}% padding), "
-                f"{batch.num_label_tokens} carry loss")
+        head = (
+            f"padded: {batch.num_examples} rows x {batch.input_ids.shape[1]} positions, {batch.num_tokens} real "
+            f"tokens ({100 * (1 - batch.num_tokens / batch.num_positions):.1f}% padding), "
+            f"{batch.num_label_tokens} carry loss"
+        )
     lines = [head]
     for k, (row, s, e) in enumerate(slots):
         ids = batch.input_ids[row, s:e].numpy()
         has_loss = labels[row, s:e] != IGNORE_INDEX
         where = f"tokens {s}-{e - 1}" if batch.packed else f"row {row}, pads after {e}"
-        name = f"pair {batch.example_ids[k]} {('chosen', 'rejected')[k % 2]}" if batch.num_pairs else f"example {batch.example_ids[k]}"
-        lines.append(f"  {name} | {where} ({e - s} tokens, {int(has_loss.sum())} with loss) | "
-                     f"{positions_summary(batch.position_ids[row, s:e].numpy(), starts[k] if starts else 0)}"
-                     f"{'' if not has_loss[0] else ' | FIRST TOKEN HAS A LABEL'}")
+        name = (
+            f"pair {batch.example_ids[k]} {('chosen', 'rejected')[k % 2]}"
+            if batch.num_pairs
+            else f"example {batch.example_ids[k]}"
+        )
+        lines.append(
+            f"  {name} | {where} ({e - s} tokens, {int(has_loss.sum())} with loss) | "
+            f"{positions_summary(batch.position_ids[row, s:e].numpy(), starts[k] if starts else 0)}"
+            f"{'' if not has_loss[0] else ' | FIRST TOKEN HAS A LABEL'}"
+        )
         lines.append("    " + render_tokens(tokenizer, ids, has_loss, show))
     return lines
 
@@ -96,8 +112,10 @@ def cp_view(batch: Batch, cp: int, split: str) -> list[str]:
     its query runs as ``example e: tokens a-b (positions p-q)`` in slot order, its pads and its attention pairs."""
     from trainer.parallel.cp_layout import plan_shards  # noqa: PLC0415 -- heavy (the model package): after the command line's checks
 
-    lines = [f"  context parallel: cp={cp}, {split} split, {plan_shards(batch.cu_seqlens.tolist(), cp, split)[0].slots} "
-             "slots per rank"]
+    lines = [
+        f"  context parallel: cp={cp}, {split} split, {plan_shards(batch.cu_seqlens.tolist(), cp, split)[0].slots} "
+        "slots per rank"
+    ]
     cu = batch.cu_seqlens.tolist()
     for shard in plan_shards(cu, cp, split):
         runs, bounds = [], shard.cu_seqlens_q.tolist()
@@ -107,10 +125,14 @@ def cp_view(batch: Batch, cp: int, split: str) -> list[str]:
                 continue  # the pads' run
             doc = int(shard.doc_q[a])
             ex = batch.example_ids[doc] if doc < len(batch.example_ids) else doc
-            runs.append(f"example {ex}: tokens {first}-{last} (positions {int(shard.pos_q[a])}-{int(shard.pos_q[b - 1])})")
+            runs.append(
+                f"example {ex}: tokens {first}-{last} (positions {int(shard.pos_q[a])}-{int(shard.pos_q[b - 1])})"
+            )
         pads = int((shard.index < 0).sum())
-        lines.append(f"    rank {shard.rank}: {shard.slots - pads} tokens + {pads} pads, {shard.pairs:.0f} attention "
-                     f"pairs | " + "; ".join(runs))
+        lines.append(
+            f"    rank {shard.rank}: {shard.slots - pads} tokens + {pads} pads, {shard.pairs:.0f} attention "
+            f"pairs | " + "; ".join(runs)
+        )
     return lines
 
 
@@ -146,8 +168,10 @@ def main(argv: list[str] | None = None) -> None:
 
     data = build_training_data(cfg, extra["rank"], extra["world_size"])  # the examples trainer.train sees
     dataset, sampler, tokenizer = data.dataset, data.sampler, data.tokenizer
-    print(f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.row_budget} per row | "
-          f"rank {extra['rank']} of {extra['world_size']} | text in {NO_LOSS_OPEN} {NO_LOSS_CLOSE} carries no loss")
+    print(
+        f"{len(dataset)} examples | packing {cfg.packing.strategy}, budget {cfg.row_budget} per row | "
+        f"rank {extra['rank']} of {extra['world_size']} | text in {NO_LOSS_OPEN} {NO_LOSS_CLOSE} carries no loss"
+    )
     for n in range(extra["num_batches"]):
         epoch, indices, _ = sampler.next_microbatch()
         print(f"\n== micro-batch {n + 1} (epoch {epoch}) ==")

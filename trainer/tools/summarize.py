@@ -18,8 +18,10 @@ def main(argv: list[str] | None = None) -> None:
     summaries = {"packed": load_summary(Path(argv[0])), "padded": load_summary(Path(argv[1]))}
     report = build_report(summaries, overrides=[], nproc=summaries["packed"].get("world_size", 1))
     print(comparison_table(report))
-    print(f"packing speedup (useful tokens/s, packed / padded): "
-          f"{report['comparison']['useful_tokens_per_s_ratio']:.2f}x on {report['world_size']} rank(s)")
+    print(
+        f"packing speedup (useful tokens/s, packed / padded): "
+        f"{report['comparison']['useful_tokens_per_s_ratio']:.2f}x on {report['world_size']} rank(s)"
+    )
 
 
 if __name__ == "__main__":

@@ -99,16 +99,20 @@ def measure(lengths: np.ndarray, model, optimizer, budget: int, steps: int, seed
     for batch in warm:
         time_step(model, optimizer, batch)
     for i, j in zip(packed_pick, padded_pick, strict=False):  # alternate so load hits both alike; the shorter ends it
-        for name, batch in (("packed", collate_packed(dataset, packed_bins[i])),
-                            ("padded", collate_padded(dataset, padded_bins[j], 0))):
+        for name, batch in (
+            ("packed", collate_packed(dataset, packed_bins[i])),
+            ("padded", collate_padded(dataset, padded_bins[j], 0)),
+        ):
             seconds = time_step(model, optimizer, batch, repeats=2)
             t = totals[name]
             t[0] += batch.num_label_tokens
             t[1] += seconds
             t[2] += batch.num_positions
             t[3] += batch.num_tokens
-    out = {name: {"useful_tokens_per_s": t[0] / t[1], "padding_fraction": padding_fraction(t[3], t[2])}
-           for name, t in totals.items()}
+    out = {
+        name: {"useful_tokens_per_s": t[0] / t[1], "padding_fraction": padding_fraction(t[3], t[2])}
+        for name, t in totals.items()
+    }
     return {
         "mean_length": float(lengths.mean()),
         "cv": float(lengths.std() / lengths.mean()),
@@ -134,9 +138,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = args.out or Path("outputs") / "variability" / datetime.now().strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
 
-    cfg = ModelConfig(family="gpt2", config_overrides=dict(
-        n_layer=2, n_embd=128, n_head=4, n_positions=args.budget, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, pad_token_id=0))
+    cfg = ModelConfig(
+        family="gpt2",
+        config_overrides=dict(
+            n_layer=2,
+            n_embd=128,
+            n_head=4,
+            n_positions=args.budget,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
+            vocab_size=VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+            pad_token_id=0,
+        ),
+    )
     tokenizer = _SizeOnlyTokenizer()
     model = build_model(cfg, tokenizer, resolve_backend("auto", torch.device("cpu")), args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -145,10 +162,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for name, lengths in length_distributions(args.mean, args.examples, args.budget, args.seed).items():
         row = {"name": name} | measure(lengths, model, optimizer, args.budget, args.steps, args.seed)
         rows.append(row)
-        print(f"{name:16s} mean {row['mean_length']:6.1f}  CV {row['cv']:.2f}  max {row['max_length']:4d}  "
-              f"padded {row['padded']['useful_tokens_per_s']:8,.0f}  packed {row['packed']['useful_tokens_per_s']:8,.0f}"
-              f" useful tok/s  speedup {row['speedup']:.2f}x  (padding {100 * row['padded']['padding_fraction']:.0f}%)",
-              flush=True)
+        print(
+            f"{name:16s} mean {row['mean_length']:6.1f}  CV {row['cv']:.2f}  max {row['max_length']:4d}  "
+            f"padded {row['padded']['useful_tokens_per_s']:8,.0f}  packed {row['packed']['useful_tokens_per_s']:8,.0f}"
+            f" useful tok/s  speedup {row['speedup']:.2f}x  (padding {100 * row['padded']['padding_fraction']:.0f}%)",
+            flush=True,
+        )
     meta = {"threads": torch.get_num_threads(), "torch": torch.__version__} | vars(args) | {"out": str(out)}
     (out / "variability.json").write_text(json.dumps({"settings": meta, "rows": rows}, indent=2))
     (out / "variability.md").write_text(markdown_table(rows, args.mean))
@@ -159,12 +178,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def markdown_table(rows: list[dict], mean: int) -> str:
     """The measurement as the markdown table docs/measuring.md shows (``variability.md`` beside the json)."""
-    lines = [f"| lengths (mean {mean}) | CV | padded padding | padded useful tokens/s | packed | speedup |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = [
+        f"| lengths (mean {mean}) | CV | padded padding | padded useful tokens/s | packed | speedup |",
+        "|---|---:|---:|---:|---:|---:|",
+    ]
     for r in rows:
-        lines.append(f"| {r['name']} | {r['cv']:.2f} | {100 * r['padded']['padding_fraction']:.0f}% | "
-                     f"{r['padded']['useful_tokens_per_s']:,.0f} | {r['packed']['useful_tokens_per_s']:,.0f} | "
-                     f"{r['speedup']:.2f}x |")
+        lines.append(
+            f"| {r['name']} | {r['cv']:.2f} | {100 * r['padded']['padding_fraction']:.0f}% | "
+            f"{r['padded']['useful_tokens_per_s']:,.0f} | {r['packed']['useful_tokens_per_s']:,.0f} | "
+            f"{r['speedup']:.2f}x |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -22,6 +22,15 @@ from trainer.model.certification.engine import Measurement, TokenLossCheck, meas
 from trainer.model.certification.stages import certify, certify_config, check_model, worst_case_microbatch
 
 __all__ = [
-    "Certificate", "Measurement", "Stage", "TokenLossCheck", "certify", "certify_config", "check_model", "measure",
-    "packed_batch", "refusal_line", "worst_case_microbatch",
+    "Certificate",
+    "Measurement",
+    "Stage",
+    "TokenLossCheck",
+    "certify",
+    "certify_config",
+    "check_model",
+    "measure",
+    "packed_batch",
+    "refusal_line",
+    "worst_case_microbatch",
 ]

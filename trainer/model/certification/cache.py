@@ -125,7 +125,8 @@ def write_verdict(path: Path | None, key: dict, outcome: str, line: str) -> None
         tmp.write_text(json.dumps(entry))
         os.replace(tmp, path)  # replaces a link itself, never writes through it
     except OSError as e:
-        log.warning("replica verdict cache %s not written (%s): the next run judges the config again", path,
-                    e.strerror or e)
+        log.warning(
+            "replica verdict cache %s not written (%s): the next run judges the config again", path, e.strerror or e
+        )
         with contextlib.suppress(OSError):
             tmp.unlink(missing_ok=True)

@@ -55,6 +55,10 @@ class Certificate:
         return f"certified exact: {self.family} ({'; '.join(s.summary() for s in self.stages)})"
 
     def to_json(self) -> dict:
-        return {"family": self.family, "line": self.line(),
-                "stages": [{"stage": s.name, "outcome": s.outcome, "detail": s.detail, "cached": s.cached}
-                           for s in self.stages]}
+        return {
+            "family": self.family,
+            "line": self.line(),
+            "stages": [
+                {"stage": s.name, "outcome": s.outcome, "detail": s.detail, "cached": s.cached} for s in self.stages
+            ],
+        }

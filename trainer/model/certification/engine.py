@@ -73,10 +73,15 @@ def packed_batch(examples: list[torch.Tensor]) -> Batch:
     cu = torch.tensor([0] + [len(e) for e in examples]).cumsum(0).to(torch.int32)
     labels = torch.cat([torch.cat([torch.tensor([IGNORE_INDEX]), e[1:]]) for e in examples])[None]
     return Batch(
-        input_ids=torch.cat(examples)[None], labels=labels,
-        position_ids=torch.cat([torch.arange(len(e)) for e in examples])[None], cu_seqlens=cu,
-        max_seqlen=max(len(e) for e in examples), num_examples=len(examples), num_tokens=int(cu[-1]),
-        num_label_tokens=int((labels != IGNORE_INDEX).sum()), num_positions=int(cu[-1]),
+        input_ids=torch.cat(examples)[None],
+        labels=labels,
+        position_ids=torch.cat([torch.arange(len(e)) for e in examples])[None],
+        cu_seqlens=cu,
+        max_seqlen=max(len(e) for e in examples),
+        num_examples=len(examples),
+        num_tokens=int(cu[-1]),
+        num_label_tokens=int((labels != IGNORE_INDEX).sum()),
+        num_positions=int(cu[-1]),
     )
 
 
@@ -101,7 +106,8 @@ def check_positions(batch: Batch, starts: list[int] | None = None) -> None:
             )
         if int(batch.labels[row, span.start]) != IGNORE_INDEX:
             raise SelfCheckError(
-                f"the example at token {span.start} has a label on its first token (crosses a boundary)")
+                f"the example at token {span.start} has a label on its first token (crosses a boundary)"
+            )
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -177,20 +183,22 @@ def gradient_digest(model: torch.nn.Module, full: bool) -> dict[str, torch.Tenso
 
 
 def not_finite(digest: dict[str, torch.Tensor]) -> str:
-    """"the gradient of NAME" for the first parameter (by name) whose digest is not finite, else ""."""
+    """ "the gradient of NAME" for the first parameter (by name) whose digest is not finite, else ""."""
     return next((f"the gradient of {n}" for n, g in sorted(digest.items()) if not torch.isfinite(g).all()), "")
 
 
-def gradient_gap(packed: dict[str, torch.Tensor], alone: dict[str, torch.Tensor], full: bool,
-                 floor: float = 0.0) -> float:
+def gradient_gap(
+    packed: dict[str, torch.Tensor], alone: dict[str, torch.Tensor], full: bool, floor: float = 0.0
+) -> float:
     """``full``: the worst parameter's max |diff| relative to max(1, its largest |value| alone), ``inf`` for a
     gradient one side lacks; projections: the summed projections' max |diff| relative to the reference's RMS
     (at least ``floor``)."""
     if full:
         if packed.keys() != alone.keys():
             return math.inf
-        return max((float((packed[n] - a).abs().max()) / max(1.0, float(a.abs().max())) for n, a in alone.items()),
-                   default=0.0)
+        return max(
+            (float((packed[n] - a).abs().max()) / max(1.0, float(a.abs().max())) for n, a in alone.items()), default=0.0
+        )
     p, a = (sum(d.values(), torch.zeros(PROJECTIONS, dtype=torch.float64)) for d in (packed, alone))
     return float((p - a).abs().max()) / max(float(a.pow(2).mean().sqrt()), floor, 1e-30)
 
@@ -239,14 +247,22 @@ class Measurement:
         return not (self.packed_nan or self.alone_nan) and all(r <= 1.0 for r in self.ratios.values())
 
     def line(self) -> str:
-        grad = "gradient not compared (no trainable parameters)" if not self.digest else (
-            f"gradient gap {self.grad_gap:.3g} ({self.loss}; tolerance {self.grad_tolerance:.3g}"
-            + (f", reference noise {self.grad_noise:.3g}" if self.grad_noise else "") + f"; {self.digest})")
+        grad = (
+            "gradient not compared (no trainable parameters)"
+            if not self.digest
+            else (
+                f"gradient gap {self.grad_gap:.3g} ({self.loss}; tolerance {self.grad_tolerance:.3g}"
+                + (f", reference noise {self.grad_noise:.3g}" if self.grad_noise else "")
+                + f"; {self.digest})"
+            )
+        )
         extra = "".join(f"{name} {gap:.3g} (tolerance {tol:.3g}), " for name, (gap, tol) in self.extra.items())
         loss = "" if self.loss_diff is None else f"|loss diff| {self.loss_diff:.3g}, "
-        return (f"{self.mode} micro-batch of {self.examples} examples / {self.tokens} tokens vs one by one "
-                f"({self.dtype}): max |logit diff| {self.logit_diff:.3g} (tolerance {self.logit_tolerance:.3g}, "
-                f"worst example #{self.worst_example}), {loss}{extra}{grad}")
+        return (
+            f"{self.mode} micro-batch of {self.examples} examples / {self.tokens} tokens vs one by one "
+            f"({self.dtype}): max |logit diff| {self.logit_diff:.3g} (tolerance {self.logit_tolerance:.3g}, "
+            f"worst example #{self.worst_example}), {loss}{extra}{grad}"
+        )
 
     def short(self) -> str:
         return f"{self.dtype} |logit diff| {self.logit_diff:.1g}, |grad diff| {self.grad_gap:.1g}"
@@ -256,8 +272,10 @@ def nan_line(m: Measurement, alone: bool) -> str:
     """The one line for a NaN (or inf): the model's own where its examples run one by one give it (``alone``),
     else the run's path's; where, as this process found it."""
     if alone:
-        return (f"{m.alone_nan or '(on another rank)'} is not finite (NaN) with its examples run one by one, "
-                "unpacked: the model's own computation, not packing's; a step would train nothing")
+        return (
+            f"{m.alone_nan or '(on another rank)'} is not finite (NaN) with its examples run one by one, "
+            "unpacked: the model's own computation, not packing's; a step would train nothing"
+        )
     where = m.packed_nan or "(on another rank)"
     return f"{m.mode}, {where} is not finite (NaN) where its examples run one by one are finite"
 
@@ -320,8 +338,12 @@ def _run_alone(model, batch: Batch, loss, packed: _Packed, trains: bool, order: 
             if diff > found["worst"]:
                 found["worst"], found["worst_example"] = diff, i
             if packed.values is not None:  # |summed label log-prob packed - alone|, its label tokens
-                found["logps"].append((abs(float(packed.values[i]) + float(token_losses[-1].detach().sum())),
-                                       max(1, int((labels[-1][1:] != IGNORE_INDEX).sum()))))
+                found["logps"].append(
+                    (
+                        abs(float(packed.values[i]) + float(token_losses[-1].detach().sum())),
+                        max(1, int((labels[-1][1:] != IGNORE_INDEX).sum())),
+                    )
+                )
         group_loss = loss.alone(batch, token_losses, labels)
         total += float(group_loss.detach())
         if trains:  # the grads of the groups accumulate in place, in the parameters' dtype
@@ -329,8 +351,17 @@ def _run_alone(model, batch: Batch, loss, packed: _Packed, trains: bool, order: 
     return found, total
 
 
-def measure(model, batch: Batch, loss=None, *, route=None, full: bool = False, compute_dtype: torch.dtype | None = None,
-            starts: list[int] | None = None, tolerance: float | None = None) -> Measurement:
+def measure(
+    model,
+    batch: Batch,
+    loss=None,
+    *,
+    route=None,
+    full: bool = False,
+    compute_dtype: torch.dtype | None = None,
+    starts: list[int] | None = None,
+    tolerance: float | None = None,
+) -> Measurement:
     """``batch`` through the run's path vs its examples one by one (see the module docstring), in eval mode (no
     dropout), in the parameters' dtype or under autocast to ``compute_dtype``. ``starts``: the first position
     of each segment (split pieces; ``None``: 0); ``tolerance``: the logits' (``model.self_check_tolerance``)."""
@@ -341,9 +372,14 @@ def measure(model, batch: Batch, loss=None, *, route=None, full: bool = False, c
     autocast = torch.autocast(param.device.type, dtype=dtype) if dtype != param.dtype else contextlib.nullcontext()
     trains = any(p.requires_grad for p in model.parameters())
     policy = TOLERANCE.get(dtype, Tolerance(5e-2, 1e-1, 1e-1))
-    m = Measurement("packed" if batch.packed else "padded", batch.num_examples, batch.num_tokens,
-                    str(dtype).split(".")[-1], loss.describe(),
-                    logit_tolerance=policy.logits if tolerance is None else tolerance)
+    m = Measurement(
+        "packed" if batch.packed else "padded",
+        batch.num_examples,
+        batch.num_tokens,
+        str(dtype).split(".")[-1],
+        loss.describe(),
+        logit_tolerance=policy.logits if tolerance is None else tolerance,
+    )
     was_training = model.training
     model.eval()
     _zero_grads(model)
@@ -366,8 +402,9 @@ def measure(model, batch: Batch, loss=None, *, route=None, full: bool = False, c
     return m
 
 
-def _compare_gradients(m: Measurement, model, batch: Batch, loss, packed: _Packed, alone_value: float, full: bool,
-                       policy: Tolerance) -> dict[str, torch.Tensor]:
+def _compare_gradients(
+    m: Measurement, model, batch: Batch, loss, packed: _Packed, alone_value: float, full: bool, policy: Tolerance
+) -> dict[str, torch.Tensor]:
     """The gradient's figures of ``m`` from the reference the examples alone accumulated (returned, digested);
     in half precision with projections, the reference's noise: the same examples summed in reverse order."""
     alone = gradient_digest(model, full)
@@ -386,8 +423,9 @@ AUX_DIFF = "router aux loss (the batch's statistic vs its examples alone) relati
 AUX_GRAD = "router aux gradient gap"
 
 
-def router_aux_check(model, batch: Batch, policy: Tolerance, noise: float,
-                     token_grads: dict[str, torch.Tensor]) -> dict[str, tuple[float, float]]:
+def router_aux_check(
+    model, batch: Batch, policy: Tolerance, noise: float, token_grads: dict[str, torch.Tensor]
+) -> dict[str, tuple[float, float]]:
     """The router aux loss of ``batch`` through the run's path against the same tokens' statistic from each
     example run alone (their ``RouterStats`` merged); with trainable parameters (``token_grads``: the token
     loss's reference digest) its gradient too, the reference's taken one example at a time with the batch's
@@ -415,6 +453,8 @@ def router_aux_check(model, batch: Batch, policy: Tolerance, noise: float,
     if token_grads:
         token_rms = float(sum(token_grads.values()).pow(2).mean().sqrt())
         floor = token_rms / max(model.router_aux.coef, 1e-30)
-        out[AUX_GRAD] = (gradient_gap(packed, gradient_digest(model, False), False, floor),
-                         GRAD_NOISE_MULT * noise + policy.projections)
+        out[AUX_GRAD] = (
+            gradient_gap(packed, gradient_digest(model, False), False, floor),
+            GRAD_NOISE_MULT * noise + policy.projections,
+        )
     return out

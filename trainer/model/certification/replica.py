@@ -122,8 +122,11 @@ def _in_dtype(config, dtype: torch.dtype) -> Stage:
     pad = int(examples[0][0]) if examples[0][0] == getattr(model.config, "pad_token_id", None) else None
     try:
         with torch.no_grad():
-            model(input_ids=examples[0][None], position_ids=torch.arange(len(examples[0]))[None],
-                  attention_mask=torch.ones_like(examples[0])[None])
+            model(
+                input_ids=examples[0][None],
+                position_ids=torch.arange(len(examples[0]))[None],
+                attention_mask=torch.ones_like(examples[0])[None],
+            )
     except Exception as e:  # noqa: BLE001 - transformers' own path fails on the replica: no verdict
         return Stage(REPLICA, "unbuildable", "runs alone: " + _named(e))
     batch, summed = packed_batch(examples), TokenLossCheck(per_label=False)
@@ -220,12 +223,22 @@ def candidate_settings(config, user=None) -> list[tuple[str, dict]]:
 
     for kind in kinds:
         if "attention" not in str(kind):
-            out.append((f"layer_types contains {kind!r}",
-                        replaced(kind, next((k for k in kinds if "attention" in str(k)), "full_attention"))))
+            out.append(
+                (
+                    f"layer_types contains {kind!r}",
+                    replaced(kind, next((k for k in kinds if "attention" in str(k)), "full_attention")),
+                )
+            )
     for kind in kinds:  # windowed / chunked attention layers, full otherwise
         if "attention" in str(kind) and kind != "full_attention":
-            size = next((f" ({n}={shown[n]})" for n in ("sliding_window", "attention_chunk_size")
-                         if values.get(n) and n.split("_")[0][:5] in kind), "")
+            size = next(
+                (
+                    f" ({n}={shown[n]})"
+                    for n in ("sliding_window", "attention_chunk_size")
+                    if values.get(n) and n.split("_")[0][:5] in kind
+                ),
+                "",
+            )
             out.append((f"layer_types {kind!r}{size}", replaced(kind, "full_attention")))
     for name in ("sliding_window", "attention_chunk_size", "window_size", "chunk_size"):
         if values.get(name):
@@ -280,5 +293,12 @@ def cached_judge(config) -> Stage:
 
 
 __all__ = [
-    "LENGTHS", "build_replica", "cached_judge", "candidate_settings", "judge", "probe", "replica_config", "run_replica",
+    "LENGTHS",
+    "build_replica",
+    "cached_judge",
+    "candidate_settings",
+    "judge",
+    "probe",
+    "replica_config",
+    "run_replica",
 ]

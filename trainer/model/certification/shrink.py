@@ -24,39 +24,126 @@ from transformers import AutoConfig, PreTrainedConfig
 
 VOCAB = 128
 SHRINK = {
-    "hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "ffn_hidden_size": 128,
-    "n_inner": 128, "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "num_attention_heads": 4,
-    "n_head": 4, "num_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB,
-    "max_position_embeddings": 64, "n_positions": 64, "n_ctx": 64, "sliding_window": 6,
-    "num_experts": 4, "num_local_experts": 4, "n_routed_experts": 4, "num_experts_per_tok": 2,
-    "moe_intermediate_size": 32, "shared_expert_intermediate_size": 32, "n_shared_experts": 1,
-    "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1, "kv_lora_rank": 16, "q_lora_rank": 16,
-    "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16, "pad_token_id": 0, "bos_token_id": 1,
-    "eos_token_id": 2, "decoder_start_token_id": 1, "use_cache": False, "tie_word_embeddings": False,
-    "decoder_layers": 2, "encoder_layers": 1, "decoder_attention_heads": 4, "encoder_attention_heads": 4,
-    "decoder_ffn_dim": 128, "encoder_ffn_dim": 128, "n_embed": 64, "num_decoder_layers": 2,
-    "n_layers": 2, "n_heads": 4, "max_seq_len": 64, "index_head_dim": 16, "index_n_heads": 2,
-    "embedding_dim": 64, "num_blocks": 2, "expert_ffn_hidden_size": 32, "zero_expert_num": 2,
-    "linear_head_dim": 16, "linear_num_heads": 4, "num_expert_group": 1, "attention_hidden_size": 128,
-    "attention_head_dim": 32, "mamba_dt_rank": 8, "model_max_length": 64, "vocab_size_per_layer_input": VOCAB,
-    "hidden_size_per_layer_input": 16, "rotary_dim": 8, "num_experts_per_token": 2, "moe_topk": 2, "index_num_heads": 2,
-    "hidden_size_global": 64, "encoder_hash_byte_group_vocab": VOCAB, "indexer_n_heads": 2, "indexer_head_dim": 16,
+    "hidden_size": 64,
+    "n_embd": 64,
+    "d_model": 64,
+    "intermediate_size": 128,
+    "ffn_hidden_size": 128,
+    "n_inner": 128,
+    "num_hidden_layers": 2,
+    "n_layer": 2,
+    "num_layers": 2,
+    "num_attention_heads": 4,
+    "n_head": 4,
+    "num_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 64,
+    "n_positions": 64,
+    "n_ctx": 64,
+    "sliding_window": 6,
+    "num_experts": 4,
+    "num_local_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 32,
+    "shared_expert_intermediate_size": 32,
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "n_group": 1,
+    "topk_group": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "decoder_start_token_id": 1,
+    "use_cache": False,
+    "tie_word_embeddings": False,
+    "decoder_layers": 2,
+    "encoder_layers": 1,
+    "decoder_attention_heads": 4,
+    "encoder_attention_heads": 4,
+    "decoder_ffn_dim": 128,
+    "encoder_ffn_dim": 128,
+    "n_embed": 64,
+    "num_decoder_layers": 2,
+    "n_layers": 2,
+    "n_heads": 4,
+    "max_seq_len": 64,
+    "index_head_dim": 16,
+    "index_n_heads": 2,
+    "embedding_dim": 64,
+    "num_blocks": 2,
+    "expert_ffn_hidden_size": 32,
+    "zero_expert_num": 2,
+    "linear_head_dim": 16,
+    "linear_num_heads": 4,
+    "num_expert_group": 1,
+    "attention_hidden_size": 128,
+    "attention_head_dim": 32,
+    "mamba_dt_rank": 8,
+    "model_max_length": 64,
+    "vocab_size_per_layer_input": VOCAB,
+    "hidden_size_per_layer_input": 16,
+    "rotary_dim": 8,
+    "num_experts_per_token": 2,
+    "moe_topk": 2,
+    "index_num_heads": 2,
+    "hidden_size_global": 64,
+    "encoder_hash_byte_group_vocab": VOCAB,
+    "indexer_n_heads": 2,
+    "indexer_head_dim": 16,
     # state-space / linear-attention mixers (trainer.model.mixers): heads x head dim = expand x hidden
-    "expand": 1, "state_size": 16, "n_groups": 1, "mamba_n_heads": 8,
-    "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_ssm": 128, "mamba_n_groups": 1, "mamba_chunk_size": 8,
-    "mamba_num_heads": 8, "mamba_head_dim": 16, "ssm_state_size": 16, "n_mamba_heads": 8, "mamba_headdim": 16,
+    "expand": 1,
+    "state_size": 16,
+    "n_groups": 1,
+    "mamba_n_heads": 8,
+    "mamba_d_head": 16,
+    "mamba_d_state": 16,
+    "mamba_d_ssm": 128,
+    "mamba_n_groups": 1,
+    "mamba_chunk_size": 8,
+    "mamba_num_heads": 8,
+    "mamba_head_dim": 16,
+    "ssm_state_size": 16,
+    "n_mamba_heads": 8,
+    "mamba_headdim": 16,
 }
 """Tiny values for the config fields a family has (a field the family lacks is left out), shrunk by
 ``shrunk_shapes``: never above the config's own value, the config's equalities kept."""
 HEAD_COUNTS = (
-    "num_attention_heads", "n_head", "num_heads", "n_heads", "num_key_value_heads", "decoder_attention_heads",
-    "encoder_attention_heads", "index_n_heads", "index_num_heads", "indexer_n_heads", "linear_num_heads", "kv_n_heads",
+    "num_attention_heads",
+    "n_head",
+    "num_heads",
+    "n_heads",
+    "num_key_value_heads",
+    "decoder_attention_heads",
+    "encoder_attention_heads",
+    "index_n_heads",
+    "index_num_heads",
+    "indexer_n_heads",
+    "linear_num_heads",
+    "kv_n_heads",
 )
 """Head counts: shrunk together, to 4, 2 or 1 in proportion to the largest, so counts equal in the config stay
 equal (multi-head latent attention runs only with as many KV heads as heads) and each divides the larger."""
 KEPT_EQUAL = (
-    ("head_dim", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "index_head_dim", "linear_head_dim",
-     "attention_head_dim", "rotary_dim", "indexer_head_dim"),
+    (
+        "head_dim",
+        "qk_rope_head_dim",
+        "qk_nope_head_dim",
+        "v_head_dim",
+        "index_head_dim",
+        "linear_head_dim",
+        "attention_head_dim",
+        "rotary_dim",
+        "indexer_head_dim",
+    ),
     ("vocab_size", "vocab_size_per_layer_input"),
     ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"),
 )
@@ -78,22 +165,37 @@ MAMBA_WIDTHS = (("mamba_n_heads", "mamba_d_head", "mamba_d_ssm"),)
 """(heads, head dim, inner width) of a Mamba-2 mixer whose config sets all three (Falcon-H1): shrunk, the inner
 width follows the other two, as the config validates."""
 DEFAULT_FIXES = {
-    "cohere_compass_text": {"rope_parameters": {kind: {"rope_type": "default", "rope_theta": 10000.0}
-                                                for kind in ("full_attention", "sliding_attention")}},
+    "cohere_compass_text": {
+        "rope_parameters": {
+            kind: {"rope_type": "default", "rope_theta": 10000.0} for kind in ("full_attention", "sliding_attention")
+        }
+    },
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "clip_qkv": 8.0}},
     "gemma4_assistant": {"hidden_size_per_layer_input": 0},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2},
-    "qwen4_exp_text": {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 256, "indexer_budget": 8,
-                       "indexer_compress_ratio": 4},
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 256,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+    },
 }
 """What transformers' default config of these families lacks to build a model at all (its own validation
 fails, or the model reads a setting the default leaves unset); the probe's tiny config starts from it."""
 NO_DROPOUT = (
-    "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "hidden_dropout_prob",
-    "attention_probs_dropout_prob", "dropout", "activation_dropout", "embedding_dropout", "mlp_dropout",
+    "attention_dropout",
+    "hidden_dropout",
+    "resid_pdrop",
+    "embd_pdrop",
+    "attn_pdrop",
+    "hidden_dropout_prob",
+    "attention_probs_dropout_prob",
+    "dropout",
+    "activation_dropout",
+    "embedding_dropout",
+    "mlp_dropout",
 )
-
-
 
 
 def own_values(config) -> dict:
@@ -169,21 +271,38 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
     if not layers:
         return {}
     lists = values | {k: v for k, v in (shapes or {}).items() if isinstance(v, list)}
-    per_layer = [k for k, v in values.items()
-                 if isinstance(v, (list, tuple)) and len(v) == layers and layers > 1 and k not in TOKEN_IDS]
+    per_layer = [
+        k
+        for k, v in values.items()
+        if isinstance(v, (list, tuple)) and len(v) == layers and layers > 1 and k not in TOKEN_IDS
+    ]
+
     def is_ids(v) -> bool:
         return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v)
 
     sources = [k for k in per_layer if "layer" in k and is_ids(values[k])]
     per_layer = [k for k in per_layer if k not in sources]
-    ids = [k for k, v in values.items() if "layer" in k and k not in per_layer + sources and isinstance(v, list)
-           and v and is_ids(v)]
-    keyed = [k for k, v in values.items() if "layer" in k and isinstance(v, dict) and v
-             and all(str(i).isdigit() and int(i) < layers for i in v)]  # per-layer settings by layer index
+    ids = [
+        k
+        for k, v in values.items()
+        if "layer" in k and k not in per_layer + sources and isinstance(v, list) and v and is_ids(v)
+    ]
+    keyed = [
+        k
+        for k, v in values.items()
+        if "layer" in k and isinstance(v, dict) and v and all(str(i).isdigit() and int(i) < layers for i in v)
+    ]  # per-layer settings by layer index
     first = [k for k in FIRST_LAYERS if isinstance(values.get(k), int) and 0 < values[k] < layers]
     last = [k for k in LAST_LAYERS if isinstance(values.get(k), int) and 0 < values[k] < layers]
-    sections = [k for k, v in values.items() if "layers" in k and k not in COUNT_NAMES + FIRST_LAYERS + LAST_LAYERS
-                and isinstance(v, int) and not isinstance(v, bool) and 0 <= v < layers]
+    sections = [
+        k
+        for k, v in values.items()
+        if "layers" in k
+        and k not in COUNT_NAMES + FIRST_LAYERS + LAST_LAYERS
+        and isinstance(v, int)
+        and not isinstance(v, bool)
+        and 0 <= v < layers
+    ]
     bounds = [sum(values[k] for k in sections[: j + 1]) for j in range(len(sections))]
     if len(sections) < 2 or bounds[-1] != layers:
         sections, bounds = [], []
@@ -206,8 +325,9 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
 
     keep, seen, combos = [], set(), set()
     while len(keep) < min(most, layers):  # the layer adding the most unseen settings (then an unseen
-        gain = max((len(traits(i) - seen), frozenset(traits(i)) not in combos, -i) for i in range(layers)
-                    if i not in keep)  # combination of them), the earliest on a tie
+        gain = max(
+            (len(traits(i) - seen), frozenset(traits(i)) not in combos, -i) for i in range(layers) if i not in keep
+        )  # combination of them), the earliest on a tie
         if not any(gain[:2]) and len(keep) >= 2:
             break
         keep.append(-gain[2])
@@ -220,8 +340,14 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
     out |= {k: [lists[k][i] for i in keep] for k in per_layer}
     out |= {k: [keep.index(values[k][i]) for i in keep] for k in sources}
     out |= {k: [keep.index(i) for i in values[k] if i in keep] for k in ids}
-    out |= {k: {keep.index(int(j)): v | shrunk_shapes(v) if isinstance(v, dict) else v
-                for j, v in values[k].items() if int(j) in keep} for k in keyed}
+    out |= {
+        k: {
+            keep.index(int(j)): v | shrunk_shapes(v) if isinstance(v, dict) else v
+            for j, v in values[k].items()
+            if int(j) in keep
+        }
+        for k in keyed
+    }
     out |= {k: sum(i < values[k] for i in keep) for k in first}
     out |= {k: sum(i >= layers - values[k] for i in keep) for k in last}
     out |= {k: sum(lo <= i < hi for i in keep) for k, lo, hi in zip(sections, [0] + bounds, bounds, strict=False)}
@@ -234,9 +360,17 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
 
 
 SMALL = {
-    "sliding_window": 6, "attention_chunk_size": 8, "window_size": 6, "chunk_size": 8, "floor_scale": 8,
-    "index_topk": 8, "index_block_size": 4, "index_topk_blocks": 2, "sliding_window_size": 6,
-    "attention_window_size": 6, "local_attention_window_len": 6,
+    "sliding_window": 6,
+    "attention_chunk_size": 8,
+    "window_size": 6,
+    "chunk_size": 8,
+    "floor_scale": 8,
+    "index_topk": 8,
+    "index_block_size": 4,
+    "index_topk_blocks": 2,
+    "sliding_window_size": 6,
+    "attention_window_size": 6,
+    "local_attention_window_len": 6,
     "mamba_chunk_size": 8,
 }
 """Window / chunk sizes of the replica, under each name a family gives them (the user's are far longer than any

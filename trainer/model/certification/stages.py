@@ -90,8 +90,15 @@ def certify_config(config, self_check: bool = True) -> Certificate:
     return certificate
 
 
-def check_model(model, batch, tolerance: float | None = None, compute_dtype=None, indices: np.ndarray | None = None,
-                route=None, loss=None) -> Stage:
+def check_model(
+    model,
+    batch,
+    tolerance: float | None = None,
+    compute_dtype=None,
+    indices: np.ndarray | None = None,
+    route=None,
+    loss=None,
+) -> Stage:
     """The self-check stage: ``engine.measure`` of ``batch`` on ``model`` (unsharded, before FSDP) on every rank,
     the worst result agreed across ranks; raises ``SelfCheckError`` (one line) on a mismatch or a NaN.
     ``indices``: what the batch was collated from (a ``(k, 3)`` array of pieces when split); ``route``: the
@@ -103,8 +110,15 @@ def check_model(model, batch, tolerance: float | None = None, compute_dtype=None
     family = getattr(model.config, "model_type", None) or "the model"
     stage = SELF_CHECK if route is None else f"{SELF_CHECK} through the {route}"
     try:
-        m = measure(model, batch.to(param.device), loss, route=route, compute_dtype=compute_dtype,
-                    starts=piece_starts(indices) if indices is not None else None, tolerance=tolerance)
+        m = measure(
+            model,
+            batch.to(param.device),
+            loss,
+            route=route,
+            compute_dtype=compute_dtype,
+            starts=piece_starts(indices) if indices is not None else None,
+            tolerance=tolerance,
+        )
     except SelfCheckError as e:  # the batch's positions or labels do not restart per example
         raise SelfCheckError(refusal_line(family, stage, f"{e}{STOPPING}")) from None
     names, ratios = list(m.ratios), list(m.ratios.values())  # the same keys on every rank: the same loss of the check
@@ -112,19 +126,28 @@ def check_model(model, batch, tolerance: float | None = None, compute_dtype=None
     # (any rank's) is said as such, never as examples that mix.
     nans = [float(bool(m.packed_nan)), float(bool(m.alone_nan))]
     *excess, packed_nan, alone_nan = distributed.all_reduce_max(
-        [r if math.isfinite(r) else math.inf for r in ratios] + nans, param.device)
+        [r if math.isfinite(r) else math.inf for r in ratios] + nans, param.device
+    )
     if alone_nan or packed_nan:
         raise SelfCheckError(refusal_line(family, stage, nan_line(m, bool(alone_nan)) + STOPPING))
     if max(excess) > 1.0:
         what = names[max(range(len(excess)), key=excess.__getitem__)]
         how = "is not finite (NaN)" if math.isinf(max(excess)) else f"is {max(excess):.3g}x over tolerance"
-        raise SelfCheckError(refusal_line(
-            family, stage, f"{m.line()}; worst rank's {what} {how}: examples are not kept apart{STOPPING}"))
+        raise SelfCheckError(
+            refusal_line(family, stage, f"{m.line()}; worst rank's {what} {how}: examples are not kept apart{STOPPING}")
+        )
     return Stage(SELF_CHECK, "exact", m.line() + ("" if route is None else f" (through the {route})"), m)
 
 
-def certify(model, batch=None, tolerance: float | None = None, compute_dtype=None, indices: np.ndarray | None = None,
-            route=None, loss=None) -> Certificate:
+def certify(
+    model,
+    batch=None,
+    tolerance: float | None = None,
+    compute_dtype=None,
+    indices: np.ndarray | None = None,
+    route=None,
+    loss=None,
+) -> Certificate:
     """The run's certificate: the stages ``build_model`` ran (``model.certificate``), then the self-check on
     ``batch`` (``check_model``; ``None``: ``model.self_check=false``, the stage is off); logs its one line."""
     built = getattr(model, "certificate", None) or Certificate(getattr(model.config, "model_type", "the model"))

@@ -60,8 +60,9 @@ class DistillLossCheck:
         row, span = example_spans(batch)[index]
         ids = batch.input_ids[row : row + 1, span]
         with torch.no_grad():
-            teacher = self.teacher(input_ids=ids, position_ids=batch.position_ids[row : row + 1, span],
-                                   attention_mask=torch.ones_like(ids))[0].float()
+            teacher = self.teacher(
+                input_ids=ids, position_ids=batch.position_ids[row : row + 1, span], attention_mask=torch.ones_like(ids)
+            )[0].float()
         keep = labels[1:] != IGNORE_INDEX
         student, targets, teacher = logits[:-1][keep], labels[1:][keep], teacher[:-1][keep]
         log_probs = torch.log_softmax(teacher / self.cfg.temperature, dim=-1)

@@ -68,7 +68,11 @@ def over_classes(log_probs: torch.Tensor, ids: torch.Tensor | None) -> torch.Ten
 
 
 def token_terms(
-    logits: torch.Tensor, targets: torch.Tensor, teacher: torch.Tensor, ids: torch.Tensor | None, cfg: DistillConfig,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    teacher: torch.Tensor,
+    ids: torch.Tensor | None,
+    cfg: DistillConfig,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per label token: the student's cross-entropy at temperature 1 and the divergence at ``cfg.temperature``
     (fp32 ``[n]`` each). ``logits``: the student's ``[n, vocab]`` (transformed as the model's own); ``teacher``:
@@ -157,7 +161,8 @@ class _ChunkedDistill(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, teacher, cfg, transform, chunk):
         sums, ctx.grad_hidden, ctx.grad_weight, ctx.grad_bias = _distill_pass(
-            hidden, weight, bias, targets, teacher, cfg, transform, chunk, with_grads=True)
+            hidden, weight, bias, targets, teacher, cfg, transform, chunk, with_grads=True
+        )
         ctx.weight_dtype = weight.dtype
         return sums
 
@@ -172,8 +177,13 @@ class _ChunkedDistill(torch.autograd.Function):
 
 
 def chunked_distill_loss(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
-    teacher: Teacher, cfg: DistillConfig, transform: LogitTransform = LogitTransform(),
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    targets: torch.Tensor,
+    teacher: Teacher,
+    cfg: DistillConfig,
+    transform: LogitTransform = LogitTransform(),
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """``TERMS`` (fp32 ``[3]``, only the first differentiable) of the student's head on ``hidden``
@@ -186,7 +196,11 @@ def chunked_distill_loss(
 
 
 def naive_distill_loss(
-    logits: torch.Tensor, targets: torch.Tensor, teacher: Teacher, cfg: DistillConfig, chunk_tokens: int | None = None,
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    teacher: Teacher,
+    cfg: DistillConfig,
+    chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """``TERMS`` from the student's full logits at the label positions ``[n, vocab]`` (differentiable as they
     are), the teacher's rows a chunk at a time."""
@@ -206,5 +220,10 @@ def student_terms(model: torch.nn.Module, batch: Batch, teacher: Teacher, cfg: D
     if model.loss.impl == "naive":
         logits, targets = label_positions(model(**batch.model_inputs()), batch.labels)
         return naive_distill_loss(logits, targets, teacher, cfg, model.loss.chunk_tokens)
-    return model.label_hidden(**batch.model_inputs(), labels=batch.labels, fn=lambda head: chunked_distill_loss(
-        head.hidden, head.weight, head.bias, head.targets, teacher, cfg, head.transform, head.chunk_tokens))
+    return model.label_hidden(
+        **batch.model_inputs(),
+        labels=batch.labels,
+        fn=lambda head: chunked_distill_loss(
+            head.hidden, head.weight, head.bias, head.targets, teacher, cfg, head.transform, head.chunk_tokens
+        ),
+    )

@@ -71,10 +71,15 @@ class Distill(Objective):
     def describe(self) -> str:
         d = self.distill
         beta = f" beta={d.beta}" if d.divergence == "jsd" else ""
-        source = (f"precompute (the teacher's top-{self.k} per label token, {self.store.folder})" if self.store
-                  else f"live ({self.held})")
-        return (f"distill {d.divergence}{beta} temperature={d.temperature} alpha={d.alpha} (x cross-entropy) from "
-                f"teacher {d.teacher}: {source}")
+        source = (
+            f"precompute (the teacher's top-{self.k} per label token, {self.store.folder})"
+            if self.store
+            else f"live ({self.held})"
+        )
+        return (
+            f"distill {d.divergence}{beta} temperature={d.temperature} alpha={d.alpha} (x cross-entropy) from "
+            f"teacher {d.teacher}: {source}"
+        )
 
     def units(self, batch: Batch) -> int:
         return batch.num_label_tokens
@@ -87,8 +92,9 @@ class Distill(Objective):
         self.train_dataset = run.datasets[0]
         key = ""
         if self.distill.teacher_logits == "precompute":  # of the weights as loaded, before the cast
-            key = reference_fingerprint(teacher, str(run.dtype), teacher.backend.name,
-                                        f"T={self.distill.temperature}", f"k={self.k}")
+            key = reference_fingerprint(
+                teacher, str(run.dtype), teacher.backend.name, f"T={self.distill.temperature}", f"k={self.k}"
+            )
         for p in teacher.parameters():  # in place: one teacher in memory (buffers keep their dtype, as RoPE's)
             p.data = p.data.to(run.dtype)
         teacher = run.shard(teacher, frozen=True)
@@ -104,6 +110,7 @@ class Distill(Objective):
     def precompute(self, teacher: torch.nn.Module, key: str, run: RunSetup) -> TopKStore:
         """The store of the teacher's top-k (``topk.precompute_top_k``): read, or made by one pass of ``teacher``
         (as sharded for training) over this rank's eval-dealt micro-batches of every example."""
+
         def batches(lengths):
             return eval_microbatches(lengths, run.token_budget, distributed.rank(), distributed.world_size())
 
@@ -113,8 +120,9 @@ class Distill(Objective):
             return out
 
         vocab = teacher.model.get_output_embeddings().weight.shape[0]
-        return precompute_top_k(rows, run.datasets[0], key, self.k, vocab, batches, collate_packed, run.device,
-                                run.pad_id)
+        return precompute_top_k(
+            rows, run.datasets[0], key, self.k, vocab, batches, collate_packed, run.device, run.pad_id
+        )
 
     def terms(self, model: torch.nn.Module, batch: Batch, dataset: TokenizedDataset | None) -> torch.Tensor:
         """``TERMS`` of one micro-batch of ``dataset`` through the student and the teacher's rows."""
@@ -141,8 +149,15 @@ class Distill(Objective):
         return {"loss": loss_sum / units, "distill": {"cross_entropy": ce / units, "divergence": div / units}}
 
     @torch.no_grad()
-    def evaluate(self, model: torch.nn.Module, dataset: TokenizedDataset, token_budget: int, device: torch.device,
-                 pad_id: int = 0, route=None) -> dict[str, Any]:
+    def evaluate(
+        self,
+        model: torch.nn.Module,
+        dataset: TokenizedDataset,
+        token_budget: int,
+        device: torch.device,
+        pad_id: int = 0,
+        route=None,
+    ) -> dict[str, Any]:
         """The held-out examples, packed and dealt like SFT eval: the mean distillation loss, and its parts."""
         start = time.perf_counter()
         was_training = model.training
@@ -155,8 +170,12 @@ class Distill(Objective):
         model.train(was_training)
         loss, ce, div, tokens = distributed.all_reduce_sum([*sums.tolist(), tokens], device)
         n = max(tokens, 1.0)
-        return {"eval_loss": loss / n, "eval_tokens": int(tokens), "eval_time_s": time.perf_counter() - start,
-                "distill": {"eval_cross_entropy": ce / n, "eval_divergence": div / n}}
+        return {
+            "eval_loss": loss / n,
+            "eval_tokens": int(tokens),
+            "eval_time_s": time.perf_counter() - start,
+            "distill": {"eval_cross_entropy": ce / n, "eval_divergence": div / n},
+        }
 
     def check_loss(self) -> DistillLossCheck:
         stored = self.distill.teacher_logits == "precompute"

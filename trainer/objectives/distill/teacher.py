@@ -39,8 +39,13 @@ log = logging.getLogger(__name__)
 def teacher_model_config(cfg: JobConfig) -> ModelConfig:
     """The teacher's ``ModelConfig``: ``distill.teacher``'s folder, in the student's master dtype, through the
     student's attention setting."""
-    return ModelConfig(name_or_path=cfg.distill.teacher, tokenizer=None, dtype=cfg.model.dtype,
-                       attention=cfg.model.attention, trust_remote_code=cfg.model.trust_remote_code)
+    return ModelConfig(
+        name_or_path=cfg.distill.teacher,
+        tokenizer=None,
+        dtype=cfg.model.dtype,
+        attention=cfg.model.attention,
+        trust_remote_code=cfg.model.trust_remote_code,
+    )
 
 
 def check_same_vocabulary(student: PreTrainedTokenizerBase, name: str, trust_remote_code: bool = False) -> None:
@@ -58,14 +63,17 @@ def check_same_vocabulary(student: PreTrainedTokenizerBase, name: str, trust_rem
     )
 
 
-def load_teacher(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: VarlenCausalLM,
-                 device: torch.device) -> VarlenCausalLM:
+def load_teacher(
+    cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: VarlenCausalLM, device: torch.device
+) -> VarlenCausalLM:
     """``distill.teacher`` built, checked against ``student`` (the unsharded model, its loss picked), frozen, in
     eval mode, on ``device``, its chunked head in use."""
     name = cfg.distill.teacher  # set: DistillConfig.check_job
     if name.startswith(LOCAL_PATH_PREFIXES) and not Path(name).expanduser().is_dir():
-        raise ConfigError(f"distill.teacher={name}: no such folder; train and export the teacher first (a recipe "
-                          "that names one gives the command on its first line; docs/distill.md)")
+        raise ConfigError(
+            f"distill.teacher={name}: no such folder; train and export the teacher first (a recipe "
+            "that names one gives the command on its first line; docs/distill.md)"
+        )
     check_same_vocabulary(tokenizer, name, cfg.model.trust_remote_code)
     model_cfg = teacher_model_config(cfg)
     with library_load(f"distill.teacher={name}"):  # what its attention needs: the backend for it (as the student's)
@@ -75,16 +83,22 @@ def load_teacher(cfg: JobConfig, tokenizer: PreTrainedTokenizerBase, student: Va
     what = f"distill.teacher={name}"
     rows, student_rows = (m.model.get_output_embeddings().weight.shape[0] for m in (teacher, student))
     if rows != student_rows:
-        raise ConfigError(f"{what}: its head has {rows} output rows, the student's {student_rows}: the two "
-                          "distributions must be over the same rows")
+        raise ConfigError(
+            f"{what}: its head has {rows} output rows, the student's {student_rows}: the two "
+            "distributions must be over the same rows"
+        )
     context, longest = stated_context(teacher.config), cfg.max_example_length(stated_context(student.config))
     if context and context < longest:
-        raise ConfigError(f"{what}: its context is {context} tokens, the run keeps examples of up to {longest} "
-                          f"(set data.max_length<={context})")
+        raise ConfigError(
+            f"{what}: its context is {context} tokens, the run keeps examples of up to {longest} "
+            f"(set data.max_length<={context})"
+        )
     loss = teacher.use_loss("chunked", cfg.loss.chunk_tokens)
     if not loss.startswith("chunked"):
-        raise ConfigError(f"{what}: {loss.removeprefix('naive (chunked refused: ').rstrip(')')}; distillation runs "
-                          "the teacher's head a chunk of tokens at a time and cannot reproduce its logits")
+        raise ConfigError(
+            f"{what}: {loss.removeprefix('naive (chunked refused: ').rstrip(')')}; distillation runs "
+            "the teacher's head a chunk of tokens at a time and cannot reproduce its logits"
+        )
     log.info("teacher %s: attention %s (packed), head chunked", name, backend.name)
     return teacher.requires_grad_(False).eval()
 
@@ -101,5 +115,10 @@ def live_teacher(teacher: torch.nn.Module, batch: Batch, temperature: float) -> 
 def teacher_top_k(teacher: torch.nn.Module, batch: Batch, temperature: float, k: int):
     """``top_k_rows`` of ``batch``'s label tokens through the teacher's pass (inside its forward window)."""
     with torch.no_grad():
-        return teacher.label_hidden(**batch.model_inputs(), labels=batch.labels, fn=lambda head: top_k_rows(
-            head.hidden, head.weight, head.bias, head.transform, temperature, k, head.chunk_tokens))
+        return teacher.label_hidden(
+            **batch.model_inputs(),
+            labels=batch.labels,
+            fn=lambda head: top_k_rows(
+                head.hidden, head.weight, head.bias, head.transform, temperature, k, head.chunk_tokens
+            ),
+        )

@@ -48,8 +48,15 @@ log = logging.getLogger(__name__)
 STORE_PREFIX = "teacher_topk_"
 
 
-def top_k_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transform, temperature: float,
-               k: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def top_k_rows(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform,
+    temperature: float,
+    k: int,
+    chunk: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The teacher's head on ``hidden`` ``[n, hidden]``, a chunk at a time: per row, the ``k`` most likely ids
     (int32), their log-probabilities at ``temperature`` and the log of the rest of the mass (fp32)."""
     n = hidden.shape[0]
@@ -108,8 +115,10 @@ class TopKStore:
     def teacher(self, dataset: TokenizedDataset, batch: Batch, device: torch.device) -> TopKTeacher:
         """The teacher's rows of ``batch`` (on the host, before it moves to ``device``)."""
         rows = label_rows(dataset, batch, self.starts)
-        ids, log_probs, log_rest = (torch.from_numpy(np.ascontiguousarray(a[rows])).to(device)
-                                    for a in (self.ids, self.log_probs, self.log_rest))
+        ids, log_probs, log_rest = (
+            torch.from_numpy(np.ascontiguousarray(a[rows])).to(device)
+            for a in (self.ids, self.log_probs, self.log_rest)
+        )
         return TopKTeacher(ids.long(), log_probs, log_rest)
 
 
@@ -135,16 +144,24 @@ def store_problem(folder: Path, rows: int, k: int, vocab: int) -> str | None:
 
 def precompute_top_k(
     teacher_pass: Callable[[Batch], tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
-    dataset: TokenizedDataset, fingerprint: str, k: int, vocab: int,
-    batches: Callable[[np.ndarray], list[np.ndarray]], collate, device: torch.device, pad_id: int = 0,
+    dataset: TokenizedDataset,
+    fingerprint: str,
+    k: int,
+    vocab: int,
+    batches: Callable[[np.ndarray], list[np.ndarray]],
+    collate,
+    device: torch.device,
+    pad_id: int = 0,
 ) -> TopKStore:
     """The store of ``dataset``'s cache folder for ``fingerprint``: read when it verifies, else computed by
     ``teacher_pass`` (a batch on ``device`` -> ``top_k_rows`` of its label tokens) over this rank's micro-batches
     ``batches(lengths)`` of every base example, ``collate``-d whole, then written and sealed (see the module)."""
     base = dataclasses.replace(dataset, rows=None)  # every example of the folder: the held-out ones too
     if base.folder is None:
-        raise ValueError("distill.teacher_logits=precompute stores the teacher's top-k in the data cache folder; "
-                         "these examples have none")
+        raise ValueError(
+            "distill.teacher_logits=precompute stores the teacher's top-k in the data cache folder; "
+            "these examples have none"
+        )
     folder = base.folder / f"{STORE_PREFIX}{fingerprint}"
     starts = row_starts(base)
     problem = store_problem(folder, int(starts[-1]), k, vocab) if distributed.is_rank0() else None
@@ -152,8 +169,15 @@ def precompute_top_k(
     if problem is None:
         log.info("distill.teacher_logits=precompute: the teacher's top-%d read from %s", k, folder)
         return TopKStore(folder, base)
-    log.info("distill.teacher_logits=precompute: one pass of the teacher over %d examples (%d label tokens, top-%d; "
-             "store %s: %s)", len(base), int(starts[-1]), k, folder.name, problem)
+    log.info(
+        "distill.teacher_logits=precompute: one pass of the teacher over %d examples (%d label tokens, top-%d; "
+        "store %s: %s)",
+        len(base),
+        int(starts[-1]),
+        k,
+        folder.name,
+        problem,
+    )
     tmp = folder.with_name(f"{folder.name}.tmp{distributed.broadcast_object(os.getpid())}")
     distributed.on_rank0_then_all(lambda: _allocate(tmp, int(starts[-1]), k))
     arrays = [open_memmap(tmp / name, mode="r+") for name in ("ids.npy", "log_probs.npy", "log_rest.npy")]
@@ -186,9 +210,11 @@ def _seal(tmp: Path, folder: Path) -> None:
     missing = int((ids[:, 0] < 0).sum()) if len(ids) else 0
     if missing:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise ConfigError(f"distill.teacher_logits=precompute: {missing} of {len(ids)} rows of {tmp} were written by "
-                          "no rank; every rank must see the same data cache folder (data.cache_dir on a shared file "
-                          "system)")
+        raise ConfigError(
+            f"distill.teacher_logits=precompute: {missing} of {len(ids)} rows of {tmp} were written by "
+            "no rank; every rank must see the same data cache folder (data.cache_dir on a shared file "
+            "system)"
+        )
     seal_folder(tmp)
     shutil.rmtree(folder, ignore_errors=True)
     tmp.rename(folder)
