@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.dpo import compose_job  # noqa: E402
+from benchmarks.dpo import compose_job, qwen2_shape  # noqa: E402
 from benchmarks.figures import load_average, markdown_argument, publish  # noqa: E402
 from benchmarks.peer_hf import run_worker  # noqa: E402
 from trainer.objectives.distill.topk import STORE_PREFIX  # noqa: E402
@@ -64,12 +64,7 @@ SEED = 1234
 
 
 def shape(size: str) -> dict:
-    s = SIZES[size]
-    return s | dict(
-        num_key_value_heads=max(1, s["num_attention_heads"] // 4),
-        max_position_embeddings=4096,
-        tie_word_embeddings=True,
-    )
+    return qwen2_shape(SIZES[size])
 
 
 def parse_args(argv=None) -> argparse.Namespace:
