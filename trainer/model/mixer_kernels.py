@@ -129,8 +129,8 @@ class _Boundaries:
         self.cu_seqlens, self.seq_idx = layout._plans["mixer:boundaries"]
 
 
-def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:
-    """transformers' signatures -> the varlen kernels, each call counted by kind."""
+def _conv_adapter(boundaries: _Boundaries, calls: Counter):
+    """transformers' ``causal_conv1d_fn`` -> causal_conv1d's, handed ``seq_idx``."""
 
     def conv(hidden_states, weight, bias=None, activation=None, **_):
         calls["convolution"] += 1
@@ -139,35 +139,45 @@ def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:
             channel_last, weight, bias, seq_idx=boundaries.seq_idx, activation=activation
         )
 
-    def delta_rule(name):
-        def run(
+    return conv
+
+
+def _delta_rule_adapter(name: str, boundaries: _Boundaries, calls: Counter):
+    """transformers' delta rule ``name`` -> fla's, handed ``cu_seqlens``; an initial state is refused."""
+
+    def run(
+        query,
+        key,
+        value,
+        g,
+        beta,
+        chunk_size=64,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        **_,
+    ):
+        calls["recurrence"] += 1
+        if initial_state is not None:
+            raise VarlenKernelError(f"{name} got an initial state in a packed call")
+        return _kernel(name)(
             query,
             key,
             value,
-            g,
-            beta,
-            chunk_size=64,
+            g=g,
+            beta=beta,
             initial_state=None,
-            output_final_state=False,
-            use_qk_l2norm_in_kernel=False,
-            **_,
-        ):
-            calls["recurrence"] += 1
-            if initial_state is not None:
-                raise VarlenKernelError(f"{name} got an initial state in a packed call")
-            return _kernel(name)(
-                query,
-                key,
-                value,
-                g=g,
-                beta=beta,
-                initial_state=None,
-                output_final_state=output_final_state,
-                use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                cu_seqlens=boundaries.cu_seqlens,
-            )
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+            cu_seqlens=boundaries.cu_seqlens,
+        )
 
-        return run
+    return run
+
+
+def _chunk_scan_adapter(boundaries: _Boundaries, calls: Counter):
+    """transformers' ``mamba2_chunk_scan`` -> mamba_ssm's, handed ``seq_idx``; an initial or final state is
+    refused."""
 
     def chunk_scan(
         hidden_states,
@@ -205,22 +215,32 @@ def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:
             dt_limit=dt_limit,
         )
 
-    def unfused(*_args, **_kwargs):
-        return None
+    return chunk_scan
 
-    def single_step(name):
-        def refuse(*_args, **_kwargs):
-            raise VarlenKernelError(f"a packed call reached {name}, a cached single-step kernel")
 
-        return refuse
+def _unfused(*_args, **_kwargs):
+    """A fused kernel's stand-in: ``None`` sends the mixer down its unfused path."""
+    return None
 
+
+def _single_step(name: str):
+    """A stand-in for the cached single-step kernel ``name`` that raises if a packed call reaches it."""
+
+    def refuse(*_args, **_kwargs):
+        raise VarlenKernelError(f"a packed call reached {name}, a cached single-step kernel")
+
+    return refuse
+
+
+def _adapters(boundaries: _Boundaries, calls: Counter) -> dict:
+    """transformers' signatures -> the varlen kernels, each call counted by kind."""
     adapters = {
-        "causal_conv1d_fn": conv,
-        "torch_chunk_gated_delta_rule": delta_rule("torch_chunk_gated_delta_rule"),
-        "chunk_kimi_delta_attention": delta_rule("chunk_kimi_delta_attention"),
-        "mamba2_chunk_scan": chunk_scan,
+        "causal_conv1d_fn": _conv_adapter(boundaries, calls),
+        "torch_chunk_gated_delta_rule": _delta_rule_adapter("torch_chunk_gated_delta_rule", boundaries, calls),
+        "chunk_kimi_delta_attention": _delta_rule_adapter("chunk_kimi_delta_attention", boundaries, calls),
+        "mamba2_chunk_scan": _chunk_scan_adapter(boundaries, calls),
     }
-    adapters |= dict.fromkeys(UNFUSED, unfused) | {n: single_step(n) for n in SINGLE_STEP}
+    adapters |= dict.fromkeys(UNFUSED, _unfused) | {n: _single_step(n) for n in SINGLE_STEP}
     return adapters
 
 

@@ -83,25 +83,7 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
     total, useful = int(lengths.sum()), useful_tokens_counter(dataset)
     batch_size = cfg.packing.padded_batch_size or matched_padded_batch_size(lengths, cfg.packing, seed)
     lower = math.ceil(total / budget)
-    lines = [
-        f"packing report: {cfg.name} | {len(lengths)} examples, {total} tokens, "
-        f"{int(dataset.label_counts().sum())} label tokens",
-        f"lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
-        f"max {lengths.max()} | token budget {budget} | lower bound ceil({total}/{budget}) = {lower} bins",
-        "",
-        "length histogram (tokens: examples)",
-        *text_histogram(lengths),
-        "",
-        f"padded batching at the recipe's batch size ({batch_size} "
-        f"{'examples' if pair_splits is None else f'pairs ({2 * batch_size} rows)'} per micro-batch, "
-        f"{'set' if cfg.packing.padded_batch_size else 'matched to the packed run'}):",
-    ]
-    if pair_splits is not None:
-        lines[-1:-1] = [
-            f"the examples are preference pairs: {2 * len(lengths)} sequences, each its own segment "
-            "(packed) or row (padded); strategies that cut examples are not shown (a pair is packed whole)",
-            "",
-        ]
+    lines = report_header(dataset, cfg, batch_size, lower, pair_splits)
     figures: dict = {
         "examples": len(lengths),
         "tokens": total,
@@ -121,23 +103,7 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
             lengths, name, pack_params(pcfg, batch_size, "drop"), np.random.default_rng([seed, 0, 0]), pair_splits
         )
         s = result.stats
-        skews, worst = [], []
-        for w in world_sizes:
-            sampler = MicroBatchSampler(
-                lengths,
-                pcfg,
-                0,
-                w,
-                seed,
-                padded_batch_size=batch_size,
-                grad_accum=cfg.grad_accum,
-                oversize="drop",
-                cost=cost,
-                pair_splits=pair_splits,
-            )
-            balance = sampler.balance_report(0, weight=useful)
-            skews.append(balance["skew"])
-            worst.append(balance["worst_step_skew"])
+        skews, worst = rank_skews(lengths, cfg, pcfg, world_sizes, batch_size, useful, cost, pair_splits)
         padded = STRATEGIES[name].padded
         fill = "-" if padded else f"{100 * s.fill:.2f}%"
         bound = "-" if padded else f"{100 * s.efficiency:.2f}%"
@@ -152,11 +118,69 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
         }
     lines += rows + mixture_lines(dataset, cfg, figures)
     figures["max_speedup"] = figures["strategies"]["none"]["positions"] / total
-    lines += [
+    return lines + report_legend(figures, cfg, pair_splits is not None), figures
+
+
+def report_header(dataset, cfg: JobConfig, batch_size: int, lower: int, pair_splits) -> list[str]:
+    """The report's opening lines: the examples' sizes against the token budget and the ``lower`` bound of
+    bins, their length histogram, and the padded batching the strategies are measured against."""
+    lengths, budget, total = dataset.lengths, cfg.packing.token_budget, int(dataset.lengths.sum())
+    lines = [
+        f"packing report: {cfg.name} | {len(lengths)} examples, {total} tokens, "
+        f"{int(dataset.label_counts().sum())} label tokens",
+        f"lengths: mean {lengths.mean():.1f}, median {np.median(lengths):.0f}, p99 {np.percentile(lengths, 99):.0f}, "
+        f"max {lengths.max()} | token budget {budget} | lower bound ceil({total}/{budget}) = {lower} bins",
+        "",
+        "length histogram (tokens: examples)",
+        *text_histogram(lengths),
+        "",
+        f"padded batching at the recipe's batch size ({batch_size} "
+        f"{'examples' if pair_splits is None else f'pairs ({2 * batch_size} rows)'} per micro-batch, "
+        f"{'set' if cfg.packing.padded_batch_size else 'matched to the packed run'}):",
+    ]
+    if pair_splits is not None:
+        lines[-1:-1] = [
+            f"the examples are preference pairs: {2 * len(lengths)} sequences, each its own segment "
+            "(packed) or row (padded); strategies that cut examples are not shown (a pair is packed whole)",
+            "",
+        ]
+    return lines
+
+
+def rank_skews(
+    lengths: np.ndarray, cfg: JobConfig, pcfg, world_sizes: list[int], batch_size: int, useful, cost, pair_splits
+) -> tuple[list[float], list[float]]:
+    """The rank balance of the packing ``pcfg`` at each of ``world_sizes``, in the first epoch, of the useful
+    tokens ``useful`` counts: the skew over all steps, and that of the worst single step."""
+    skews, worst = [], []
+    for w in world_sizes:
+        sampler = MicroBatchSampler(
+            lengths,
+            pcfg,
+            0,
+            w,
+            cfg.seed,
+            padded_batch_size=batch_size,
+            grad_accum=cfg.grad_accum,
+            oversize="drop",
+            cost=cost,
+            pair_splits=pair_splits,
+        )
+        balance = sampler.balance_report(0, weight=useful)
+        skews.append(balance["skew"])
+        worst.append(balance["worst_step_skew"])
+    return skews, worst
+
+
+def report_legend(figures: dict, cfg: JobConfig, pairs: bool) -> list[str]:
+    """The report's closing lines: what each column means and the largest speedup packing can give, from the
+    report's ``figures`` (``pairs``: the examples are preference pairs)."""
+    total = figures["tokens"]
+    return [
         "",
         "fill = real tokens / (micro-batches x budget); vs bound = lower bound / micro-batches (100% is optimal);",
         "positions = what the model computes (padded: rows x longest row"
-        + ("; a pair is two rows, one per sequence" if pair_splits is not None else "")
+        + ("; a pair is two rows, one per sequence" if pairs else "")
         + "); pos/token = positions / real tokens;",
         f"skew@W = sum over steps of the busiest rank's useful tokens / sum of the mean, minus 1, over W ranks"
         f" (grad_accum {cfg.grad_accum}); the worst single step (bfd: "
@@ -166,7 +190,6 @@ def packing_report(dataset, cfg: JobConfig, world_sizes: list[int], cost=None) -
         f"(computes {figures['strategies']['none']['positions']} positions for {total} tokens), "
         f"{figures['strategies']['sorted']['positions'] / total:.2f}x over length-grouped ones.",
     ]
-    return lines, figures
 
 
 def mixture_lines(dataset, cfg: JobConfig, figures: dict) -> list[str]:

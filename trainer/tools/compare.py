@@ -272,7 +272,15 @@ def comparison_table(report: dict) -> str:
     """The Markdown table of the two runs (the README shows this one)."""
     p, q = report["runs"]["padded"], report["runs"]["packed"]
     c = report["comparison"]
-    rows = [
+    rows = _throughput_rows(p, q, c) + _loss_rows(p, q, c) + _compute_rows(p, q)
+    lines = ["| | padded | packed | packed vs padded |", "|---|---:|---:|---:|"]
+    lines += [f"| {name} | {a} | {b} | {r} |" for name, a, b, r in rows]
+    return "\n".join(lines)
+
+
+def _throughput_rows(p: dict, q: dict, c: dict) -> list[tuple[str, str, str, str]]:
+    """The table's rows on speed and cost: useful tokens/s, padding, step time, peak memory."""
+    return [
         (
             "useful tokens/s",
             _fmt(p["useful_tokens_per_s"], ",.0f"),
@@ -304,61 +312,67 @@ def comparison_table(report: dict) -> str:
             _fmt(c["step_time_ratio"], ".2f", suffix="x"),
         ),
         ("peak memory (GiB)", _fmt(p["peak_mem_gib"], ".2f"), _fmt(q["peak_mem_gib"], ".2f"), ""),
+    ]
+
+
+def _loss_rows(p: dict, q: dict, c: dict) -> list[tuple[str, str, str, str]]:
+    """The table's rows on what the runs learned: final train and eval loss (an MoE run's token and router aux
+    losses apart, a DPO run's held-out reward accuracy, where the packed run has them)."""
+    rows = [
         (
             "final train loss",
             _fmt(p["final_loss"], ".4f"),
             _fmt(q["final_loss"], ".4f"),
             _fmt(c["final_train_loss_diff"], "+.4f"),
-        ),
-        *(
-            [
-                (
-                    "final train token loss",
-                    _fmt(p.get("final_token_loss"), ".4f"),
-                    _fmt(q.get("final_token_loss"), ".4f"),
-                    _fmt(_diff(q.get("final_token_loss"), p.get("final_token_loss")), "+.4f"),
-                ),
-                (
-                    "final router aux loss (MoE)",
-                    _fmt(p.get("final_aux_loss"), ".4f"),
-                    _fmt(q.get("final_aux_loss"), ".4f"),
-                    _fmt(c.get("final_aux_loss_diff"), "+.4f"),
-                ),
-            ]
-            if q.get("final_aux_loss") is not None
-            else []
-        ),
+        )
+    ]
+    if q.get("final_aux_loss") is not None:
+        rows += [
+            (
+                "final train token loss",
+                _fmt(p.get("final_token_loss"), ".4f"),
+                _fmt(q.get("final_token_loss"), ".4f"),
+                _fmt(_diff(q.get("final_token_loss"), p.get("final_token_loss")), "+.4f"),
+            ),
+            (
+                "final router aux loss (MoE)",
+                _fmt(p.get("final_aux_loss"), ".4f"),
+                _fmt(q.get("final_aux_loss"), ".4f"),
+                _fmt(c.get("final_aux_loss_diff"), "+.4f"),
+            ),
+        ]
+    rows.append(
         (
             "final eval loss (held out)",
             _fmt(p.get("final_eval_loss"), ".4f"),
             _fmt(q.get("final_eval_loss"), ".4f"),
             _fmt(c["final_eval_loss_diff"], "+.4f"),
-        ),
-        *(
-            [
-                (
-                    "held-out reward accuracy (dpo)",
-                    _fmt(p.get(HELD_OUT_ACCURACY), ".3f"),
-                    _fmt(q.get(HELD_OUT_ACCURACY), ".3f"),
-                    "",
-                )
-            ]
-            if q.get(HELD_OUT_ACCURACY) is not None
-            else []
-        ),
-        ("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), ""),
-        *(
-            [("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), "")]
-            if _known(p.get("mfu")) or _known(q.get("mfu"))
-            else []
-        ),  # no known peak (a CPU): not shown
+        )
+    )
+    if q.get(HELD_OUT_ACCURACY) is not None:
+        rows.append(
+            (
+                "held-out reward accuracy (dpo)",
+                _fmt(p.get(HELD_OUT_ACCURACY), ".3f"),
+                _fmt(q.get(HELD_OUT_ACCURACY), ".3f"),
+                "",
+            )
+        )
+    return rows
+
+
+def _compute_rows(p: dict, q: dict) -> list[tuple[str, str, str, str]]:
+    """The table's rows on how the runs computed: model TFLOP/s and MFU (not shown without a known peak: a CPU),
+    attention, loss implementation, compile mode."""
+    rows = [("model TFLOP/s", _fmt(p.get("model_tflops_per_s"), ".3f"), _fmt(q.get("model_tflops_per_s"), ".3f"), "")]
+    if _known(p.get("mfu")) or _known(q.get("mfu")):
+        rows.append(("MFU (estimated)", _fmt(p.get("mfu"), ".2f", 100, "%"), _fmt(q.get("mfu"), ".2f", 100, "%"), ""))
+    return [
+        *rows,
         ("attention", f"`{p['attention']}`", f"`{q['attention']}`", ""),
         ("loss implementation", f"`{p.get('loss_impl', 'n/a')}`", f"`{q.get('loss_impl', 'n/a')}`", ""),
         ("compile", f"`{p.get('compile', 'n/a')}`", f"`{q.get('compile', 'n/a')}`", ""),
     ]
-    lines = ["| | padded | packed | packed vs padded |", "|---|---:|---:|---:|"]
-    lines += [f"| {name} | {a} | {b} | {r} |" for name, a, b, r in rows]
-    return "\n".join(lines)
 
 
 def learning_line(report: dict) -> list[str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import json
+from dataclasses import dataclass
 
 from transformers import AutoConfig, PreTrainedConfig
 
@@ -260,26 +261,61 @@ def _base_fields() -> frozenset[str]:
     return frozenset(PreTrainedConfig().to_dict())
 
 
-def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
-    """Overrides that keep at least two of a config's layers and about ``most``, covering as many of its
-    per-layer settings as fit (``layer_types``, per-layer lists, lists of layer ids, ``FIRST_LAYERS`` /
-    ``LAST_LAYERS`` counts, sections whose layer counts sum to the total: Dory's input / recurrent / output)
-    and the layers those read keys from (per-layer lists of layer ids: Kolibri's ``kv_source_layers``;
-    Gemma 3n's shared layers reuse the last unshared layer of their type), every per-layer field cut to the
-    kept layers (per-layer widths as ``shapes`` shrunk them)."""
-    layers = next((values[k] for k in COUNT_NAMES if isinstance(values.get(k), int)), 0)
-    if not layers:
-        return {}
-    lists = values | {k: v for k, v in (shapes or {}).items() if isinstance(v, list)}
+@dataclass(frozen=True)
+class LayerFields:
+    """A config's fields that differ by layer, by how they name its layers (``layer_fields``)."""
+
+    layers: int
+    """The config's layer count."""
+    per_layer: tuple[str, ...]
+    """Lists of one setting per layer (``layer_types``, Gemma 3n's intermediate sizes)."""
+    sources: tuple[str, ...]
+    """Per-layer lists of the layer each reads keys from (Kolibri's ``kv_source_layers``)."""
+    ids: tuple[str, ...]
+    """Lists of layer ids (the layers of one kind)."""
+    keyed: tuple[str, ...]
+    """Per-layer settings by layer index (a dict keyed by the index)."""
+    first: tuple[str, ...]
+    """``FIRST_LAYERS`` counts below the layer count."""
+    last: tuple[str, ...]
+    """``LAST_LAYERS`` counts below the layer count."""
+    sections: tuple[str, ...]
+    """Layer counts of sections that sum to the total (Dory's input / recurrent / output), in order."""
+    bounds: tuple[int, ...]
+    """The layer each section ends before."""
+    kinds: tuple
+    """Each layer's ``layer_types`` entry (``None`` where the config has no per-layer ``layer_types``)."""
+
+    def traits(self, values: dict, i: int) -> set:
+        """Layer ``i``'s per-layer settings in ``values``, as (field, setting) pairs."""
+        found = {(k, json.dumps(values[k][i], default=str)) for k in self.per_layer}
+        found |= {(k, values[k][i] != i) for k in self.sources}
+        found |= {(k, i in values[k]) for k in self.ids} | {(k, i < values[k]) for k in self.first}
+        found |= {(k, json.dumps({int(j): v for j, v in values[k].items()}.get(i), default=str)) for k in self.keyed}
+        found |= {(k, i >= self.layers - values[k]) for k in self.last}
+        return found | ({("section", sum(i >= b for b in self.bounds))} if self.sections else set())
+
+    def read_from(self, values: dict, i: int) -> set:
+        """The other layers layer ``i`` reads keys from (Gemma 3n's shared layers: the last unshared layer of
+        their type)."""
+        found = {values[k][i] for k in self.sources}
+        for k in self.last:
+            if i >= self.layers - values[k]:
+                found |= {max((j for j in range(self.layers - values[k]) if self.kinds[j] == self.kinds[i]), default=i)}
+        return found - {i}
+
+
+def layer_fields(values: dict, layers: int) -> LayerFields:
+    """The fields of a config's ``values`` that differ by layer, for its ``layers`` layers."""
+
+    def is_ids(v) -> bool:
+        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v)
+
     per_layer = [
         k
         for k, v in values.items()
         if isinstance(v, (list, tuple)) and len(v) == layers and layers > 1 and k not in TOKEN_IDS
     ]
-
-    def is_ids(v) -> bool:
-        return all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < layers for i in v)
-
     sources = [k for k in per_layer if "layer" in k and is_ids(values[k])]
     per_layer = [k for k in per_layer if k not in sources]
     ids = [
@@ -291,9 +327,7 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
         k
         for k, v in values.items()
         if "layer" in k and isinstance(v, dict) and v and all(str(i).isdigit() and int(i) < layers for i in v)
-    ]  # per-layer settings by layer index
-    first = [k for k in FIRST_LAYERS if isinstance(values.get(k), int) and 0 < values[k] < layers]
-    last = [k for k in LAST_LAYERS if isinstance(values.get(k), int) and 0 < values[k] < layers]
+    ]
     sections = [
         k
         for k, v in values.items()
@@ -306,57 +340,85 @@ def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
     bounds = [sum(values[k] for k in sections[: j + 1]) for j in range(len(sections))]
     if len(sections) < 2 or bounds[-1] != layers:
         sections, bounds = [], []
-    kinds = values.get("layer_types") if "layer_types" in per_layer else [None] * layers
+    return LayerFields(
+        layers=layers,
+        per_layer=tuple(per_layer),
+        sources=tuple(sources),
+        ids=tuple(ids),
+        keyed=tuple(keyed),
+        first=tuple(k for k in FIRST_LAYERS if isinstance(values.get(k), int) and 0 < values[k] < layers),
+        last=tuple(k for k in LAST_LAYERS if isinstance(values.get(k), int) and 0 < values[k] < layers),
+        sections=tuple(sections),
+        bounds=tuple(bounds),
+        kinds=tuple(values["layer_types"]) if "layer_types" in per_layer else (None,) * layers,
+    )
 
-    def traits(i: int) -> set:
-        found = {(k, json.dumps(values[k][i], default=str)) for k in per_layer}
-        found |= {(k, values[k][i] != i) for k in sources}
-        found |= {(k, i in values[k]) for k in ids} | {(k, i < values[k]) for k in first}
-        found |= {(k, json.dumps({int(j): v for j, v in values[k].items()}.get(i), default=str)) for k in keyed}
-        found |= {(k, i >= layers - values[k]) for k in last}
-        return found | ({("section", sum(i >= b for b in bounds))} if sections else set())
 
-    def read_from(i: int) -> set:
-        found = {values[k][i] for k in sources}
-        for k in last:
-            if i >= layers - values[k]:
-                found |= {max((j for j in range(layers - values[k]) if kinds[j] == kinds[i]), default=i)}
-        return found - {i}
-
+def kept_layers(values: dict, fields: LayerFields, most: int) -> list[int]:
+    """The layers a replica keeps, ascending: about ``most`` (at least two) chosen one at a time, each the layer
+    adding the most unseen settings (then an unseen combination of them), the earliest on a tie; then the
+    layers those read keys from."""
     keep, seen, combos = [], set(), set()
-    while len(keep) < min(most, layers):  # the layer adding the most unseen settings (then an unseen
+    while len(keep) < min(most, fields.layers):
         gain = max(
-            (len(traits(i) - seen), frozenset(traits(i)) not in combos, -i) for i in range(layers) if i not in keep
-        )  # combination of them), the earliest on a tie
+            (len(fields.traits(values, i) - seen), frozenset(fields.traits(values, i)) not in combos, -i)
+            for i in range(fields.layers)
+            if i not in keep
+        )
         if not any(gain[:2]) and len(keep) >= 2:
             break
         keep.append(-gain[2])
-        seen |= traits(keep[-1])
-        combos.add(frozenset(traits(keep[-1])))
-    while missing := set().union(*map(read_from, keep)) - set(keep):
+        seen |= fields.traits(values, keep[-1])
+        combos.add(frozenset(fields.traits(values, keep[-1])))
+    while missing := set().union(*(fields.read_from(values, i) for i in keep)) - set(keep):
         keep += sorted(missing)
-    keep.sort()
+    return sorted(keep)
+
+
+def layer_overrides(values: dict, fields: LayerFields, keep: list[int], lists: dict) -> dict:
+    """Overrides that cut a config's ``values`` to the ``keep`` layers: its layer counts, every per-layer field
+    (the per-layer lists taken from ``lists``), the layer ids renumbered."""
+    layers = fields.layers
     out = {k: len(keep) for k in COUNT_NAMES if k in values}
-    out |= {k: [lists[k][i] for i in keep] for k in per_layer}
-    out |= {k: [keep.index(values[k][i]) for i in keep] for k in sources}
-    out |= {k: [keep.index(i) for i in values[k] if i in keep] for k in ids}
+    out |= {k: [lists[k][i] for i in keep] for k in fields.per_layer}
+    out |= {k: [keep.index(values[k][i]) for i in keep] for k in fields.sources}
+    out |= {k: [keep.index(i) for i in values[k] if i in keep] for k in fields.ids}
     out |= {
         k: {
             keep.index(int(j)): v | shrunk_shapes(v) if isinstance(v, dict) else v
             for j, v in values[k].items()
             if int(j) in keep
         }
-        for k in keyed
+        for k in fields.keyed
     }
-    out |= {k: sum(i < values[k] for i in keep) for k in first}
-    out |= {k: sum(i >= layers - values[k] for i in keep) for k in last}
-    out |= {k: sum(lo <= i < hi for i in keep) for k, lo, hi in zip(sections, [0] + bounds, bounds, strict=False)}
+    out |= {k: sum(i < values[k] for i in keep) for k in fields.first}
+    out |= {k: sum(i >= layers - values[k] for i in keep) for k in fields.last}
+    out |= {
+        k: sum(lo <= i < hi for i in keep)
+        for k, lo, hi in zip(fields.sections, [0, *fields.bounds], fields.bounds, strict=False)
+    }
     if "attention_types" in values and "attention_layers" in out:  # GPT-Neo derives its layers from this
         out["attention_types"] = [[[kind], 1] for kind in out["attention_layers"]]
     for k, v in values.items():  # a layer pattern by period (Jamba: attention every 8th layer from the 4th)
         if k.endswith("_layer_period") and isinstance(v, int) and not isinstance(v, bool) and v > len(keep):
             out[k], out[k.replace("_period", "_offset")] = 2, 1  # keeps both kinds of layer
     return out
+
+
+def shrunk_layers(values: dict, most: int, shapes: dict | None = None) -> dict:
+    """Overrides that keep at least two of a config's layers and about ``most``, covering as many of its
+    per-layer settings as fit (``layer_types``, per-layer lists, lists of layer ids, ``FIRST_LAYERS`` /
+    ``LAST_LAYERS`` counts, sections whose layer counts sum to the total: Dory's input / recurrent / output)
+    and the layers those read keys from (per-layer lists of layer ids: Kolibri's ``kv_source_layers``;
+    Gemma 3n's shared layers reuse the last unshared layer of their type), every per-layer field cut to the
+    kept layers (per-layer widths as ``shapes`` shrunk them)."""
+    layers = next((values[k] for k in COUNT_NAMES if isinstance(values.get(k), int)), 0)
+    if not layers:
+        return {}
+    fields = layer_fields(values, layers)
+    keep = kept_layers(values, fields, most)
+    lists = values | {k: v for k, v in (shapes or {}).items() if isinstance(v, list)}
+    return layer_overrides(values, fields, keep, lists)
 
 
 SMALL = {
