@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from trainer.model import VarlenCausalLM, resolve_backend
 from trainer.model.loading import prepare_model
+from trainer.model.relay import BoundaryRelay
 from trainer.model.rope import RopeError, apply_per_example_rope, example_lengths
 
 ORIGINAL = 8
@@ -177,7 +178,7 @@ def test_padded_rows_get_their_own_rope(case):
 
 def test_plain_rope_is_untouched():
     model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY))
-    assert apply_per_example_rope(model) == []
+    assert apply_per_example_rope(model, BoundaryRelay()) == []
     assert "forward" not in vars(model.model.rotary_emb)
 
 
@@ -204,7 +205,7 @@ def test_unknown_length_dependent_rotary_is_refused():
     holder = nn.Module()
     holder.rotary_emb = HomemadeRotary()
     with pytest.raises(RopeError, match="'dynamic' in HomemadeRotary"):
-        apply_per_example_rope(holder)
+        apply_per_example_rope(holder, BoundaryRelay())
 
 
 def test_a_rotary_that_reads_the_length_its_own_way_is_refused():
@@ -221,4 +222,51 @@ def test_a_rotary_that_reads_the_length_its_own_way_is_refused():
         num_experts_per_tok=1,
     )
     with pytest.raises(RopeError, match="phimoe: rope type 'longrope' in PhimoeRotaryEmbedding"):
-        apply_per_example_rope(AutoModelForCausalLM.from_config(config))
+        apply_per_example_rope(AutoModelForCausalLM.from_config(config), BoundaryRelay())
+
+
+def label_hidden(wrapped: VarlenCausalLM, ids, positions, labels, cu=None, mask=None) -> torch.Tensor:
+    """The hidden states the chunked loss reads (the decoder stack called directly, no logits)."""
+    width = int(positions.max()) + 1
+    return wrapped.label_hidden(ids, positions, cu, width, mask, labels=labels, fn=lambda head: head.hidden)
+
+
+def alone(model: nn.Module, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """transformers' own model on one example (or a split piece at its offset), fresh rope: its label states."""
+    fresh_rope(model)
+    labels = ids.clone()
+    labels[0] = -100
+    return label_hidden(VarlenCausalLM(model, backend()), ids[None], positions[None], labels[None], mask=None)
+
+
+@pytest.mark.parametrize("case", list(ROPES))
+def test_the_chunked_loss_path_gets_each_example_its_rope(case):
+    """The default loss calls the decoder stack, not the causal LM: the boundaries must reach the rope there
+    too. A packed row whose split piece (14 tokens cut at 10: its positions 10, 11) follows an example of
+    exactly 10 tokens, so the positions alone run on across the boundary; and a padded batch, through the
+    prepared model and through a deep copy of it."""
+    model = hf_model(case)
+    pristine = copy.deepcopy(model)
+    wrapped = prepare_model(model, backend())
+    wrapped.use_loss("chunked")
+    first, piece = examples()[4][:10], examples()[2][10:12]
+    positions = torch.arange(12)
+    ids, labels = torch.cat([first, piece]), torch.cat([first, piece])
+    labels[[0, 10]] = -100
+    cu = torch.tensor([0, 10, 12], dtype=torch.int32)
+    packed = label_hidden(wrapped, ids[None], positions[None], labels[None], cu=cu)
+    expected = torch.cat([alone(pristine, first, positions[:10]), alone(pristine, piece, positions[10:])])
+    torch.testing.assert_close(packed, expected, atol=1e-5, rtol=1e-5)
+
+    exs = examples()
+    width = max(LENGTHS)
+    ids = torch.zeros(len(exs), width, dtype=torch.long)
+    mask = torch.zeros(len(exs), width, dtype=torch.long)
+    for row, e in enumerate(exs):
+        ids[row, : len(e)], mask[row, : len(e)] = e, 1
+    labels = torch.where(mask.bool(), ids, torch.full_like(ids, -100))
+    labels[:, 0] = -100
+    expected = torch.cat([alone(pristine, e, torch.arange(len(e))) for e in exs])
+    for model in (wrapped, copy.deepcopy(wrapped)):  # a copy (DPO's frozen reference) reads its own calls
+        padded = label_hidden(model, ids, torch.arange(width).expand(len(exs), width), labels, mask=mask)
+        torch.testing.assert_close(padded, expected, atol=1e-5, rtol=1e-5)

@@ -122,7 +122,7 @@ def test_self_check_catches_longrope_that_a_long_first_batch_hides(fixed, monkey
     example takes the long factors, packed or alone); the worst-case batch puts short ones beside the
     longest and stops the run. With the fix, it passes."""
     if not fixed:
-        monkeypatch.setattr("trainer.model.prepare.apply_per_example_rope", lambda model: [])
+        monkeypatch.setattr("trainer.model.prepare.apply_per_example_rope", lambda *args: [])
         # the replica refuses this too: the self-check alone here
         monkeypatch.setattr(
             "trainer.model.certification.stages.cached_judge", lambda config: Stage("replica", "unbuildable", "off")

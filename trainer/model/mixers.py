@@ -113,10 +113,11 @@ class PackedMixerForward:
         return self.route.run(self.module, forward, boundaries, args, kwargs)
 
 
-def keep_mixers_apart(model: nn.Module, relay: BoundaryRelay, device: torch.device | None = None) -> list[TokenMixer]:
-    """Route every token mixer of ``model`` (``find_token_mixers``) so that a packed call keeps its examples
+def keep_mixers_apart(
+    mixers: list[TokenMixer], relay: BoundaryRelay, device: torch.device | None = None
+) -> list[TokenMixer]:
+    """Route every token mixer of a model (``find_token_mixers``) so that a packed call keeps its examples
     apart (the route chosen per mixer class for ``device``); returns them (``describe`` says which, for the log)."""
-    mixers = find_token_mixers(model)
     routes: dict[type, MixerRoute] = {}
     for mixer in mixers:
         cls = type(mixer.module)

@@ -12,7 +12,7 @@ from trainer.model.families import RELAY_BOUNDARIES
 from trainer.model.layer_relay import relay_layer_settings
 from trainer.model.mixers import find_token_mixers, keep_mixers_apart
 from trainer.model.relay import BoundaryRelay
-from trainer.model.rope import apply_per_example_rope
+from trainer.model.rope import apply_per_example_rope, length_dependent_rope_modules
 from trainer.model.wrapper import VarlenCausalLM, decoder_of
 
 
@@ -23,14 +23,16 @@ def prepare_model(model: torch.nn.Module, backend: AttentionBackend) -> VarlenCa
     (``families.RELAY_BOUNDARIES``), the windows / chunks a family keeps in its mask handed to its layers
     (``trainer.model.layer_relay``), and every token mixer outside attention (convolutions, state-space
     scans, linear-attention recurrences) run per example (``trainer.model.mixers``)."""
-    apply_per_example_rope(model)
+    ropes = length_dependent_rope_modules(model)
     wrapped = VarlenCausalLM(model, backend)
     relays = getattr(model.config, "model_type", None) in RELAY_BOUNDARIES
-    if relays or find_token_mixers(model):
+    mixers = find_token_mixers(model)
+    if ropes or relays or mixers:
         relay = BoundaryRelay().attach(model, decoder_of(model), wrapped.decoder_layers())
+        apply_per_example_rope(model, relay, ropes)
         if relays:
             relay_boundaries(model, relay)
-        wrapped.token_mixers = keep_mixers_apart(model, relay, backend.device)
+        wrapped.token_mixers = keep_mixers_apart(mixers, relay, backend.device)
     relay_layer_settings(model, decoder_of(model), _calls_attention_interface)
     return wrapped
 

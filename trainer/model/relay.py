@@ -14,9 +14,10 @@ can ask (``current``):
   (``torch.distributed._composable.checkpoint`` recomputes with the saved inputs), so the boundaries of that
   input are found again there.
 
-A padded or one-example call has no boundaries: ``current`` is ``None`` and the modules run as transformers
-wrote them. The hooks are bound methods of the relay, so ``copy.deepcopy`` of the model (the preference
-reference) gets its own relay, bound to the copy's modules.
+A padded or one-example call has no boundaries: ``current`` is empty and the modules run as transformers
+wrote them. The outermost call's 2-D ``attention_mask`` is kept apart (``mask``): per-example rope reads a
+padded batch's rows from it (``trainer.model.rope``). The hooks are bound methods of the relay, so
+``copy.deepcopy`` of the model (the preference reference) gets its own relay, bound to the copy's modules.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class BoundaryRelay:
         checkpointed layer recomputed in the backward pass)."""
         self.call: dict = {}
         """The boundary kwargs of the outermost running call (empty: not a packed call)."""
+        self.mask: torch.Tensor | None = None
+        """The outermost running call's ``attention_mask`` (a padded batch's), ``None`` outside a call."""
         self.layer: dict = {}
         """Those of the decoder layer running now."""
         self.by_input: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -54,6 +57,7 @@ class BoundaryRelay:
     def call_starts(self, _module, _args, kwargs) -> None:
         if self.depth == 0:
             self.call = boundary_kwargs(kwargs)
+            self.mask = kwargs.get("attention_mask")
         self.depth += 1
         self.layer = self.call
 
@@ -61,6 +65,7 @@ class BoundaryRelay:
         self.depth -= 1
         if self.depth == 0:
             self.call = self.layer = {}
+            self.mask = None
 
     def layer_starts(self, _module, args, kwargs) -> None:
         found = boundary_kwargs(kwargs)

@@ -11,7 +11,9 @@ llama3 rope do not depend on the length and stay untouched) with one that gives 
 example would get run alone through a fresh model: the frequencies of that example's length, computed by
 transformers' own ``ROPE_INIT_FUNCTIONS``, with transformers' own (undecorated) rotary forward. The example
 boundaries come from ``cu_seq_lens_q`` (packed), the ``attention_mask`` (padded), and wherever
-``position_ids`` do not count up by one.
+``position_ids`` do not count up by one; the first two from the call in progress, as the boundary relay
+(``trainer.model.relay``) keeps it for the causal LM and for its decoder stack, which the chunked loss calls
+directly.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS, dynamic_rope_update
 
 from trainer.config import ConfigError
+from trainer.model.relay import BoundaryRelay
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +86,10 @@ def example_lengths(
 class PerExampleRope:
     """The replacement forward of one rotary module (see the module docstring)."""
 
-    def __init__(self, module: nn.Module, boundaries: dict) -> None:
+    def __init__(self, module: nn.Module, relay: BoundaryRelay) -> None:
         self.module = module
-        self.boundaries = boundaries
-        """What the model's forward was called with (``cu_seq_lens_q``, ``attention_mask``), set by a hook."""
+        self.relay = relay
+        """The call in progress: its boundaries (``cu_seq_lens_q``) and its ``attention_mask``."""
         self.original = module.forward
         self.raw = inspect.unwrap(type(module).forward)  # without dynamic_rope_update (and its no_grad)
         self.types = rope_types(module)
@@ -97,9 +100,7 @@ class PerExampleRope:
             return (
                 self.original(x, position_ids, layer_type) if layer_type is not None else self.original(x, position_ids)
             )
-        lengths = example_lengths(
-            position_ids, self.boundaries.get("cu_seq_lens_q"), self.boundaries.get("attention_mask")
-        )
+        lengths = example_lengths(position_ids, self.relay.current().get("cu_seq_lens_q"), self.relay.mask)
         groups: list[tuple[torch.Tensor, float, torch.Tensor]] = []  # (inv_freq, scaling, tokens using them)
         for length in lengths.unique().tolist():
             extra = {"layer_type": layer_type} if layer_type is not None else {}
@@ -183,31 +184,31 @@ def verify_alone(module: nn.Module, per_example: PerExampleRope, family: str) ->
             start += n
 
 
-def apply_per_example_rope(model: nn.Module) -> list[str]:
-    """Give every length-dependent rotary module of ``model`` (a transformers causal LM) per-example
-    frequencies; returns the names of the modules changed (empty for plain rope: nothing is touched)."""
-    modules = length_dependent_rope_modules(model)
+def apply_per_example_rope(
+    model: nn.Module, relay: BoundaryRelay, modules: list[tuple[str, nn.Module]] | None = None
+) -> list[str]:
+    """Give every length-dependent rotary module of ``model`` (a transformers causal LM;
+    ``length_dependent_rope_modules`` unless given) per-example frequencies, reading the call in progress from
+    ``relay`` (attached to the model and its decoder stack); returns the names of the modules changed (empty
+    for plain rope: nothing is touched)."""
+    modules = length_dependent_rope_modules(model) if modules is None else modules
     if not modules:
         return []
-    boundaries: dict = {}
-
-    def remember(_module, _args, kwargs):
-        boundaries.clear()
-        boundaries.update({k: kwargs.get(k) for k in ("cu_seq_lens_q", "attention_mask")})
-
-    def forget(_module, _args, _kwargs, _output):
-        boundaries.clear()
-
     family = getattr(getattr(model, "config", None), "model_type", type(model).__name__)
     for _, module in modules:
-        per_example = PerExampleRope(module, boundaries)
+        per_example = PerExampleRope(module, relay)
         verify_alone(module, per_example, family)
         module.forward = per_example  # an instance attribute: nn.Module calls it
-    model.register_forward_pre_hook(remember, with_kwargs=True)
-    model.register_forward_hook(forget, with_kwargs=True, always_call=True)
     names = [name for name, _ in modules]
     log.info("rope computed per example (length-dependent rope type) in %s", ", ".join(names))
     return names
 
 
-__all__ = ["PerExampleRope", "RopeError", "apply_per_example_rope", "example_lengths", "length_dependent"]
+__all__ = [
+    "PerExampleRope",
+    "RopeError",
+    "apply_per_example_rope",
+    "example_lengths",
+    "length_dependent",
+    "length_dependent_rope_modules",
+]
