@@ -67,11 +67,13 @@ class Batch:
         return self.cu_seqlens is not None
 
     def to(self, device: torch.device) -> Batch:
-        """The batch with its tensors on ``device`` (a subclass stays one)."""
+        """The batch with its tensors on ``device`` (a subclass stays one). Only a copy off the host is
+        asynchronous: a device-to-host ``non_blocking`` copy returns before the data is there."""
+        non_blocking = torch.device(device).type != "cpu"
         return dataclasses.replace(
             self,
             **{
-                f.name: getattr(self, f.name).to(device, non_blocking=True)
+                f.name: getattr(self, f.name).to(device, non_blocking=non_blocking)
                 for f in dataclasses.fields(Batch)
                 if isinstance(getattr(self, f.name), torch.Tensor)
             },

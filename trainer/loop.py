@@ -359,8 +359,9 @@ class Trainer:
                 "train_examples": len(self.dataset),
                 "eval_examples": len(self.eval_dataset) if self.eval_dataset is not None else 0,
                 "dataset": asdict(self.dataset.stats),
-                "unigram_entropy": unigram_entropy(self.dataset.label_token_counts())  # a stream has no whole set
-                if hasattr(self.dataset, "label_token_counts")
+                # a scan of every token: for rank 0's summary.json only; a stream has no whole set
+                "unigram_entropy": unigram_entropy(self.dataset.label_token_counts())
+                if self.rank == 0 and hasattr(self.dataset, "label_token_counts")
                 else float("nan"),
                 "skipped_steps": dict(self.guard.skipped),
                 "certification": self.certificate.to_json(),

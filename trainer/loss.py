@@ -250,9 +250,7 @@ class HeadLoss:
 
     def __call__(self, hidden, weight, bias, targets) -> torch.Tensor:
         fn = liger_summed_loss if self.kernel == "liger" else chunked_summed_loss
-        # The head reads the hidden states in its own dtype, as transformers' heads do (Mamba keeps its residual
-        # stream in fp32 and casts it to the bf16 head under mixed precision).
-        return fn(hidden.to(weight.dtype), weight, bias, targets, self.transform, self.chunk_tokens)
+        return fn(hidden, weight, bias, targets, self.transform, self.chunk_tokens)
 
 
 class _ChunkedTokenLogprobs(torch.autograd.Function):
@@ -302,10 +300,10 @@ def chunked_token_logps(
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
     """Log-probability of each target ``[n]`` (fp32) under the LM head applied to ``hidden`` ``[n, hidden]``,
-    never holding more than one chunk's logits (the preference objective's building block). The head reads
-    ``hidden`` in its own dtype (as ``HeadLoss``)."""
+    never holding more than one chunk's logits (the preference objective's building block). ``hidden`` is in the
+    head's dtype (``VarlenCausalLM.label_head`` casts it)."""
     return _ChunkedTokenLogprobs.apply(
-        hidden.to(weight.dtype), weight, bias, targets, transform, chunk_tokens_for(weight.shape[0], chunk_tokens)
+        hidden, weight, bias, targets, transform, chunk_tokens_for(weight.shape[0], chunk_tokens)
     )
 
 

@@ -149,7 +149,8 @@ def streaming_training_data(
         cfg.data.stream.buffer,
         cfg.max_steps,
     )
-    probe_sampler = build_sampler(probe.lengths, cfg.packing, 0, 1, cfg.seed, cost=balance_cost(cfg, tokenizer))
+    # the self-check's worst case reads only lengths, budget and batch size: no deal to weigh, no model to build
+    probe_sampler = build_sampler(probe.lengths, dataclasses.replace(cfg.packing, balance="tokens"), 0, 1, cfg.seed)
     return TrainingData(
         tokenizer, ServedExamples(sampler), eval_dataset, sampler, collate_packed, max_length, probe, probe_sampler
     )

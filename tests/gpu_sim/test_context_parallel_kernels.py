@@ -5,6 +5,7 @@ bottom-right causal alignment), with a sliding window crossing the ranks' bounda
 
 from __future__ import annotations
 
+import dataclasses
 from unittest import mock
 
 import pytest
@@ -34,7 +35,7 @@ def _cp_row(q, k, v, kernel, split, window):
     cu = [0]
     for n in LENGTHS:
         cu.append(cu[-1] + n)
-    shards = [s.to(q.device) for s in plan_shards(cu, CP, split)]
+    shards = [dataclasses.replace(s, kernel=kernel).to(q.device) for s in plan_shards(cu, CP, split)]
     index_all = torch.cat([s.index for s in shards]).clamp(min=0)
     k_all, v_all = k[:, :, index_all], v[:, :, index_all]  # the all-gather's result, in rank order
     out = torch.zeros(1, q.shape[2], q.shape[1], q.shape[3], dtype=q.dtype, device=q.device)
@@ -43,9 +44,7 @@ def _cp_row(q, k, v, kernel, split, window):
         local_q = q[:, :, s.index.clamp(min=0)]
         stand_in = iter([k_all, v_all])  # the all-gather's result: the row's own keys and values
         with mock.patch.object(cp_attention_module, "gather_tokens", lambda x, group, kv=stand_in: next(kv)):
-            o, _ = cp_attention(
-                _Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, cp_kernel=kernel, sliding_window=window
-            )
+            o, _ = cp_attention(_Module(), local_q, None, None, None, scaling=0.35, cp_shard=s, sliding_window=window)
         out = out.index_put((torch.zeros_like(s.index[keep]), s.index[keep]), o[0][keep].to(out.dtype))
     return out
 

@@ -124,6 +124,27 @@ def test_packed_equals_padded_and_chunked_equals_naive(setup):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
+def test_heads_read_hidden_states_of_another_dtype_in_their_own(setup):
+    """A student and a live teacher whose last hidden states are in another dtype than their heads (as Mamba's fp32
+    residual stream under a bf16 head; here the final norm in fp64 before an fp32 head): the same terms and
+    gradients as with every weight in fp32."""
+    cfg, tokenizer, dataset = setup
+    packed = batches(dataset)[0]
+    results = []
+    for norm_dtype in (torch.float32, torch.float64):
+        model = student(cfg, tokenizer)
+        distill = objective(cfg, model, teacher_logits="live", divergence="jsd", beta=0.3, alpha=0.3)
+        for m in (model, distill.teacher):
+            m.model.model.norm.to(norm_dtype)
+        loss = distill.loss_sum(model, packed)
+        loss.backward()
+        results.append((distill.sums, [p.grad.float() for p in model.parameters()]))
+    (sums, grads), (wide_sums, wide_grads) = results
+    torch.testing.assert_close(wide_sums, sums, rtol=1e-5, atol=1e-4)
+    for a, b in zip(wide_grads, grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
 def test_filler_batch_is_exactly_zero(setup):
     cfg, tokenizer, _ = setup
     model = student(cfg, tokenizer)

@@ -55,7 +55,7 @@ def test_store_round_trip(chats, tokenizer):
     train, held = split_holdout(chats, 0.25, seed=3)
     store = precompute_top_k(teacher, train, "abc", K, VOCAB, batches, collate_packed, CPU)
     assert store.folder == chats.folder / f"{STORE_PREFIX}abc" and teacher.calls > 1
-    assert len(store.ids) == int(chats.label_counts().sum()) and store.k == K
+    assert len(store.ids) == int(chats.label_counts().sum()) and store.ids.shape[1] == K
     pieces = np.array([[3, 5, 40], [0, 0, 9], [3, 40, int(train.lengths[3])], [1, 0, int(train.lengths[1])]])
     layouts = [
         (train, collate_packed(train, np.arange(6))),

@@ -10,6 +10,8 @@ through ``build_model`` and the startup self-check as the trainer runs it.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -99,10 +101,12 @@ def test_chunks_are_refused_under_context_parallel():
 
 def test_context_parallel_attention_refuses_sinks():
     from trainer.parallel.cp_attention import cp_attention
+    from trainer.parallel.cp_layout import plan_shards
 
     q = torch.zeros(1, 4, 3, 8)
+    shard = dataclasses.replace(plan_shards([0, 4], 1, "contiguous")[0], kernel="sdpa_varlen")
     with pytest.raises(AttentionBackendError, match=r"sdpa_varlen under parallel.cp cannot honour .*sinks \(s_aux\)"):
-        cp_attention(None, q, q, q, None, cp_shard=None, cp_kernel="sdpa_varlen", s_aux=torch.zeros(4))
+        cp_attention(None, q, q, q, None, cp_shard=shard, s_aux=torch.zeros(4))
 
 
 @pytest.mark.parametrize(

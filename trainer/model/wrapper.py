@@ -205,13 +205,15 @@ class VarlenCausalLM(nn.Module):
     def label_head(self, hidden: torch.Tensor, labels: torch.Tensor, shifted: bool = False) -> LabelHidden:
         """The positions of ``hidden`` that predict a label, their targets and the output head. ``shifted``: the
         labels are already the targets of their own positions (a context-parallel shard): one dummy position after
-        the last makes ``label_positions``' shift a no-op."""
+        the last makes ``label_positions``' shift a no-op. The head reads the label rows in its own dtype, as
+        transformers' heads do (Mamba keeps its residual stream in fp32 and casts it to the bf16 head under mixed
+        precision); every consumer of the head's input gets it from here."""
         if shifted:
             hidden, labels = F.pad(hidden, (0, 0, 0, 1)), F.pad(labels, (1, 0), value=IGNORE_INDEX)
         hidden, targets = label_positions(hidden, labels)
         head = self.model.get_output_embeddings()
         return LabelHidden(
-            hidden,
+            hidden.to(head.weight.dtype),
             targets,
             head.weight,
             head.bias,

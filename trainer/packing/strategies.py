@@ -42,7 +42,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from trainer.config.common import PACKING_STRATEGIES
+from trainer.config.common import PACKING_STRATEGIES, StrategyKind
 from trainer.packing.bins import Bins
 from trainer.packing.fit import best_fit_decreasing, first_fit_decreasing, group_by_bin
 
@@ -191,16 +191,21 @@ class Strategy:
     build: BuildFn
     """``(sizes in [1, ...], params, rng) -> bins`` over positions of ``sizes``: ``Bins`` lying back to back
     (``Bins.from_counts``) or a list of arrays."""
-    padded: bool
-    """Micro-batches are padded rectangles (``collate_padded``) rather than flat varlen rows."""
-    splits: bool
-    """May cut an example into pieces (needs ``budget >= 2``; never drops over-long examples)."""
+    kind: StrategyKind
+    """What it packs (``trainer.config.PACKING_STRATEGIES[name]``): padded rectangles, pieces of examples."""
     description: str
 
     @property
+    def padded(self) -> bool:
+        return self.kind.padded
+
+    @property
+    def splits(self) -> bool:
+        return self.kind.splits
+
+    @property
     def min_budget(self) -> int:
-        """The smallest token budget it can pack into: a piece needs a labelled token besides its overlap token."""
-        return 2 if self.splits else 1
+        return self.kind.min_budget
 
 
 STRATEGIES: dict[str, Strategy] = {}
@@ -212,9 +217,7 @@ def register_strategy(name: str, description: str = ""):
     kind = PACKING_STRATEGIES[name]
 
     def wrap(fn: BuildFn) -> BuildFn:
-        STRATEGIES[name] = Strategy(
-            name, fn, kind.padded, kind.splits, description or (fn.__doc__ or "").split("\n")[0]
-        )
+        STRATEGIES[name] = Strategy(name, fn, kind, description or (fn.__doc__ or "").split("\n")[0])
         return fn
 
     return wrap

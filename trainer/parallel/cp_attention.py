@@ -51,13 +51,12 @@ def gather_tokens(x: torch.Tensor, group) -> torch.Tensor:
 
 def cp_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """transformers' attention signature under context parallelism (``kwargs['cp_shard']``: this rank's
-    ``CPShard``; ``kwargs['cp_group']``, ``kwargs['cp_kernel']``: sdpa_varlen, flash_attn, torch_varlen or flex):
+    ``CPShard``, whose ``group`` and ``kernel``, sdpa_varlen, flash_attn, torch_varlen or flex, it runs with):
     the row's keys/values all-gathered over the group (``gather_tokens``), then the backend's kernel for query
     runs against their keys (``trainer.model.backends_*``: ``*_query_runs``)."""
-    kernel = kwargs.get("cp_kernel", "sdpa_varlen")
-    refuse_unhonoured(f"{kernel} under parallel.cp", kwargs, softcap=True)  # sinks, selections: never ignored
     shard = kwargs["cp_shard"]
-    group = kwargs.get("cp_group")
+    kernel, group = shard.kernel, shard.group
+    refuse_unhonoured(f"{kernel} under parallel.cp", kwargs, softcap=True)  # sinks, selections: never ignored
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None
     softcap = kwargs.get("softcap")

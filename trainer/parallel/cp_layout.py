@@ -123,7 +123,7 @@ class CPShard:
 
     def attention_kwargs(self) -> dict:
         """What the model's attention layers are handed for this shard."""
-        return {"cp_shard": self, "cp_group": self.group, "cp_kernel": self.kernel}
+        return {"cp_shard": self}
 
     def to(self, device: torch.device) -> CPShard:
         return dataclasses.replace(

@@ -119,7 +119,8 @@ def _token_losses(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:-1].float(), labels[1:], ignore_index=IGNORE_INDEX, reduction="none")
 
 
-def _labelled(batch: Batch) -> int:
+def label_count(batch: Batch) -> int:
+    """The batch's label tokens (at least 1): what a per-label loss of the check divides by."""
     return max(1, int((batch.labels != IGNORE_INDEX).sum()))
 
 
@@ -146,11 +147,11 @@ class TokenLossCheck:
         """(the batch's loss, differentiable, through the run's own path ``use_loss``, or from ``token_losses``
         per sequence when a route gives logits; per-sequence values to compare alone, or ``None``)."""
         total = summed_token_loss(model, batch) if token_losses is None else sum(t.sum() for t in token_losses)
-        return total / (_labelled(batch) if self.per_label else 1), None
+        return total / (label_count(batch) if self.per_label else 1), None
 
     def alone(self, batch: Batch, token_losses: list[torch.Tensor], labels: list[torch.Tensor]) -> torch.Tensor:
         """The loss of one group of sequences run alone, normalised as ``packed`` normalises."""
-        return sum(t.sum() for t in token_losses) / (_labelled(batch) if self.per_label else 1)
+        return sum(t.sum() for t in token_losses) / (label_count(batch) if self.per_label else 1)
 
 
 def _zero_grads(model: torch.nn.Module) -> None:

@@ -22,18 +22,17 @@ from trainer.collate import Batch
 from trainer.config.distill import DistillConfig
 from trainer.data.examples import IGNORE_INDEX
 from trainer.loss import sequence_of_labels
-from trainer.model.certification.engine import example_spans
-from trainer.objectives.distill.loss import TopKTeacher, blend, student_terms, token_terms
+from trainer.model.certification.engine import TokenLossCheck, example_spans, label_count
+from trainer.objectives.distill.loss import TopKTeacher, blend, over_classes, student_terms, token_terms
 from trainer.objectives.distill.teacher import live_teacher, teacher_top_k
 
 
-class DistillLossCheck:
+class DistillLossCheck(TokenLossCheck):
     """``CheckLoss`` for distillation: the packed batch through the run's path, each sequence alone against the
-    teacher run alone on it."""
-
-    group = 1
+    teacher run alone on it (``group`` and ``alone``, per label, as ``TokenLossCheck``)."""
 
     def __init__(self, teacher: torch.nn.Module, cfg: DistillConfig, k: int | None) -> None:
+        super().__init__(per_label=True)
         self.teacher, self.cfg, self.k = teacher, cfg, k
         """``teacher``: unsharded, frozen; ``k``: the stored top-k (``precompute``), ``None``: ``live``."""
         self.packed_ids: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -51,8 +50,7 @@ class DistillLossCheck:
             ids, values, rest = teacher_top_k(self.teacher, batch, self.cfg.temperature, self.k)
             teacher = TopKTeacher(ids.long(), values, rest)
             self.packed_ids = (sequence_of_labels(batch.labels, batch.cu_seqlens), teacher.ids)
-        labelled = max(1, int((batch.labels != IGNORE_INDEX).sum()))
-        return student_terms(model, batch, teacher, self.cfg)[0] / labelled, None
+        return student_terms(model, batch, teacher, self.cfg)[0] / label_count(batch), None
 
     def token_losses(self, batch: Batch, index: int, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Sequence ``index`` alone: per label token, the distillation loss of the student's logits ``logits``
@@ -71,10 +69,5 @@ class DistillLossCheck:
         else:
             sequence, packed_ids = self.packed_ids
             top = packed_ids[sequence == index]
-            rest = log_probs.scatter(1, top, float("-inf")).logsumexp(-1)
-            classes, top = TopKTeacher(top, log_probs.gather(1, top), rest).log_probs(0, len(top))
+            classes = over_classes(log_probs, top)
         return blend(*token_terms(student, targets, classes, top, self.cfg), self.cfg)
-
-    def alone(self, batch: Batch, token_losses: list[torch.Tensor], labels: list[torch.Tensor]) -> torch.Tensor:
-        """One sequence's summed per-token losses, over the batch's label count (as ``packed`` divides)."""
-        return sum(t.sum() for t in token_losses) / max(1, int((batch.labels != IGNORE_INDEX).sum()))

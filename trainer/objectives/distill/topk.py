@@ -108,10 +108,6 @@ class TopKStore:
         self.log_rest = np.load(folder / "log_rest.npy", mmap_mode="r")
         self.starts = row_starts(base)
 
-    @property
-    def k(self) -> int:
-        return self.ids.shape[1]
-
     def teacher(self, dataset: TokenizedDataset, batch: Batch, device: torch.device) -> TopKTeacher:
         """The teacher's rows of ``batch`` (on the host, before it moves to ``device``)."""
         rows = label_rows(dataset, batch, self.starts)
