@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model.attention_needs import refuse_unhonoured
-from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
+from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, length_buckets, packed_args
 from trainer.model.sinks import sdpa_with_sinks, sinks_of
 
 CALL_COST = 2e7
@@ -103,26 +103,6 @@ def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
         outs.append(out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3]))
     out = torch.cat(outs) if len(outs) > 1 else outs[0]
     return _PermuteRows.apply(out.unsqueeze(0), plan.token_slot, plan.index, plan.valid)
-
-
-def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
-    """Example ids grouped by similar length (longest first); every bucket becomes one SDPA call.
-
-    Walking down the sorted lengths, an example joins the current bucket (padded to its longest, ``top``)
-    unless the bucket's padding waste, ``sum(top^2 - l^2)`` pairs, would exceed the cost of another call.
-    """
-    buckets, top, waste = [], 0, 0.0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        if n == 0:
-            continue
-        extra = top * top - n * n
-        if not buckets or waste + extra > call_pairs:
-            buckets.append([])
-            top, waste, extra = n, 0.0, 0
-        buckets[-1].append(i)
-        waste += extra
-    return buckets
 
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from trainer.model.mixer_kernels import VarlenKernels, kernels_run_on, varlen_names
-from trainer.model.packed_layout import PackedLayout, SlotPlan
+from trainer.model.packed_layout import PackedLayout, SlotPlan, length_buckets
 from trainer.model.relay import BOUNDARY_KWARGS
 
 
@@ -121,15 +121,6 @@ class _Cutter:
         )
 
 
-def equal_length_groups(lengths: list[int]) -> list[list[int]]:
-    """Example ids grouped by length (longest first): each group is one call, one example per row."""
-    groups: dict[int, list[int]] = {}
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i]:
-            groups.setdefault(lengths[i], []).append(i)
-    return list(groups.values())
-
-
 class PerExample:
     """Each example through the mixer's own forward alone, equal lengths batched (see the module docstring)."""
 
@@ -159,7 +150,7 @@ def _per_example(forward, boundaries: dict, args: tuple, kwargs: dict):
         )
     if len(layout.lengths) == 1:
         return forward(*args, **kwargs)
-    groups = equal_length_groups(layout.lengths)
+    groups = length_buckets(layout.lengths, 0.0)  # one length per call, one example per row
     plan = layout.plan("mixer:equal", [[[i] for i in g] for g in groups], primary.device)
     cutter = _Cutter(plan, layout.total)
     cut_args = [cutter.cut(a) for a in args]
@@ -180,4 +171,4 @@ def choose_route(module, device: torch.device | None, kinds: set[str]) -> MixerR
     return VarlenKernels(names, kinds) if why_not is None else PerExample(why_not)
 
 
-__all__ = ["MixerError", "MixerRoute", "PerExample", "choose_route", "equal_length_groups"]
+__all__ = ["MixerError", "MixerRoute", "PerExample", "choose_route"]

@@ -178,6 +178,27 @@ class PackedLayout:
         return self._plans[key]
 
 
+def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
+    """Example ids grouped by similar length (longest first); every bucket becomes one batched call.
+
+    Walking down the sorted lengths, an example joins the current bucket (padded to its longest, ``top``)
+    unless the bucket's padding waste, ``sum(top^2 - l^2)`` pairs, would exceed the cost of another call
+    (``call_pairs``). With ``call_pairs=0`` a bucket holds only examples of one length.
+    """
+    buckets, top, waste = [], 0, 0.0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n == 0:
+            continue
+        extra = top * top - n * n
+        if not buckets or waste + extra > call_pairs:
+            buckets.append([])
+            top, waste, extra = n, 0.0, 0
+        buckets[-1].append(i)
+        waste += extra
+    return buckets
+
+
 def allowed(doc_q, pos_q, doc_k, pos_k, window: int | None):
     """The document-causal (and sliding-window) rule, broadcast over whatever shapes are given."""
     ok = (doc_q == doc_k) & (pos_k <= pos_q)
