@@ -166,12 +166,13 @@ def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling
     layout = PackedLayout.of(args.cu_seqlens)
     width = tile_width(layout.lengths, layout.max_len, _call_cost_pairs(query))
     plan = layout.plan(f"tiles:{width}", [tiles(layout.lengths, width)], query.device)
-    mask_key = f"tilemask:{width}:{args.window}"
-    if mask_key not in layout._plans:
+
+    def tile_mask() -> torch.Tensor:
         rows, w = plan.shapes[0]
         d, p = plan.doc.view(rows, w), plan.pos.view(rows, w)
-        layout._plans[mask_key] = allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
-    mask = layout._plans[mask_key].unsqueeze(1)  # [tiles, 1, S, S]
+        return allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
+
+    mask = layout.cached(f"tilemask:{width}:{args.window}", tile_mask).unsqueeze(1)  # [tiles, 1, S, S]
 
     def attend(q, k, v, r):
         if sinks is not None:

@@ -124,7 +124,8 @@ class PackedLayout:
     lengths: list[int]
     total: int
     max_len: int
-    _plans: dict = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict)
+    """What ``cached`` made for this layout (plans, masks, boundaries), by key."""
 
     # (cu tensor, layout, its version), newest last: every layer of a forward passes the same tensor, or one
     # of a few (the example boundaries, a chunked layer's finer ones: ``trainer.model.layer_relay``).
@@ -144,38 +145,45 @@ class PackedLayout:
         cls._recent = [*cls._recent[1 - cls.RECENT :], (cu, layout, cu._version)]
         return layout
 
+    def cached(self, key: str, make):
+        """``make()``, made once per ``key`` and kept with this layout, which every layer of a forward shares."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
     def plan(self, key: str, rectangles: list[list[list[int]]], device: torch.device) -> SlotPlan:
         """Slots for ``rectangles``: each a list of rows, each row a list of example ids (cached by key)."""
-        if key not in self._plans:
-            starts = [0]
-            for n in self.lengths:
-                starts.append(starts[-1] + n)
-            index, doc, pos, shapes = [], [], [], []
-            token_slot = torch.empty(self.total, dtype=torch.long)
-            for rows in rectangles:
-                width = max(sum(self.lengths[i] for i in row) for row in rows)
-                shapes.append((len(rows), width))
-                for row in rows:
-                    used = 0
-                    for i in row:
-                        n = self.lengths[i]
-                        token_slot[starts[i] : starts[i] + n] = torch.arange(len(index), len(index) + n)
-                        index += range(starts[i], starts[i] + n)
-                        doc += [i] * n
-                        pos += range(n)
-                        used += n
-                    pads = width - used
-                    index += [0] * pads
-                    doc += range(-len(doc) - 1, -len(doc) - 1 - pads, -1)
-                    pos += [0] * pads
-            identity = shapes == [(1, self.total)] and index == list(range(self.total))
-            doc_t = torch.tensor(doc)
-            tensors = (torch.tensor(index), token_slot, shapes, doc_t, torch.tensor(pos), doc_t >= 0)
-            self._plans[key] = SlotPlan(
-                *(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in tensors),
-                identity=identity,
-            )
-        return self._plans[key]
+        return self.cached(key, lambda: self._make_plan(rectangles, device))
+
+    def _make_plan(self, rectangles: list[list[list[int]]], device: torch.device) -> SlotPlan:
+        starts = [0]
+        for n in self.lengths:
+            starts.append(starts[-1] + n)
+        index, doc, pos, shapes = [], [], [], []
+        token_slot = torch.empty(self.total, dtype=torch.long)
+        for rows in rectangles:
+            width = max(sum(self.lengths[i] for i in row) for row in rows)
+            shapes.append((len(rows), width))
+            for row in rows:
+                used = 0
+                for i in row:
+                    n = self.lengths[i]
+                    token_slot[starts[i] : starts[i] + n] = torch.arange(len(index), len(index) + n)
+                    index += range(starts[i], starts[i] + n)
+                    doc += [i] * n
+                    pos += range(n)
+                    used += n
+                pads = width - used
+                index += [0] * pads
+                doc += range(-len(doc) - 1, -len(doc) - 1 - pads, -1)
+                pos += [0] * pads
+        identity = shapes == [(1, self.total)] and index == list(range(self.total))
+        doc_t = torch.tensor(doc)
+        tensors = (torch.tensor(index), token_slot, shapes, doc_t, torch.tensor(pos), doc_t >= 0)
+        return SlotPlan(
+            *(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in tensors),
+            identity=identity,
+        )
 
 
 def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
