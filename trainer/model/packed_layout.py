@@ -93,13 +93,39 @@ def packed_args(module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) ->
     return PackedArgs(cu, max_len, window)
 
 
+class _SlotGather(torch.autograd.Function):
+    """``src.index_select(dim, index)`` along the token dimension ``dim``, where ``index`` puts every token in
+    a slot (pads: token 0) or every slot back on its token, and ``inverse`` maps back. Backward is another
+    gather (``grad.index_select(dim, inverse)``, slots outside ``keep`` zeroed; ``keep`` empty: all kept)
+    instead of autograd's scatter-add, which on CPU costs more than the attention itself.
+
+    Exact because every token has exactly one slot and a pad slot's gradient is zero: the pads' outputs are
+    dropped (``keep`` zeroes the gradient flowing into them) and nothing real reads a pad (causal masks keep
+    real queries off pad keys; a mixer's row holds one example)."""
+
+    @staticmethod
+    def forward(ctx, src, dim, index, inverse, keep):
+        ctx.dim = dim
+        ctx.save_for_backward(inverse, keep)
+        return src.index_select(dim, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inverse, keep = ctx.saved_tensors
+        out = grad.index_select(ctx.dim, inverse)
+        if keep.numel():
+            out = out * keep.view(-1, *([1] * (out.dim() - ctx.dim - 1)))
+        return out, None, None, None, None
+
+
 @dataclass
 class SlotPlan:
     """Examples laid out as right-padded rectangles stacked in one flat buffer of slots.
 
-    Rectangle ``r`` has ``shapes[r] = (rows, width)``; each row holds whole examples. One ``index_select``
-    fills every rectangle at once and one brings the results back (their backwards are single
-    ``index_add`` calls), whatever the number of rectangles.
+    Rectangle ``r`` has ``shapes[r] = (rows, width)``; each row holds whole examples. One gather fills every
+    rectangle at once (``to_rectangles``) and one brings the results back (``from_rectangles``), their
+    backwards single gathers too, whatever the number of rectangles.
     """
 
     index: torch.Tensor
@@ -115,6 +141,25 @@ class SlotPlan:
     """``[slots]`` bool: the slot holds a real token."""
     identity: bool = False
     """One rectangle of one row holding every token in order: no gather needed."""
+
+    def to_rectangles(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (``[T, ...]``, tokens first) cut into the rectangles: ``[rows, width, ...]`` each, views of
+        one gather."""
+        slots = _SlotGather.apply(flat, 0, self.index, self.token_slot, self.index.new_empty(0, dtype=torch.bool))
+        # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add;
+        # and no split at all for a single rectangle (its backward would still copy the whole gradient).
+        sizes = [rows * width for rows, width in self.shapes]
+        parts = torch.split(slots, sizes) if len(sizes) > 1 else (slots,)
+        return [p.view(rows, width, *p.shape[1:]) for p, (rows, width) in zip(parts, self.shapes, strict=True)]
+
+    def from_rectangles(self, outs: list[torch.Tensor], row: bool = True) -> torch.Tensor:
+        """The rectangles' outputs (``[rows, width, ...]`` each) back in token order: ``[1, T, ...]`` (``row``)
+        or ``[T, ...]``, never a view (the gather is the last op)."""
+        flat = [o.reshape(o.shape[0] * o.shape[1], *o.shape[2:]) for o in outs]
+        slots = torch.cat(flat) if len(flat) > 1 else flat[0]
+        if row:
+            return _SlotGather.apply(slots.unsqueeze(0), 1, self.token_slot, self.index, self.valid)
+        return _SlotGather.apply(slots, 0, self.token_slot, self.index, self.valid)
 
 
 @dataclass
