@@ -280,8 +280,8 @@ def softcap_score_mod(softcap: float):
 def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.device) -> BlockMask:
     """The document-causal (sliding-window) BlockMask of a packed row, built once per forward."""
     layout = PackedLayout.of(cu_seqlens)
-    key = f"flex:{window}:{device}"
-    if key not in layout._plans:
+
+    def make() -> BlockMask:
         lengths = torch.tensor(layout.lengths, device=device)
         doc = torch.repeat_interleave(torch.arange(len(lengths), device=device), lengths)
         starts = torch.repeat_interleave(cu_seqlens[:-1].to(device=device, dtype=torch.long), lengths)
@@ -290,8 +290,9 @@ def flex_block_mask(cu_seqlens: torch.Tensor, window: int | None, device: torch.
         def document_causal(b, h, q_idx, kv_idx):
             return allowed(doc[q_idx], pos[q_idx], doc[kv_idx], pos[kv_idx], window)
 
-        layout._plans[key] = create_block_mask(document_causal, None, None, layout.total, layout.total, device=device)
-    return layout._plans[key]
+        return create_block_mask(document_causal, None, None, layout.total, layout.total, device=device)
+
+    return layout.cached(f"flex:{window}:{device}", make)
 
 
 def flex_attention_backend(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from trainer.model.attention_needs import refuse_unhonoured
-from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, packed_args
+from trainer.model.packed_layout import PackedLayout, SlotPlan, allowed, causal_window_mask, length_buckets, packed_args
 from trainer.model.sinks import sdpa_with_sinks, sinks_of
 
 CALL_COST = 2e7
@@ -51,31 +51,6 @@ def _call_cost_pairs(query: torch.Tensor) -> float:
     return CALL_COST * threads / (query.shape[1] * query.shape[3])
 
 
-class _PermuteRows(torch.autograd.Function):
-    """``src.index_select(dim, index)`` along the token dimension (``dim``: third from last, the ``T`` of
-    ``[T, H, D]`` or ``[1, T, H, D]``) where ``index`` is a permutation padded with dummy rows, and
-    ``inverse`` maps back. Backward is another gather (``grad.index_select(dim, inverse)``, rows outside
-    ``keep`` zeroed) instead of autograd's scatter-add, which on CPU costs more than the attention itself.
-
-    Exact here because a pad slot's gradient is zero: causal masks keep real queries off pad keys and pad
-    outputs are dropped (``keep`` zeroes the gradient flowing into them).
-    """
-
-    @staticmethod
-    def forward(ctx, src, index, inverse, keep):
-        ctx.save_for_backward(inverse, keep)
-        return src.index_select(src.dim() - 3, index)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        inverse, keep = ctx.saved_tensors
-        out = grad.index_select(grad.dim() - 3, inverse)
-        if keep.numel():
-            out = out * keep.view(-1, 1, 1)
-        return out, None, None, None
-
-
 def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
     """Run ``attend(q, k, v, r)`` on every rectangle ``r`` of the plan; return ``[1, T, H, D]`` in row order.
 
@@ -87,42 +62,13 @@ def _run_rects(query, key, value, plan: SlotPlan, attend) -> torch.Tensor:
     """
     if plan.identity:
         return attend(query, key, value, 0).transpose(1, 2).contiguous()
-    none = plan.index.new_empty(0, dtype=torch.bool)
     # squeeze, not x[0]: a select's backward writes a zero-filled copy of the whole input, a squeeze's is a view.
-    q, k, v = (
-        _PermuteRows.apply(x.squeeze(0).transpose(0, 1), plan.index, plan.token_slot, none) for x in (query, key, value)
-    )
-    # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add;
-    # and no split at all for a single rectangle (its backward would still copy the whole gradient).
-    sizes = [rows * width for rows, width in plan.shapes]
-    parts = [torch.split(x, sizes) if len(sizes) > 1 else (x,) for x in (q, k, v)]
+    parts = [plan.to_rectangles(x.squeeze(0).transpose(0, 1)) for x in (query, key, value)]  # [rows, width, H, D]
     outs = []
-    for r, (rows, width) in enumerate(plan.shapes):
-        rect = [p[r].view(rows, width, p[r].shape[1], p[r].shape[2]).transpose(1, 2) for p in parts]
-        out = attend(*rect, r)  # [rows, H, width, D]
-        outs.append(out.transpose(1, 2).reshape(rows * width, out.shape[1], out.shape[3]))
-    out = torch.cat(outs) if len(outs) > 1 else outs[0]
-    return _PermuteRows.apply(out.unsqueeze(0), plan.token_slot, plan.index, plan.valid)
-
-
-def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
-    """Example ids grouped by similar length (longest first); every bucket becomes one SDPA call.
-
-    Walking down the sorted lengths, an example joins the current bucket (padded to its longest, ``top``)
-    unless the bucket's padding waste, ``sum(top^2 - l^2)`` pairs, would exceed the cost of another call.
-    """
-    buckets, top, waste = [], 0, 0.0
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        n = lengths[i]
-        if n == 0:
-            continue
-        extra = top * top - n * n
-        if not buckets or waste + extra > call_pairs:
-            buckets.append([])
-            top, waste, extra = n, 0.0, 0
-        buckets[-1].append(i)
-        waste += extra
-    return buckets
+    for r in range(len(plan.shapes)):
+        out = attend(*(p[r].transpose(1, 2) for p in parts), r)  # [rows, H, width, D]
+        outs.append(out.transpose(1, 2))
+    return plan.from_rectangles(outs)
 
 
 def sdpa_varlen_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -186,12 +132,13 @@ def sdpa_block_mask_attention(module, query, key, value, attention_mask, scaling
     layout = PackedLayout.of(args.cu_seqlens)
     width = tile_width(layout.lengths, layout.max_len, _call_cost_pairs(query))
     plan = layout.plan(f"tiles:{width}", [tiles(layout.lengths, width)], query.device)
-    mask_key = f"tilemask:{width}:{args.window}"
-    if mask_key not in layout._plans:
+
+    def tile_mask() -> torch.Tensor:
         rows, w = plan.shapes[0]
         d, p = plan.doc.view(rows, w), plan.pos.view(rows, w)
-        layout._plans[mask_key] = allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
-    mask = layout._plans[mask_key].unsqueeze(1)  # [tiles, 1, S, S]
+        return allowed(d[:, :, None], p[:, :, None], d[:, None, :], p[:, None, :], args.window)
+
+    mask = layout.cached(f"tilemask:{width}:{args.window}", tile_mask).unsqueeze(1)  # [tiles, 1, S, S]
 
     def attend(q, k, v, r):
         if sinks is not None:

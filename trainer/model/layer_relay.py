@@ -34,14 +34,15 @@ from trainer.model.packed_layout import AttentionBackendError, PackedLayout, pac
 def chunk_boundaries(cu_seqlens: torch.Tensor, chunk: int) -> torch.Tensor:
     """``cu_seqlens`` cut at every ``chunk`` tokens of each example (a chunk never spans two examples)."""
     layout = PackedLayout.of(cu_seqlens)
-    key = f"chunks:{chunk}"
-    if key not in layout._plans:
+
+    def make() -> torch.Tensor:
         bounds, start = [0], 0
         for n in layout.lengths:
             bounds += [start + min(n, c + chunk) for c in range(0, n, chunk)]
             start += n
-        layout._plans[key] = torch.tensor(bounds, dtype=cu_seqlens.dtype).to(cu_seqlens.device, non_blocking=True)
-    return layout._plans[key]
+        return torch.tensor(bounds, dtype=cu_seqlens.dtype).to(cu_seqlens.device, non_blocking=True)
+
+    return layout.cached(f"chunks:{chunk}", make)
 
 
 def per_token_floor_scale(position_ids: torch.Tensor, floor_scale: float) -> torch.Tensor:

@@ -119,14 +119,13 @@ class _Boundaries:
 
     def __init__(self, cu: torch.Tensor) -> None:
         layout = PackedLayout.of(cu)
-        if "mixer:boundaries" not in layout._plans:
+
+        def make() -> tuple[torch.Tensor, torch.Tensor]:
             lengths = torch.tensor(layout.lengths, device=cu.device)
             examples = torch.arange(len(layout.lengths), device=cu.device, dtype=torch.int32)
-            layout._plans["mixer:boundaries"] = (
-                cu.to(torch.long),
-                torch.repeat_interleave(examples, lengths, output_size=layout.total)[None],
-            )
-        self.cu_seqlens, self.seq_idx = layout._plans["mixer:boundaries"]
+            return cu.to(torch.long), torch.repeat_interleave(examples, lengths, output_size=layout.total)[None]
+
+        self.cu_seqlens, self.seq_idx = layout.cached("mixer:boundaries", make)
 
 
 def _conv_adapter(boundaries: _Boundaries, calls: Counter):

@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 
 from trainer.model.mixer_kernels import VarlenKernels, kernels_run_on, varlen_names
-from trainer.model.packed_layout import PackedLayout, SlotPlan
+from trainer.model.packed_layout import PackedLayout, SlotPlan, length_buckets
 from trainer.model.relay import BOUNDARY_KWARGS
 
 
@@ -37,26 +37,6 @@ class MixerRoute(Protocol):
     def describe(self) -> str: ...
 
     def run(self, module, forward, boundaries: dict, args: tuple, kwargs: dict): ...
-
-
-class _Rows(torch.autograd.Function):
-    """``src.index_select(0, index)``, where ``index`` puts every token in a slot (pads: token 0) and
-    ``inverse`` maps each token back; backward is the inverse gather (slots outside ``keep`` zeroed), not
-    autograd's scatter-add. Exact because every token has exactly one slot."""
-
-    @staticmethod
-    def forward(ctx, src, index, inverse, keep):
-        ctx.save_for_backward(inverse, keep)
-        return src.index_select(0, index)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, grad):
-        inverse, keep = ctx.saved_tensors
-        out = grad.index_select(0, inverse)
-        if keep.numel():
-            out = out * keep.view(-1, *([1] * (out.dim() - 1)))
-        return out, None, None, None
 
 
 def _token_dim(t: torch.Tensor, total: int) -> int | None:
@@ -74,23 +54,16 @@ class _Cutter:
     def __init__(self, plan: SlotPlan, total: int) -> None:
         self.plan = plan
         self.total = total
-        self.sizes = [rows * width for rows, width in plan.shapes]
-        self.none = plan.index.new_empty(0, dtype=torch.bool)
 
     def cut(self, value):
         """``value`` per rectangle: a list (one entry per rectangle) of the value cut, or ``[value] * n``."""
-        n = len(self.sizes)
+        n = len(self.plan.shapes)
         if isinstance(value, torch.Tensor):
             dim = _token_dim(value, self.total)
             if dim is None:
                 return [value] * n
             flat = value.squeeze(0).movedim(dim - 1, 0)  # squeeze: a view, its backward no full-size copy
-            slots = _Rows.apply(flat, self.plan.index, self.plan.token_slot, self.none)
-            parts = torch.split(slots, self.sizes) if n > 1 else (slots,)
-            return [
-                p.view(rows, width, *p.shape[1:]).movedim(1, dim).contiguous()
-                for p, (rows, width) in zip(parts, self.plan.shapes, strict=True)
-            ]
+            return [p.movedim(1, dim).contiguous() for p in self.plan.to_rectangles(flat)]
         if isinstance(value, (tuple, list)):
             cut = [self.cut(v) for v in value]
             return [type(value)(c[r] for c in cut) for r in range(n)]
@@ -108,10 +81,8 @@ class _Cutter:
             )
             if first.dim() < 2 or first.shape[0] != rows or dim is None:
                 return None  # a state of the rows, not laid along the tokens: no row-level meaning
-            flat = [o.movedim(dim, 1).reshape(o.shape[0] * o.shape[dim], *o.movedim(dim, 1).shape[2:]) for o in outputs]
-            slots = torch.cat(flat) if len(flat) > 1 else flat[0]
-            row = _Rows.apply(slots, self.plan.token_slot, self.plan.index, self.plan.valid)
-            return row.movedim(0, dim - 1).unsqueeze(0)
+            tokens = self.plan.from_rectangles([o.movedim(dim, 1) for o in outputs], row=False)
+            return tokens.movedim(0, dim - 1).unsqueeze(0)
         if isinstance(first, (tuple, list)):
             return type(first)(self.join([o[i] for o in outputs]) for i in range(len(first)))
         if first is None:
@@ -119,15 +90,6 @@ class _Cutter:
         raise MixerError(
             f"a token mixer returned a {type(first).__name__}, which packfsdp cannot put back in row order"
         )
-
-
-def equal_length_groups(lengths: list[int]) -> list[list[int]]:
-    """Example ids grouped by length (longest first): each group is one call, one example per row."""
-    groups: dict[int, list[int]] = {}
-    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
-        if lengths[i]:
-            groups.setdefault(lengths[i], []).append(i)
-    return list(groups.values())
 
 
 class PerExample:
@@ -159,7 +121,7 @@ def _per_example(forward, boundaries: dict, args: tuple, kwargs: dict):
         )
     if len(layout.lengths) == 1:
         return forward(*args, **kwargs)
-    groups = equal_length_groups(layout.lengths)
+    groups = length_buckets(layout.lengths, 0.0)  # one length per call, one example per row
     plan = layout.plan("mixer:equal", [[[i] for i in g] for g in groups], primary.device)
     cutter = _Cutter(plan, layout.total)
     cut_args = [cutter.cut(a) for a in args]
@@ -180,4 +142,4 @@ def choose_route(module, device: torch.device | None, kinds: set[str]) -> MixerR
     return VarlenKernels(names, kinds) if why_not is None else PerExample(why_not)
 
 
-__all__ = ["MixerError", "MixerRoute", "PerExample", "choose_route", "equal_length_groups"]
+__all__ = ["MixerError", "MixerRoute", "PerExample", "choose_route"]

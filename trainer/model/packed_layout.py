@@ -93,13 +93,39 @@ def packed_args(module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) ->
     return PackedArgs(cu, max_len, window)
 
 
+class _SlotGather(torch.autograd.Function):
+    """``src.index_select(dim, index)`` along the token dimension ``dim``, where ``index`` puts every token in
+    a slot (pads: token 0) or every slot back on its token, and ``inverse`` maps back. Backward is another
+    gather (``grad.index_select(dim, inverse)``, slots outside ``keep`` zeroed; ``keep`` empty: all kept)
+    instead of autograd's scatter-add, which on CPU costs more than the attention itself.
+
+    Exact because every token has exactly one slot and a pad slot's gradient is zero: the pads' outputs are
+    dropped (``keep`` zeroes the gradient flowing into them) and nothing real reads a pad (causal masks keep
+    real queries off pad keys; a mixer's row holds one example)."""
+
+    @staticmethod
+    def forward(ctx, src, dim, index, inverse, keep):
+        ctx.dim = dim
+        ctx.save_for_backward(inverse, keep)
+        return src.index_select(dim, index)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        inverse, keep = ctx.saved_tensors
+        out = grad.index_select(ctx.dim, inverse)
+        if keep.numel():
+            out = out * keep.view(-1, *([1] * (out.dim() - ctx.dim - 1)))
+        return out, None, None, None, None
+
+
 @dataclass
 class SlotPlan:
     """Examples laid out as right-padded rectangles stacked in one flat buffer of slots.
 
-    Rectangle ``r`` has ``shapes[r] = (rows, width)``; each row holds whole examples. One ``index_select``
-    fills every rectangle at once and one brings the results back (their backwards are single
-    ``index_add`` calls), whatever the number of rectangles.
+    Rectangle ``r`` has ``shapes[r] = (rows, width)``; each row holds whole examples. One gather fills every
+    rectangle at once (``to_rectangles``) and one brings the results back (``from_rectangles``), their
+    backwards single gathers too, whatever the number of rectangles.
     """
 
     index: torch.Tensor
@@ -116,6 +142,25 @@ class SlotPlan:
     identity: bool = False
     """One rectangle of one row holding every token in order: no gather needed."""
 
+    def to_rectangles(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """``flat`` (``[T, ...]``, tokens first) cut into the rectangles: ``[rows, width, ...]`` each, views of
+        one gather."""
+        slots = _SlotGather.apply(flat, 0, self.index, self.token_slot, self.index.new_empty(0, dtype=torch.bool))
+        # torch.split, not slicing: its backward is one cat, where each slice's would be a full-size zeros + add;
+        # and no split at all for a single rectangle (its backward would still copy the whole gradient).
+        sizes = [rows * width for rows, width in self.shapes]
+        parts = torch.split(slots, sizes) if len(sizes) > 1 else (slots,)
+        return [p.view(rows, width, *p.shape[1:]) for p, (rows, width) in zip(parts, self.shapes, strict=True)]
+
+    def from_rectangles(self, outs: list[torch.Tensor], row: bool = True) -> torch.Tensor:
+        """The rectangles' outputs (``[rows, width, ...]`` each) back in token order: ``[1, T, ...]`` (``row``)
+        or ``[T, ...]``, never a view (the gather is the last op)."""
+        flat = [o.reshape(o.shape[0] * o.shape[1], *o.shape[2:]) for o in outs]
+        slots = torch.cat(flat) if len(flat) > 1 else flat[0]
+        if row:
+            return _SlotGather.apply(slots.unsqueeze(0), 1, self.token_slot, self.index, self.valid)
+        return _SlotGather.apply(slots, 0, self.token_slot, self.index, self.valid)
+
 
 @dataclass
 class PackedLayout:
@@ -124,7 +169,8 @@ class PackedLayout:
     lengths: list[int]
     total: int
     max_len: int
-    _plans: dict = field(default_factory=dict)
+    _cache: dict = field(default_factory=dict)
+    """What ``cached`` made for this layout (plans, masks, boundaries), by key."""
 
     # (cu tensor, layout, its version), newest last: every layer of a forward passes the same tensor, or one
     # of a few (the example boundaries, a chunked layer's finer ones: ``trainer.model.layer_relay``).
@@ -144,38 +190,66 @@ class PackedLayout:
         cls._recent = [*cls._recent[1 - cls.RECENT :], (cu, layout, cu._version)]
         return layout
 
+    def cached(self, key: str, make):
+        """``make()``, made once per ``key`` and kept with this layout, which every layer of a forward shares."""
+        if key not in self._cache:
+            self._cache[key] = make()
+        return self._cache[key]
+
     def plan(self, key: str, rectangles: list[list[list[int]]], device: torch.device) -> SlotPlan:
         """Slots for ``rectangles``: each a list of rows, each row a list of example ids (cached by key)."""
-        if key not in self._plans:
-            starts = [0]
-            for n in self.lengths:
-                starts.append(starts[-1] + n)
-            index, doc, pos, shapes = [], [], [], []
-            token_slot = torch.empty(self.total, dtype=torch.long)
-            for rows in rectangles:
-                width = max(sum(self.lengths[i] for i in row) for row in rows)
-                shapes.append((len(rows), width))
-                for row in rows:
-                    used = 0
-                    for i in row:
-                        n = self.lengths[i]
-                        token_slot[starts[i] : starts[i] + n] = torch.arange(len(index), len(index) + n)
-                        index += range(starts[i], starts[i] + n)
-                        doc += [i] * n
-                        pos += range(n)
-                        used += n
-                    pads = width - used
-                    index += [0] * pads
-                    doc += range(-len(doc) - 1, -len(doc) - 1 - pads, -1)
-                    pos += [0] * pads
-            identity = shapes == [(1, self.total)] and index == list(range(self.total))
-            doc_t = torch.tensor(doc)
-            tensors = (torch.tensor(index), token_slot, shapes, doc_t, torch.tensor(pos), doc_t >= 0)
-            self._plans[key] = SlotPlan(
-                *(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in tensors),
-                identity=identity,
-            )
-        return self._plans[key]
+        return self.cached(key, lambda: self._make_plan(rectangles, device))
+
+    def _make_plan(self, rectangles: list[list[list[int]]], device: torch.device) -> SlotPlan:
+        starts = [0]
+        for n in self.lengths:
+            starts.append(starts[-1] + n)
+        index, doc, pos, shapes = [], [], [], []
+        token_slot = torch.empty(self.total, dtype=torch.long)
+        for rows in rectangles:
+            width = max(sum(self.lengths[i] for i in row) for row in rows)
+            shapes.append((len(rows), width))
+            for row in rows:
+                used = 0
+                for i in row:
+                    n = self.lengths[i]
+                    token_slot[starts[i] : starts[i] + n] = torch.arange(len(index), len(index) + n)
+                    index += range(starts[i], starts[i] + n)
+                    doc += [i] * n
+                    pos += range(n)
+                    used += n
+                pads = width - used
+                index += [0] * pads
+                doc += range(-len(doc) - 1, -len(doc) - 1 - pads, -1)
+                pos += [0] * pads
+        identity = shapes == [(1, self.total)] and index == list(range(self.total))
+        doc_t = torch.tensor(doc)
+        tensors = (torch.tensor(index), token_slot, shapes, doc_t, torch.tensor(pos), doc_t >= 0)
+        return SlotPlan(
+            *(t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t for t in tensors),
+            identity=identity,
+        )
+
+
+def length_buckets(lengths: list[int], call_pairs: float) -> list[list[int]]:
+    """Example ids grouped by similar length (longest first); every bucket becomes one batched call.
+
+    Walking down the sorted lengths, an example joins the current bucket (padded to its longest, ``top``)
+    unless the bucket's padding waste, ``sum(top^2 - l^2)`` pairs, would exceed the cost of another call
+    (``call_pairs``). With ``call_pairs=0`` a bucket holds only examples of one length.
+    """
+    buckets, top, waste = [], 0, 0.0
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        n = lengths[i]
+        if n == 0:
+            continue
+        extra = top * top - n * n
+        if not buckets or waste + extra > call_pairs:
+            buckets.append([])
+            top, waste, extra = n, 0.0, 0
+        buckets[-1].append(i)
+        waste += extra
+    return buckets
 
 
 def allowed(doc_q, pos_q, doc_k, pos_k, window: int | None):
