@@ -34,9 +34,7 @@ from types import FrameType
 import torch
 
 from trainer import distributed
-from trainer.stop_signals import PREEMPTED_EXIT_CODE, STOP_SIGNALS, watcher
-
-__all__ = ["PREEMPTED_EXIT_CODE", "Boundary", "StepBoundary"]
+from trainer.stop_signals import STOP_SIGNALS, watcher
 
 log = logging.getLogger("trainer")
 
