@@ -20,7 +20,6 @@ tokens with a label (every token of an example but its first). Prints useful tok
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
@@ -33,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.attention_speed import median_times
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import LossConfig
 from trainer.data.synthetic import WORKLOADS
@@ -132,20 +132,6 @@ def step_pass(model, micro_batches: list[Batch]):
     return run
 
 
-def median_times(passes: list, reps: int) -> list[float]:
-    """Median CPU seconds of this process per pass (``time.process_time``: one thread, so the compute it
-    did, whatever else the machine runs; wall time on a shared machine counts the waits too)."""
-    for p in passes:
-        p()  # warm-up
-    times = [[] for _ in passes]
-    for _ in range(reps):
-        for p, t in zip(passes, times, strict=True):
-            start = time.process_time()
-            p()
-            t.append(time.process_time() - start)
-    return [statistics.median(t) for t in times]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--family", choices=sorted(SHAPES), default="qwen3_next")
@@ -172,7 +158,7 @@ def main() -> None:
         packed, padded, alone = batches(lengths, args.budget, args.bins, seed=2)
         useful = sum(int((b.labels != IGNORE_INDEX).sum()) for b in packed)
         pad = 1 - sum(int(b.attention_mask.sum()) for b in padded) / sum(b.attention_mask.numel() for b in padded)
-        seconds = median_times([step_pass(model, x) for x in (alone, padded, packed)], args.reps)
+        seconds = median_times([step_pass(model, x) for x in (alone, padded, packed)], args.reps, time.process_time)
         rates = [useful / s for s in seconds]
         print(
             f"{name:>16} | {useful:>7} {100 * pad:>5.1f} | {rates[0]:>10,.0f} {rates[1]:>8,.0f} {rates[2]:>8,.0f} | "
