@@ -23,6 +23,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +43,18 @@ TINY = dict(n_layer=2, n_embd=128, n_head=4, n_positions=4096, resid_pdrop=0.0, 
 HEADS, HEAD_DIM = 4, 32
 
 
-def median_times(passes: list, reps: int) -> list[float]:
-    """Median seconds of each pass; the passes take turns every rep so a busy machine slows all alike."""
+def median_times(passes: list, reps: int, clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Median seconds of each pass by ``clock``; the passes take turns every rep so a busy machine slows all
+    alike (``time.process_time`` on one thread: the compute this process did, which other jobs on a shared
+    machine do not inflate as they do wall time)."""
     for p in passes:
         p()  # warm-up (allocator, plan caches)
     times = [[] for _ in passes]
     for _ in range(reps):
         for p, t in zip(passes, times, strict=True):
-            start = time.perf_counter()
+            start = clock()
             p()
-            t.append(time.perf_counter() - start)
+            t.append(clock() - start)
     return [statistics.median(t) for t in times]
 
 

@@ -41,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from benchmarks.dpo import compose_job, qwen2_shape  # noqa: E402
+from benchmarks.dpo import SEED, VOCAB, compose_job, qwen2_shape, timed_job_overrides  # noqa: E402
 from benchmarks.figures import load_average, markdown_argument, publish  # noqa: E402
 from benchmarks.peer_hf import run_worker  # noqa: E402
 from trainer.objectives.distill.topk import STORE_PREFIX  # noqa: E402
@@ -59,8 +59,6 @@ SIZES = {
     "qwen2_30m": dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=8, num_attention_heads=8),
 }
 """``--student`` / ``--teacher`` choices (Qwen2 shapes; KV heads a quarter of the query heads, tied head)."""
-VOCAB = 4096
-SEED = 1234
 
 
 def shape(size: str) -> dict:
@@ -90,24 +88,9 @@ def job_overrides(args: argparse.Namespace) -> list[str]:
     return [
         "recipe=cpu_distill",
         f"data.num_records={args.records}",
-        f"model.tokenizer_vocab_size={VOCAB}",
-        *[f"++model.random_init.{k}={v}" for k, v in shape(args.student).items()],
         f"distill.teacher={args.teacher_dir}",
         f"data.cache_dir={args.teacher_dir.parent / 'distill_data'}",
-        "parallel.device=cpu",
-        "grad_accum=1",
-        f"packing.token_budget={args.budget}",
-        f"data.max_length={args.budget}",
-        f"max_steps={args.warmup + args.steps}",
-        f"summary_skip_steps={args.warmup}",
-        "eval.holdout_fraction=0",
-        "optim.warmup_steps=0",
-        f"seed={SEED}",
-        "logger.peak_tflops=1",
-        "logger.progress_bar=false",
-        "logger.log_every=1000",
-        "checkpoint.every_steps=0",
-        "model.self_check=false",
+        *timed_job_overrides(args.budget, args.warmup, args.steps, shape(args.student)),
     ]
 
 

@@ -134,33 +134,41 @@ def make_pairs(path: Path, n: int = PAIRS, seed: int = SEED) -> dict:
     }
 
 
-def job_overrides(args: argparse.Namespace) -> list[str]:
-    """The packfsdp job every system shares (TRL reads its tokenizer and batch size from it)."""
-    shape = [f"++model.random_init.{k}={v}" for k, v in model_shape(args.model).items()]
+def timed_job_overrides(budget: int, warmup: int, steps: int, shape: dict) -> list[str]:
+    """What every timed packfsdp job of these benchmarks sets: a random-init model of ``shape`` on the CPU, one
+    micro-batch of ``budget`` tokens a step, ``warmup`` untimed steps then ``steps``, no holdout, and no logging,
+    checkpoint or self-check in the timed steps."""
     return [
-        "recipe=cpu_dpo",
-        "data.source=jsonl",
-        f"data.path={args.data}",
-        f"data.max_length={args.budget}",
+        f"data.max_length={budget}",
         f"model.tokenizer_vocab_size={VOCAB}",
-        *shape,
-        "parallel=fsdp_fp32",
+        *[f"++model.random_init.{k}={v}" for k, v in shape.items()],
         "parallel.device=cpu",
         "grad_accum=1",
-        f"packing.token_budget={args.budget}",
-        f"dpo.beta={BETA}",
-        f"max_steps={args.warmup + args.steps}",
-        f"summary_skip_steps={args.warmup}",
+        f"packing.token_budget={budget}",
+        f"max_steps={warmup + steps}",
+        f"summary_skip_steps={warmup}",
         "eval.holdout_fraction=0",
-        f"optim.lr={LR}",
         "optim.warmup_steps=0",
-        "optim.min_lr_ratio=1.0",
         f"seed={SEED}",
         "logger.peak_tflops=1",
         "logger.progress_bar=false",
         "logger.log_every=1000",
         "checkpoint.every_steps=0",
         "model.self_check=false",
+    ]
+
+
+def job_overrides(args: argparse.Namespace) -> list[str]:
+    """The packfsdp job every system shares (TRL reads its tokenizer and batch size from it)."""
+    return [
+        "recipe=cpu_dpo",
+        "data.source=jsonl",
+        f"data.path={args.data}",
+        *timed_job_overrides(args.budget, args.warmup, args.steps, model_shape(args.model)),
+        "parallel=fsdp_fp32",
+        f"dpo.beta={BETA}",
+        f"optim.lr={LR}",
+        "optim.min_lr_ratio=1.0",
         f"parallel.activation_checkpointing={'full' if args.activation_checkpointing == 'on' else 'none'}",
     ]
 

@@ -7,7 +7,7 @@ The model is a ~28M Qwen3-Next-shaped config (8 layers: gated delta-rule linear 
 attention, 3 MLP, hidden 768), random weights, fp32. Its mixers run as ``build_model`` prepares them
 (``trainer.model.mixers``: the ``per_example`` route on CPU).
 
-For each workload of ``trainer.packing.workloads`` (DailyDialog-like lengths; a heavy tail, capped at the
+For each workload of ``trainer.data.synthetic.WORKLOADS`` (DailyDialog-like lengths; a heavy tail, capped at the
 budget) ``--bins`` packed micro-batches are drawn from best-fit-decreasing bins of ``--budget`` tokens; the
 same examples are then timed as the padded baseline batches them (shuffled, as many per micro-batch as a
 packed one holds on average, right-padded to the longest) and one by one (one example per forward). Each
@@ -20,7 +20,6 @@ tokens with a label (every token of an example but its first). Prints useful tok
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 import warnings
@@ -33,12 +32,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from benchmarks.attention_speed import median_times
 from trainer.collate import IGNORE_INDEX, Batch
 from trainer.config import LossConfig
+from trainer.data.synthetic import WORKLOADS
 from trainer.model.attention import AttentionNeeds, resolve_backend
+from trainer.model.certification.engine import packed_batch
 from trainer.model.prepare import prepare_model
 from trainer.packing.strategies import batch_padded, pack_best_fit_decreasing
-from trainer.packing.workloads import WORKLOADS
 
 VOCAB = 2048
 SHAPES = {
@@ -92,19 +93,6 @@ def build(family: str):
     return wrapped
 
 
-def packed_batch(tokens: list[torch.Tensor]) -> Batch:
-    cu = torch.tensor([0, *np.cumsum([len(t) for t in tokens])], dtype=torch.int32)
-    labels = torch.cat([torch.cat([torch.tensor([IGNORE_INDEX]), t[1:]]) for t in tokens])[None]
-    return Batch(
-        input_ids=torch.cat(tokens)[None],
-        labels=labels,
-        position_ids=torch.cat([torch.arange(len(t)) for t in tokens])[None],
-        cu_seqlens=cu,
-        max_seqlen=max(len(t) for t in tokens),
-        num_examples=len(tokens),
-    )
-
-
 def padded_batch(tokens: list[torch.Tensor]) -> Batch:
     width = max(len(t) for t in tokens)
     ids = torch.zeros(len(tokens), width, dtype=torch.long)
@@ -139,23 +127,9 @@ def batches(lengths: np.ndarray, budget: int, n_bins: int, seed: int):
 def step_pass(model, micro_batches: list[Batch]):
     def run():
         for b in micro_batches:
-            model(**b.model_inputs(), labels=b.labels).backward()
+            model.token_loss(**b.model_inputs(), labels=b.labels).backward()
 
     return run
-
-
-def median_times(passes: list, reps: int) -> list[float]:
-    """Median CPU seconds of this process per pass (``time.process_time``: one thread, so the compute it
-    did, whatever else the machine runs; wall time on a shared machine counts the waits too)."""
-    for p in passes:
-        p()  # warm-up
-    times = [[] for _ in passes]
-    for _ in range(reps):
-        for p, t in zip(passes, times, strict=True):
-            start = time.process_time()
-            p()
-            t.append(time.process_time() - start)
-    return [statistics.median(t) for t in times]
 
 
 def main() -> None:
@@ -184,7 +158,7 @@ def main() -> None:
         packed, padded, alone = batches(lengths, args.budget, args.bins, seed=2)
         useful = sum(int((b.labels != IGNORE_INDEX).sum()) for b in packed)
         pad = 1 - sum(int(b.attention_mask.sum()) for b in padded) / sum(b.attention_mask.numel() for b in padded)
-        seconds = median_times([step_pass(model, x) for x in (alone, padded, packed)], args.reps)
+        seconds = median_times([step_pass(model, x) for x in (alone, padded, packed)], args.reps, time.process_time)
         rates = [useful / s for s in seconds]
         print(
             f"{name:>16} | {useful:>7} {100 * pad:>5.1f} | {rates[0]:>10,.0f} {rates[1]:>8,.0f} {rates[2]:>8,.0f} | "

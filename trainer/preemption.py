@@ -27,16 +27,14 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from types import FrameType
 
 import torch
 
 from trainer import distributed
-from trainer.stop_signals import PREEMPTED_EXIT_CODE, STOP_SIGNALS, watcher
-
-__all__ = ["PREEMPTED_EXIT_CODE", "Boundary", "StepBoundary"]
+from trainer.stop_signals import stop_handlers
 
 log = logging.getLogger("trainer")
 
@@ -67,7 +65,8 @@ class StepBoundary:
         self.received: int = 0
         self.last_save = self.last_boundary = time.monotonic()
         self.longest_step_s = 0.0
-        self._previous: dict[int, object] = {}
+        self._handlers = contextlib.ExitStack()
+        """The stop handlers installed on entry (``stop_handlers``), removed on exit."""
         self._watchdog: threading.Timer | None = None
         self.saving = False
         """Inside a checkpoint save: a signal then arms no watchdog until the save is done."""
@@ -76,24 +75,16 @@ class StepBoundary:
         self.longest_phase_s: dict[str, float] = {}
         self._lock = threading.Lock()
         """Guards the watchdog: the watcher thread arms it, the main thread stops and re-arms it."""
-        self._previous_on_signal: Callable[[int], None] | None = None
 
     def __enter__(self) -> StepBoundary:
         if threading.current_thread() is not threading.main_thread():  # Python takes signals there only
             log.warning("training outside the main thread: SIGTERM/SIGUSR1 will not save a checkpoint first")
             return self
-        watch = watcher()
-        for sig in STOP_SIGNALS:
-            self._previous[sig] = signal.signal(sig, self._record)
-        self._previous_on_signal, watch.on_signal = watch.on_signal, self._seen
+        self._handlers.enter_context(stop_handlers(self._record, self._seen))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self._previous:
-            watcher().on_signal = self._previous_on_signal
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-        self._previous.clear()
+        self._handlers.close()
         self._stop_watchdog()
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
@@ -109,18 +100,15 @@ class StepBoundary:
 
     def _arm_watchdog(self) -> None:
         with self._lock:
-            self._arm_watchdog_locked()
-
-    def _arm_watchdog_locked(self) -> None:
-        if self._watchdog is None and self.received:
-            grace = max(MIN_GRACE_S, 3 * self.longest_step_s)
-            if self.phase is not None:  # the phase running now is what must end in time, not a step
-                if self.phase not in self.longest_phase_s:
-                    return  # its first run: no measure yet; the collective timeout still bounds a stuck one
-                grace = max(grace, 3 * self.longest_phase_s[self.phase])
-            self._watchdog = threading.Timer(grace, self._stuck, (self.received,))
-            self._watchdog.daemon = True
-            self._watchdog.start()
+            if self._watchdog is None and self.received:
+                grace = max(MIN_GRACE_S, 3 * self.longest_step_s)
+                if self.phase is not None:  # the phase running now is what must end in time, not a step
+                    if self.phase not in self.longest_phase_s:
+                        return  # its first run: no measure yet; the collective timeout still bounds a stuck one
+                    grace = max(grace, 3 * self.longest_phase_s[self.phase])
+                self._watchdog = threading.Timer(grace, self._stuck, (self.received,))
+                self._watchdog.daemon = True
+                self._watchdog.start()
 
     def _stuck(self, signum: int) -> None:
         os.write(

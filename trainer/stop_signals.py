@@ -98,6 +98,21 @@ def exit_interrupted(line: str) -> None:
 
 
 @contextlib.contextmanager
+def stop_handlers(handler: Callable[[int, FrameType | None], None], on_signal: Callable[[int], None]) -> Iterator[None]:
+    """``handler`` for ``STOP_SIGNALS`` (main thread) and ``on_signal`` in the watcher thread while inside; on
+    exit the watcher's previous ``on_signal`` comes back, then the previous handlers. Main thread only."""
+    watch = watcher()
+    previous = {sig: signal.signal(sig, handler) for sig in STOP_SIGNALS}
+    previous_on_signal, watch.on_signal = watch.on_signal, on_signal
+    try:
+        yield
+    finally:
+        watch.on_signal = previous_on_signal
+        for sig, restored in previous.items():
+            signal.signal(sig, restored)
+
+
+@contextlib.contextmanager
 def signals_interrupt(line: Callable[[str], str]) -> Iterator[None]:
     """Around work outside the training loop: a stop signal raises ``Interrupted`` (carrying
     ``line(signal_name)``) in the main thread; if the main thread has not ended the process
@@ -118,19 +133,14 @@ def signals_interrupt(line: Callable[[str], str]) -> Iterator[None]:
         timers.append(timer)
         timer.start()
 
-    watch = watcher()
-    previous = {sig: signal.signal(sig, interrupt) for sig in STOP_SIGNALS}
-    previous_on_signal, watch.on_signal = watch.on_signal, too_long
     interrupted = False
     try:
-        yield
+        with stop_handlers(interrupt, too_long):
+            yield
     except Interrupted:
         interrupted = True
         raise
     finally:
-        watch.on_signal = previous_on_signal
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         if not interrupted:  # a signal now belongs to whoever handles it next (e.g. the loop's boundary)
             for timer in timers:
                 timer.cancel()

@@ -11,7 +11,7 @@ import pytest
 from tests.conftest import run_torchrun
 from tests.faults.conftest import SMALL_RUN
 from trainer.checkpoint import complete_checkpoints
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.stop_signals import PREEMPTED_EXIT_CODE
 
 RUN = [*SMALL_RUN, "max_steps=12", "eval.every=4", "checkpoint.every_steps=0", "checkpoint.every_minutes=0"]
 

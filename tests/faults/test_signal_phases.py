@@ -42,7 +42,7 @@ def test_a_signal_during_setup_is_one_line_and_exit_75(tmp_path):
 
     from tests.conftest import REPO
     from tests.faults.conftest import SMALL_RUN
-    from trainer.preemption import PREEMPTED_EXIT_CODE
+    from trainer.stop_signals import PREEMPTED_EXIT_CODE
 
     cmd = [sys.executable, "-m", "tests.faults.signal_entry", *SMALL_RUN, "max_steps=2", f"run_dir={tmp_path}"]
     env = os.environ | {"PFTEST_SIGNAL": "SIGTERM:setup:build_data:0"}

@@ -17,7 +17,7 @@ import torch
 
 from tests.conftest import REPO
 from tests.faults.conftest import SMALL_RUN, one_rank_world
-from trainer.preemption import PREEMPTED_EXIT_CODE
+from trainer.stop_signals import PREEMPTED_EXIT_CODE
 
 
 def test_every_group_made_after_the_start_honours_the_collective_timeout():

@@ -52,7 +52,7 @@ def test_cpu_dpo_on_two_ranks_preempted_on_one_rank_resumes_bitwise(tmp_path):
     """``recipe=cpu_dpo`` on 2 FSDP2 ranks, SIGUSR1 on rank 1 only after step 1: both ranks stop at that step
     with its checkpoint (exit 75); ``resume=auto`` rebuilds the sharded frozen reference from the starting
     weights and trains steps 2-3 as the uninterrupted run does, bitwise (losses, DPO metrics, the eval)."""
-    from trainer.preemption import PREEMPTED_EXIT_CODE
+    from trainer.stop_signals import PREEMPTED_EXIT_CODE
 
     quick = [
         "recipe=cpu_dpo",

@@ -127,7 +127,7 @@ def test_context_parallel_recipe_trains_the_losses_of_one_rank_with_the_row_budg
     """The CPU context-parallel recipe: 2 ranks sharding each row (cp=2), preempted after step 2 (SIGUSR1 on
     one rank) and resumed, train the same per-step losses as 1 rank packing rows of twice the per-rank budget
     (cp=1), within 1e-4 (fp32), and the same end-of-run eval (sharded rows under cp=2)."""
-    from trainer.preemption import PREEMPTED_EXIT_CODE
+    from trainer.stop_signals import PREEMPTED_EXIT_CODE
 
     quick = [
         "recipe=cpu_long_context",

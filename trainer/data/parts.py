@@ -181,22 +181,27 @@ def _open_file(fmt: TableFormat, file: Path, cfg: DataConfig, bad: BadRecords, s
             **reader_options(fmt.builder, file),
         )
     except Exception as e:  # noqa: BLE001 - any parse failure: the line reader names the place or skips it
-        log.info("data %s: %s not read by datasets (%s); reading it line by line", cfg.source, file, str(e)[:200])
-        return rows_to_records(fmt.read([file], bad), cfg, bad)
+        reason = f"not read by datasets ({str(e)[:200]})"
+    else:
+        reason = _line_reader_reason(ds, cfg)
+    if reason is not None:
+        log.info("data %s: %s %s; reading it line by line", cfg.source, file, reason)
+        return _read_lines(fmt, [file], cfg, bad)
+    check_not_empty(file, len(ds), bad)
+    return ds if len(ds) else None
+
+
+def _line_reader_reason(ds, cfg: DataConfig) -> str | None:
+    """Why the line reader reads this file rather than the table ``datasets`` built, if it must."""
     try:
         mapped_columns_only(ds, cfg).data.table.validate(full=True)  # the UTF-8 of the strings read, ~3 GB/s
     except pa.ArrowInvalid as e:
-        log.info(
-            "data %s: %s holds text that is not UTF-8 (%s); reading it line by line", cfg.source, file, str(e)[:200]
-        )
-        return rows_to_records(fmt.read([file], bad), cfg, bad)
+        return f"holds text that is not UTF-8 ({str(e)[:200]})"
     if (column := _float_token_column(ds, cfg)) is not None:
         # One float in one row types the whole column float in Arrow: every row would then look bad (or be
         # skipped). The line reader reads each row as written, so only the bad row is named (or skipped).
-        log.info("data %s: %s has column %r typed float by datasets; reading it line by line", cfg.source, file, column)
-        return rows_to_records(fmt.read([file], bad), cfg, bad)
-    check_not_empty(file, len(ds), bad)
-    return ds if len(ds) else None
+        return f"has column {column!r} typed float by datasets"
+    return None
 
 
 def _float_token_column(ds, cfg: DataConfig) -> str | None:

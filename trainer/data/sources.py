@@ -48,8 +48,6 @@ log = logging.getLogger(__name__)
 Record = dict
 SourceFn = Callable[[DataConfig], list[Record]]
 SOURCES: dict[str, SourceFn] = {}
-GENERATED: set[str] = set()
-"""The registered sources generated offline (``generated_source``)."""
 SOURCE_FILES: dict[str, Callable[[DataConfig], list[Path]]] = {}
 """Per source, the files it reads besides ``data.path`` (``register_source(..., files=)``)."""
 
@@ -76,7 +74,6 @@ def generated_source(name: str) -> Callable[[SourceFn], SourceFn]:
     list without importing the data stage: the local BPE may train on a generated source even when streamed)."""
     if name not in GENERATED_SOURCES:
         raise ValueError(f"{name!r} is not in trainer.config.GENERATED_SOURCES")
-    GENERATED.add(name)
     return register_source(name)
 
 
