@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from transformers import AutoConfig
 
 from tests.conftest import REPO
 from trainer.model import backends_sdpa
@@ -160,6 +161,24 @@ def test_dropout_needs_a_backend_that_has_it(monkeypatch):
     assert resolve_backend("auto", torch.device("cpu"), needs=AttentionNeeds(dropout=dropout)).name == "sdpa_varlen"
     with pytest.raises(AttentionBackendError, match="dropout"):
         resolve_backend("torch_varlen", torch.device("cpu"), needs=AttentionNeeds(dropout=dropout))
+
+
+def test_a_head_dim_below_flex_kernels_minimum_is_refused_in_one_line(monkeypatch):
+    """On an H200, Inductor's flex lowering failed deep in a compile for head dim 8 ("NYI: embedding
+    dimension ... at least 16"): the head dim is read from the config and flex refused at start."""
+    import trainer.model.attention as attention
+
+    fake = dict(BACKENDS, flex=dataclasses.replace(BACKENDS["flex"], unavailable=lambda d, t=None: None))
+    monkeypatch.setattr(attention, "BACKENDS", fake)
+    cuda = torch.device("cuda")
+    tiny = AttentionNeeds.of(AutoConfig.for_model("llama", hidden_size=32, num_attention_heads=4))
+    assert tiny.head_dim == 8
+    with pytest.raises(AttentionBackendError, match="flex cannot run here: its kernel takes head dims of 16 and up"):
+        resolve_backend("flex", cuda, needs=tiny)
+    assert resolve_backend("flex", cuda, needs=AttentionNeeds.of(AutoConfig.for_model("llama"))).name == "flex"
+    mla = AttentionNeeds.of(AutoConfig.for_model("deepseek_v3", qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8))
+    assert mla.head_dim == 8
+    assert AttentionNeeds.of(AutoConfig.for_model("gpt2", n_embd=64, n_head=8)).head_dim == 8
 
 
 def test_config_names_exactly_the_registered_backends():

@@ -73,6 +73,8 @@ class AttentionBackend:
     """Honours transformers' ``softcap`` (attention logit softcapping)."""
     sinks_unavailable: Callable[[], str | None] = _nothing_missing
     """Why the backend cannot apply attention sinks (``s_aux``) with the installed packages, or None."""
+    min_head_dim: int = 0
+    """The smallest head dim its kernel takes (FlexAttention's Inductor lowering: 16)."""
     requested: str = ""
     """What the user asked for (``auto`` or the name); set by ``resolve_backend``."""
     device: torch.device | None = None
@@ -109,6 +111,7 @@ BACKENDS: dict[str, AttentionBackend] = {
             flex_unavailable,
             supports_dropout=False,
             supports_softcap=True,
+            min_head_dim=16,  # seen on an H200, torch 2.11: "NYI: embedding dimension ... at least 16"
         ),
         AttentionBackend("sdpa_varlen", sdpa_varlen_attention, "exact causal SDPA per example", _anywhere),
         AttentionBackend(
@@ -138,6 +141,8 @@ def _why_not(
         return reason
     if needs.dropout > 0 and not backend.supports_dropout:
         return f"it has no attention dropout and the model's attention dropout is {needs.dropout} (set it to 0)"
+    if needs.head_dim is not None and needs.head_dim < backend.min_head_dim:
+        return f"its kernel takes head dims of {backend.min_head_dim} and up and {needs.family}'s is {needs.head_dim}"
     if needs.softcap is not None and not backend.supports_softcap:
         capable = " or ".join(b.name for b in BACKENDS.values() if b.supports_softcap)
         return (

@@ -53,6 +53,9 @@ class AttentionNeeds:
     """Attention logit softcapping (``attn_logit_softcapping``), ``None`` when off."""
     sinks: bool = False
     """Learned attention sinks (``s_aux``)."""
+    head_dim: int | None = None
+    """The smallest head dim of its queries, keys and values (MLA: ``qk_nope + qk_rope`` and ``v_head_dim``),
+    ``None`` when the config does not say."""
     chunk: int | None = None
     """The chunk of chunked-attention layers (``attention_chunk_size`` where ``layer_types`` has
     ``chunked_attention``, shorter than the context), ``None`` without: cut into finer boundaries
@@ -77,6 +80,7 @@ class AttentionNeeds:
             dropout=attention_dropout(text),
             softcap=float(softcap) if softcap else None,
             sinks=family in SINK_FAMILIES or getattr(config, "model_type", None) in SINK_FAMILIES,
+            head_dim=_smallest_head_dim(text),
             chunk=int(chunk) if chunk and chunked else None,
         )
 
@@ -92,6 +96,20 @@ class AttentionNeeds:
                 f"(attention_chunk_size={self.chunk}): use parallel.cp=1"
             )
         return None
+
+
+def _smallest_head_dim(config) -> int | None:
+    """The smallest head dim a config's attention computes with (queries and keys, values), or None."""
+    nope, rope = getattr(config, "qk_nope_head_dim", None), getattr(config, "qk_rope_head_dim", None)
+    if isinstance(nope, int) and isinstance(rope, int):  # multi-head latent attention
+        dims = [nope + rope, getattr(config, "v_head_dim", None)]
+    elif isinstance(getattr(config, "head_dim", None), int):
+        dims = [config.head_dim]
+    else:
+        hidden, heads = getattr(config, "hidden_size", None), getattr(config, "num_attention_heads", None)
+        dims = [hidden // heads] if isinstance(hidden, int) and isinstance(heads, int) and heads else []
+    dims = [d for d in dims if isinstance(d, int) and d > 0]
+    return min(dims) if dims else None
 
 
 UNHONOURED = {
