@@ -24,10 +24,10 @@ class _Module:
     is_causal = True
 
 
-def _row(dtype, device="cpu"):
+def _row(dtype, device="cpu", head_dim=8):
     g = torch.Generator().manual_seed(0)
     n = sum(LENGTHS)
-    return [torch.randn(1, h, n, 8, generator=g).to(device, dtype).requires_grad_() for h in (4, 2, 2)]
+    return [torch.randn(1, h, n, head_dim, generator=g).to(device, dtype).requires_grad_() for h in (4, 2, 2)]
 
 
 def _cp_row(q, k, v, kernel, split, window):

@@ -141,11 +141,21 @@ def packed_vs_alone(model: VarlenCausalLM, exs: list[torch.Tensor]):
     return [p.detach() for p in pieces], alone, packed_grads, alone_grads
 
 
-def assert_equivalent(model, exs, atol, rtol):
+def assert_equivalent(model, exs, atol, rtol, grad_norm_tol=None):
+    """Logits element by element; gradients element by element, or (``grad_norm_tol``, for models held in
+    bf16, whose gradient sums over tokens round differently by the order of their terms: a few elements of
+    a 25k-element embedding gradient off by one bf16 step, seen on an H200) by ``|a - b| / |b|`` over each
+    tensor."""
     packed, alone, g_packed, g_alone = packed_vs_alone(model, exs)
     for i, (p, a) in enumerate(zip(packed, alone, strict=True)):
         torch.testing.assert_close(p.float(), a.float(), atol=atol, rtol=rtol, msg=lambda m, i=i: f"example {i}: {m}")
     assert g_packed.keys() == g_alone.keys()
+    if grad_norm_tol is not None:
+        for name in g_packed:
+            a, b = g_packed[name].float(), g_alone[name].float()
+            gap = float((a - b).norm() / b.norm().clamp_min(1e-12))
+            assert gap < grad_norm_tol, f"grad {name}: |packed - alone| / |alone| = {gap:.3g}"
+        return
     for name in g_packed:
         torch.testing.assert_close(
             g_packed[name].float(),
@@ -214,4 +224,4 @@ def test_packed_equals_one_by_one_gpu(family, head_dim, backend):
         pytest.skip(reason)
     model = tiny_model(family, backend, device="cuda", dtype=dtype, head_dim=head_dim)
     tol = 3e-2 if half else 1e-4  # bf16 kernels of different shapes round differently; fp32 on GPU uses TF32-free SDPA
-    assert_equivalent(model, examples("cuda"), atol=tol, rtol=tol)
+    assert_equivalent(model, examples("cuda"), atol=tol, rtol=tol, grad_norm_tol=1e-2 if half else None)

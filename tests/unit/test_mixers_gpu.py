@@ -1,0 +1,116 @@
+"""On a GPU (``launch/gpu_check.sh`` runs the ``gpu`` tests): hybrid models' token mixers on CUDA, packed ==
+each example alone, logits and gradients.
+
+Two routes (``trainer.model.mixer_routes``): the one the GPU image picks for each family of
+tests/unit/test_mixers.py (``per_example`` without the kernel packages; transformers' own kernels or torch
+fallbacks inside), and ``varlen_kernels`` through the real flash-linear-attention where it is installed and
+usable, with the convolution's double (causal-conv1d has no wheel to carry). The reference is each example
+through the bare transformers model alone, on the same GPU.
+
+Seen on the H200 (2026-12-04, torch 2.11, Triton 3.6, fla 0.6.0 carried as a wheel): fla refuses its own
+gated delta rule backward there ("Triton >= 3.4.0 and < 3.7.1 on Hopper GPUs produces incorrect results for
+gated chunk_bwd_dqkwg"), in transformers' own path too, which picks an installed fla; the GPU check therefore
+carries no fla, and the fla test skips where fla would refuse.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from itertools import pairwise
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tests.gpu_sim import mixer_kernel_doubles as doubles
+from tests.unit.test_mixers import CONFIGS, SMALL, gap, grads_of, token_loss
+from trainer.model.attention import AttentionNeeds, resolve_backend
+from trainer.model.mixers import describe, find_token_mixers
+from trainer.model.prepare import prepare_model
+
+pytestmark = pytest.mark.gpu
+
+FLOAT32 = 1e-4
+"""float32 on CUDA (no TF32 by default): the per-example route runs the same kernels as the reference."""
+FLA = 5e-3
+"""fla's chunked kernels in float32 (Triton dots) against transformers' own path per example."""
+FLA_FAMILIES = ["gated delta rule (qwen3_next)", "gated delta rule (qwen3_5_text)", "KDA (kimi_linear)"]
+
+
+def fla_refuses() -> str | None:
+    """Why the installed fla refuses its gated delta rule backward on this GPU (its own check), or None."""
+    import triton
+
+    version = tuple(int(x) for x in triton.__version__.split(".")[:3] if x.isdigit())
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    if hopper and (3, 4, 0) <= version < (3, 7, 1) and importlib.util.find_spec("tilelang") is None:
+        return f"fla refuses its gated backward on Hopper with Triton {triton.__version__} (needs >= 3.7.1 or tilelang)"
+    return None
+
+
+def cuda_model(family: str, overrides: dict):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    cuda = torch.device("cuda")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        config = AutoConfig.for_model(family, **(SMALL | overrides))
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
+        ).to(cuda)
+    wrapped = prepare_model(model, resolve_backend("sdpa_varlen", cuda, torch.float32, AttentionNeeds.of(config)))
+    wrapped.padded_attention = "eager"
+    return wrapped.eval()
+
+
+def examples(lengths) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(2)
+    return [torch.randint(3, SMALL["vocab_size"], (n,), generator=g).cuda() for n in lengths]
+
+
+def alone(wrapped, exs):
+    wrapped.model.config._attn_implementation = "eager"
+    logits = []
+    for e in exs:
+        out = wrapped.model(input_ids=e[None], use_cache=False).logits[0]
+        token_loss(out, e).backward()
+        logits.append(out.detach())
+    return logits, grads_of(wrapped)
+
+
+def packed(wrapped, exs):
+    lengths = [len(e) for e in exs]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
+    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
+    out = wrapped(torch.cat(exs)[None], positions, cu, max(lengths))[0]
+    pieces = [out[s:t] for s, t in pairwise(cu.tolist())]
+    sum(token_loss(p, e) for p, e in zip(pieces, exs, strict=True)).backward()
+    return [p.detach() for p in pieces], grads_of(wrapped)
+
+
+@pytest.mark.parametrize("kind", list(CONFIGS))
+def test_each_mixer_family_packed_equals_alone_on_cuda(kind):
+    family, overrides, lengths = CONFIGS[kind]
+    model = cuda_model(family, overrides)
+    exs = examples(lengths)
+    found = gap(packed(model, exs), alone(model, exs))
+    assert found < FLOAT32, (found, describe(model.token_mixers))
+
+
+@pytest.mark.parametrize("kind", FLA_FAMILIES)
+def test_real_fla_kernels_keep_each_example_alone(kind, monkeypatch):
+    if importlib.util.find_spec("fla") is None:
+        pytest.skip("flash-linear-attention not installed")
+    if reason := fla_refuses():
+        pytest.skip(reason)
+    doubles.install(monkeypatch, ("causal_conv1d",))  # the convolution's double; fla is the real one
+    family, overrides, lengths = CONFIGS[kind]
+    model = cuda_model(family, overrides)
+    assert {m.module.forward.route.name for m in find_token_mixers(model.model)} == {"varlen_kernels"}
+    exs = examples(lengths)
+    reference = alone(model, exs)
+    found = gap(packed(model, exs), reference)
+    assert found < FLA, (found, describe(model.token_mixers))
+    assert doubles.CALLS["causal_conv1d_fn:bounded"] > 0
