@@ -9,7 +9,9 @@ seeded log-normal, token ids are random (the vocabulary is GPT-2's 50257). Both 
 a one-rank training run would: the packed ones are the first of the sampler's shuffled epoch plan for
 ``packing.strategy=bfd`` at ``--budget`` tokens, the padded ones the first of ``packing.strategy=none``
 (shuffled, as many examples per micro-batch as a packed one holds on average, padded to the longest,
-through transformers' SDPA with a mask); see ``sample_microbatches``. Taking the first bins of
+through transformers' SDPA with a mask; where that micro-batch does not fit in memory, the same examples
+accumulated over 2, 4, ... row-slices, each padded to its own longest, and the line says so); see
+``sample_microbatches``. Taking the first bins of
 best-fit-decreasing instead would time its longest examples (a dozen per bin, against ~65 on average).
 Each configuration runs ``--warmup`` then ``--steps`` optimizer steps (forward, backward, AdamW) and prints
 useful tokens/s (tokens with a label), padding fraction and peak memory. A configuration that fails is
@@ -114,8 +116,25 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-def run(model, batches, steps: int, warmup: int, device: torch.device) -> dict:
-    """Time ``steps`` optimizer steps (one micro-batch each) after ``warmup`` untimed ones."""
+def split_rows(batch: list, pieces: int) -> list:
+    """One padded micro-batch (a list of one piece) as ``pieces`` row-slices, each padded to its own longest
+    row: the same examples in one optimizer step through gradient accumulation, as a padded trainer whose
+    batch does not fit in memory would run it."""
+    ((inputs, labels, _, _),) = batch
+    rows = labels.shape[0]
+    out = []
+    for part in torch.arange(rows).tensor_split(min(pieces, rows)):
+        mask = inputs["attention_mask"][part]
+        width = int(mask.sum(1).max())
+        sliced = {k: v[part, :width] for k, v in inputs.items()}
+        n_useful = int((labels[part, :width] != IGNORE_INDEX).sum())
+        out.append((sliced, labels[part, :width], n_useful, len(part) * width))
+    return out
+
+
+def run(model, batches, steps: int, warmup: int, device: torch.device, pieces: int = 1) -> dict:
+    """Time ``steps`` optimizer steps (one micro-batch each, as ``pieces`` accumulated row-slices where more than
+    one: ``split_rows``) after ``warmup`` untimed ones."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -124,15 +143,23 @@ def run(model, batches, steps: int, warmup: int, device: torch.device) -> dict:
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
-        inputs, labels, n_useful, n_pos = batches[step % len(batches)]
-        logits = model(**inputs)
-        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX)
-        loss.backward()
+        batch = [batches[step % len(batches)]]
+        parts = split_rows(batch, pieces) if pieces > 1 else batch
+        step_useful = sum(part[2] for part in parts)
+        for inputs, labels, n_useful, n_pos in parts:
+            logits = model(**inputs)
+            loss = F.cross_entropy(
+                logits[:, :-1].flatten(0, 1).float(),
+                labels[:, 1:].flatten(),
+                ignore_index=IGNORE_INDEX,
+                reduction="sum",
+            )
+            (loss / step_useful).backward()
+            if step >= warmup:
+                useful += n_useful
+                positions += n_pos
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if step >= warmup:
-            useful += n_useful
-            positions += n_pos
     synchronize(device)
     elapsed = time.perf_counter() - start
     peak = torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda" else None
@@ -142,7 +169,23 @@ def run(model, batches, steps: int, warmup: int, device: torch.device) -> dict:
         "useful": useful,
         "peak_gib": peak,
         "step_ms": 1000 * elapsed / steps,
+        "pieces": pieces,
     }
+
+
+def run_padded(model, batches, steps: int, warmup: int, device: torch.device, max_pieces: int = 64) -> dict:
+    """The padded baseline, its micro-batch whole if it fits in memory, else accumulated over 2, 4, ... pieces
+    (``split_rows``): a padded run that does not fit is measured the way its user would run it."""
+    pieces = 1
+    while True:
+        try:
+            return run(model, batches, steps, warmup, device, pieces)
+        except torch.OutOfMemoryError:
+            if pieces >= max_pieces:
+                raise
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
+        pieces *= 2
 
 
 def run_isolated(cases: dict[str, Callable[[], dict]]) -> dict[str, dict]:
@@ -172,9 +215,10 @@ def format_results(results: dict[str, dict], reference: str) -> list[str]:
         pad = 1 - r["useful"] / r["positions"]
         ratio = f"x{r['useful_tok_s'] / ref:5.2f} vs padded" if ref else "(no padded reference)"
         peak = f"{r['peak_gib']:.1f} GiB" if r["peak_gib"] is not None else "n/a"
+        pieces = f" | {r['pieces']} pieces accumulated (whole: out of memory)" if r.get("pieces", 1) > 1 else ""
         lines.append(
             f"  {label:<24} useful tok/s {r['useful_tok_s']:>10,.0f}  {ratio} | step "
-            f"{r['step_ms']:7.1f} ms | non-label positions {100 * pad:4.1f}% | peak {peak}"
+            f"{r['step_ms']:7.1f} ms | non-label positions {100 * pad:4.1f}% | peak {peak}{pieces}"
         )
     return lines
 
@@ -236,7 +280,7 @@ def main(argv: list[str] | None = None) -> dict[str, dict]:
         return measure
 
     cases = {f"packed {name}": packed_case(name) for name in args.backends}
-    cases["padded sdpa"] = lambda: run(
+    cases["padded sdpa"] = lambda: run_padded(
         VarlenCausalLM(base, resolve_backend("sdpa_varlen", device)), padded, args.steps, args.warmup, device
     )
     results = run_isolated(cases)

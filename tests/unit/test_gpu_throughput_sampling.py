@@ -120,3 +120,36 @@ def test_cpu_plumbing_run_records_a_backend_that_fails_mid_step(bench, tmp_path,
     assert results["packed sdpa_varlen"]["positions"] == results["packed sdpa_varlen"]["useful"] + len(
         bench.sample_microbatches(bench.make_lengths(2000, 1024, seed=0), "bfd", 1024, 1, seed=0)[0]
     )  # the timed micro-batch is the sampler's first: every example loses one label (its first token)
+
+
+def test_a_padded_batch_that_does_not_fit_is_accumulated_over_row_slices(bench, lengths, monkeypatch):
+    """On the H200 the Qwen2.5-0.5B padded micro-batch (138 examples padded to the longest, 152k vocabulary)
+    ran out of memory and the baseline was lost: it is now measured over 2, 4, ... accumulated row-slices,
+    the same examples and label tokens per step, each slice padded to its own longest."""
+    from trainer.model import VarlenCausalLM, resolve_backend
+
+    idx = bench.sample_microbatches(lengths[:400], "none", 2048, 1, seed=0)[0]
+    batch = bench.padded_batch(lengths[:400], idx, torch.device("cpu"), torch.Generator().manual_seed(0), 512)
+    parts = bench.split_rows([batch], 4)
+    assert len(parts) == 4 and sum(p[2] for p in parts) == batch[2]  # every label token, once
+    assert sum(p[3] for p in parts) <= batch[3]  # each slice padded to its own longest
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_config(AutoConfig.for_model(**bench.MODELS["tiny"]))
+    model = VarlenCausalLM(base, resolve_backend("sdpa_varlen", torch.device("cpu")))
+    forward = model.forward
+
+    def small_memory(**inputs):  # more than 8 rows at once do not fit
+        if inputs["input_ids"].shape[0] > 8:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 24.45 GiB")
+        return forward(**inputs)
+
+    monkeypatch.setattr(model, "forward", small_memory)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    result = bench.run_padded(model, [batch], steps=1, warmup=0, device=torch.device("cpu"))
+    expected = next(k for k in (1, 2, 4, 8, 16, 32, 64) if -(-len(idx) // k) <= 8)
+    assert len(idx) > 8 and result["pieces"] == expected
+    assert result["useful"] == batch[2]
+    line = bench.format_results({"padded sdpa": result}, "padded sdpa")[0]
+    assert f"{result['pieces']} pieces accumulated" in line
