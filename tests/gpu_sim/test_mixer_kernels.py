@@ -78,3 +78,37 @@ def test_without_a_varlen_kernel_the_mixer_runs_per_example_and_says_why(kernels
     kernels()  # every package: MiniMax's lightning attention has no kernel that takes the boundaries
     lightning = build("minimax", dict(layer_types=["linear_attention", "full_attention"], num_local_experts=2))
     assert "varlen kernels not used: its modeling file calls no" in describe(lightning.token_mixers)[0]
+
+
+@pytest.mark.parametrize(
+    ("capability", "triton", "tilelang", "refused"),
+    [
+        ((9, 0), "3.6.0", False, True),  # the H200 of the first GPU check
+        ((9, 0), "3.7.1", False, False),
+        ((9, 0), "3.6.0", True, False),
+        ((8, 0), "3.6.0", False, False),
+    ],
+)
+def test_an_fla_that_refuses_its_backward_on_hopper_is_refused_at_build(
+    capability, triton, tilelang, refused, monkeypatch
+):
+    """fla 0.6.0 raised at the first backward on an H200 with Triton 3.6 ("produces incorrect results for gated
+    chunk_bwd_dqkwg"), in transformers' own delta rule too: the build names it in one line instead."""
+    import types
+
+    from trainer.config import ConfigError
+    from trainer.model import mixer_kernels
+
+    monkeypatch.setattr(mixer_routes, "kernels_run_on", lambda device: True)
+    monkeypatch.setattr(mixer_kernels, "kernels_run_on", lambda device: True)
+    installed = {"fla": True, "triton": True, "tilelang": tilelang, "causal_conv1d": False, "mamba_ssm": False}
+    monkeypatch.setattr(mixer_kernels, "_installed", lambda package: installed.get(package.split(".")[0], False))
+    monkeypatch.setattr(mixer_kernels.torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setitem(__import__("sys").modules, "triton", types.SimpleNamespace(__version__=triton))
+    family, overrides, _ = CONFIGS["gated delta rule (qwen3_next)"]
+    if refused:
+        with pytest.raises(ConfigError, match=f"flash-linear-attention refuses .* Triton {triton} .*Qwen3Next"):
+            build(family, overrides)
+    else:
+        build(family, overrides)
+    build(*CONFIGS["short convolution (lfm2)"][:2])  # no delta rule: never refused

@@ -108,6 +108,36 @@ def varlen_names(module: torch.nn.Module, kinds: set[str]) -> tuple[list[str], s
     return found + sorted((UNFUSED | SINGLE_STEP) & names.keys()), None
 
 
+FLA_DELTA_RULES = frozenset({"torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention"})
+"""transformers' delta-rule names that take an installed fla's kernel, in its own path too (5.17's
+``use_kernel_func_from_hub_with_fallback`` prefers an installed package to the torch fallback)."""
+
+
+def _version(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
+
+
+def fla_refusal(module: torch.nn.Module, device: torch.device | None) -> str | None:
+    """Why the installed flash-linear-attention cannot train ``module`` on ``device``, or None: fla refuses
+    its gated delta-rule backward on Hopper with Triton >= 3.4, < 3.7.1 unless tilelang is installed ("produces
+    incorrect results"; seen on an H200, fla 0.6.0, Triton 3.6), at the first backward, deep in a step, on
+    either route (transformers' own delta rule calls an installed fla)."""
+    if not kernels_run_on(device) or not FLA_DELTA_RULES & vars(sys.modules[type(module).__module__]).keys():
+        return None
+    if not _installed("fla") or _installed("tilelang") or not _installed("triton"):
+        return None
+    if torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    triton = importlib.import_module("triton")
+    if not (3, 4, 0) <= _version(triton.__version__) < (3, 7, 1):
+        return None
+    return (
+        f"flash-linear-attention refuses its gated delta-rule backward on Hopper with Triton {triton.__version__} "
+        f"(incorrect results there; {type(module).__name__} would stop at the first backward): upgrade Triton to "
+        "3.7.1 or later, install tilelang, or uninstall flash-linear-attention"
+    )
+
+
 def _kernel(name: str):
     spec = VARLEN_KERNELS[name]
     return getattr(importlib.import_module(spec.package), spec.function)
@@ -289,6 +319,7 @@ __all__ = [
     "VARLEN_KERNELS",
     "VarlenKernelError",
     "VarlenKernels",
+    "fla_refusal",
     "kernels_run_on",
     "varlen_names",
 ]

@@ -22,7 +22,8 @@ from typing import Protocol
 
 import torch
 
-from trainer.model.mixer_kernels import VarlenKernels, kernels_run_on, varlen_names
+from trainer.config import ConfigError
+from trainer.model.mixer_kernels import VarlenKernels, fla_refusal, kernels_run_on, varlen_names
 from trainer.model.packed_layout import PackedLayout, SlotPlan, length_buckets
 from trainer.model.relay import BOUNDARY_KWARGS
 
@@ -138,6 +139,8 @@ def choose_route(module, device: torch.device | None, kinds: set[str]) -> MixerR
     not the kernels, for the log)."""
     if not kernels_run_on(device):
         return PerExample()
+    if refusal := fla_refusal(module, device):
+        raise ConfigError(refusal)
     names, why_not = varlen_names(module, kinds)
     return VarlenKernels(names, kinds) if why_not is None else PerExample(why_not)
 
