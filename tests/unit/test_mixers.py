@@ -171,8 +171,9 @@ def alone(wrapped, exs):
 
 def packed(wrapped, exs):
     """The examples in one packed row through the wrapper (positions restarting, ``cu_seqlens``)."""
-    cu = torch.tensor([0, *torch.tensor([len(e) for e in exs]).cumsum(0).tolist()], dtype=torch.int32)
-    positions = torch.cat([torch.arange(len(e)) for e in exs])[None]
+    device = exs[0].device
+    cu = torch.tensor([0, *torch.tensor([len(e) for e in exs]).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    positions = torch.cat([torch.arange(len(e), device=device) for e in exs])[None]
     out = wrapped(torch.cat(exs)[None], positions, cu, max(len(e) for e in exs))[0]
     pieces = [out[s:t] for s, t in pairwise(cu.tolist())]
     sum(token_loss(p, e) for p, e in zip(pieces, exs, strict=True)).backward()

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import warnings
-from itertools import pairwise
 
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.gpu_sim import mixer_kernel_doubles as doubles
-from tests.unit.test_mixers import CONFIGS, SMALL, gap, grads_of, token_loss
+from tests.unit.test_mixers import CONFIGS, SMALL, alone, gap, packed
 from trainer.config import ConfigError
 from trainer.model.attention import AttentionNeeds, resolve_backend
 from trainer.model.mixers import describe, find_token_mixers
@@ -63,26 +62,6 @@ def cuda_model(family: str, overrides: dict):
 def examples(lengths) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(2)
     return [torch.randint(3, SMALL["vocab_size"], (n,), generator=g).cuda() for n in lengths]
-
-
-def alone(wrapped, exs):
-    wrapped.model.config._attn_implementation = "eager"
-    logits = []
-    for e in exs:
-        out = wrapped.model(input_ids=e[None], use_cache=False).logits[0]
-        token_loss(out, e).backward()
-        logits.append(out.detach())
-    return logits, grads_of(wrapped)
-
-
-def packed(wrapped, exs):
-    lengths = [len(e) for e in exs]
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
-    positions = torch.cat([torch.arange(n, device="cuda") for n in lengths])[None]
-    out = wrapped(torch.cat(exs)[None], positions, cu, max(lengths))[0]
-    pieces = [out[s:t] for s, t in pairwise(cu.tolist())]
-    sum(token_loss(p, e) for p, e in zip(pieces, exs, strict=True)).backward()
-    return [p.detach() for p in pieces], grads_of(wrapped)
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
