@@ -14,7 +14,7 @@ held-out row fits as its training rows do; each rank counts its own labels, so e
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -50,6 +50,32 @@ def eval_batches(
 
 
 @torch.no_grad()
+def eval_sums(
+    model: torch.nn.Module,
+    dataset: TokenizedDataset,
+    token_budget: int,
+    device: torch.device,
+    pad_id: int,
+    route: Route | None,
+    sums_of: Callable[[Batch], Sequence[torch.Tensor | float]],
+    width: int,
+) -> list[float]:
+    """The ``width`` sums ``sums_of(batch)`` gives for each of this rank's held-out micro-batches (``eval_batches``; its
+    losses and their counts), added in float64 and all-reduced over every rank in one collective, the model in
+    eval mode meanwhile. Each objective's eval turns them into its metrics.
+
+    Every rank must call this together: the micro-batch count is equal on every rank by construction, so
+    FSDP's all-gathers line up. Under context parallelism ``token_budget`` is the row (``JobConfig.row_budget``).
+    """
+    was_training = model.training
+    model.eval()
+    sums = torch.zeros(width, dtype=torch.float64, device=device)
+    for batch in eval_batches(dataset, token_budget, device, pad_id, route):
+        sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in sums_of(batch)])
+    model.train(was_training)
+    return distributed.all_reduce_sum(sums.tolist(), device)
+
+
 def evaluate(
     model: torch.nn.Module,
     dataset: TokenizedDataset,
@@ -58,23 +84,20 @@ def evaluate(
     pad_id: int = 0,
     route: Route | None = None,
 ) -> dict[str, float]:
-    """Mean token loss over ``dataset`` (all ranks), from packed micro-batches (``eval_batches``).
-
-    Every rank must call this together: the micro-batch count is equal on every rank by construction, so
-    FSDP's all-gathers line up. Under context parallelism ``token_budget`` is the row (``JobConfig.row_budget``).
-    """
+    """Mean token loss over ``dataset`` (all ranks), from packed micro-batches (``eval_sums``)."""
     start = time.perf_counter()
-    was_training = model.training
-    model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-    labels = 0
-    for batch in eval_batches(dataset, token_budget, device, pad_id, route):
-        loss_sum += summed_token_loss(model, batch).double()
-        labels += batch.num_label_tokens
-    model.train(was_training)
-    total_loss, total_labels = distributed.all_reduce_sum([loss_sum.item(), labels], device)
+    loss, labels = eval_sums(
+        model,
+        dataset,
+        token_budget,
+        device,
+        pad_id,
+        route,
+        lambda batch: (summed_token_loss(model, batch), batch.num_label_tokens),
+        width=2,
+    )
     return {
-        "eval_loss": total_loss / max(total_labels, 1.0),
-        "eval_tokens": int(total_labels),
+        "eval_loss": loss / max(labels, 1.0),
+        "eval_tokens": int(labels),
         "eval_time_s": time.perf_counter() - start,
     }

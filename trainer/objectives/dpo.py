@@ -58,7 +58,7 @@ from trainer import distributed
 from trainer.collate import Batch
 from trainer.config import DPOConfig
 from trainer.data.examples import IGNORE_INDEX, TokenizedDataset
-from trainer.evaluate import eval_batches
+from trainer.evaluate import eval_sums
 from trainer.loss import sequence_of_labels
 from trainer.objectives.base import Objective, RunSetup
 from trainer.objectives.reference import plan_reference, sequence_logps
@@ -240,15 +240,16 @@ class DPO(Objective):
         """The held-out pairs, packed and dealt like SFT eval (every rank takes part): the eval loss (mean
         pair loss) and the TRL-named metrics prefixed ``eval_``."""
         start = time.perf_counter()
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(len(PAIR_SUMS), dtype=torch.float64, device=device)
-        pairs = tokens = 0
-        for batch in eval_batches(dataset, token_budget, device, pad_id, route):
-            sums += self.pair_loss.loss_sum(model, batch)[1]
-            pairs, tokens = pairs + batch.num_pairs, tokens + batch.num_label_tokens
-        model.train(was_training)
-        *sums, pairs, tokens = distributed.all_reduce_sum([*sums.tolist(), pairs, tokens], device)
+        *sums, pairs, tokens = eval_sums(
+            model,
+            dataset,
+            token_budget,
+            device,
+            pad_id,
+            route,
+            lambda batch: (*self.pair_loss.loss_sum(model, batch)[1], batch.num_pairs, batch.num_label_tokens),
+            width=len(PAIR_SUMS) + 2,
+        )
         metrics = preference_metrics(sums, pairs, prefix="eval_")
         return {
             "eval_loss": metrics.pop("eval_loss"),

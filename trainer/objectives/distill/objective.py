@@ -28,7 +28,7 @@ from trainer.collate import Batch, collate_packed
 from trainer.config import JobConfig
 from trainer.data import load_tokenizer
 from trainer.data.examples import TokenizedDataset
-from trainer.evaluate import eval_batches, eval_microbatches
+from trainer.evaluate import eval_microbatches, eval_sums
 from trainer.objectives.base import Objective, RunSetup
 from trainer.objectives.distill.check import DistillLossCheck
 from trainer.objectives.distill.loss import TERMS, student_terms
@@ -160,15 +160,16 @@ class Distill(Objective):
     ) -> dict[str, Any]:
         """The held-out examples, packed and dealt like SFT eval: the mean distillation loss, and its parts."""
         start = time.perf_counter()
-        was_training = model.training
-        model.eval()
-        sums = torch.zeros(len(TERMS), dtype=torch.float64, device=device)
-        tokens = 0
-        for batch in eval_batches(dataset, token_budget, device, pad_id, route):
-            sums += self.terms(model, batch, dataset).double()
-            tokens += batch.num_label_tokens
-        model.train(was_training)
-        loss, ce, div, tokens = distributed.all_reduce_sum([*sums.tolist(), tokens], device)
+        loss, ce, div, tokens = eval_sums(
+            model,
+            dataset,
+            token_budget,
+            device,
+            pad_id,
+            route,
+            lambda batch: (*self.terms(model, batch, dataset), batch.num_label_tokens),
+            width=len(TERMS) + 1,
+        )
         n = max(tokens, 1.0)
         return {
             "eval_loss": loss / n,
