@@ -6,7 +6,6 @@ Two gloo processes spawned directly (no torchrun, no trainer): about a second of
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -16,14 +15,17 @@ import torch.multiprocessing as mp
 pytestmark = pytest.mark.slow
 
 
-def _worker(rank: int, port: int, results) -> None:
+def _worker(rank: int, store_path: str, results) -> None:
     import torch
 
     from trainer import distributed
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A file store, not a TCP port picked beforehand (another job on the machine can take it in between).
     # A long timeout: a failing assertion below must come from on_rank0_then_all, not from the timeout.
-    tdist.init_process_group("gloo", rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60))
+    store = tdist.FileStore(store_path, 2)
+    tdist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=2, timeout=__import__("datetime").timedelta(seconds=60)
+    )
     out, cpu = {}, torch.device("cpu")
     start = time.monotonic()
 
@@ -45,12 +47,10 @@ def _worker(rank: int, port: int, results) -> None:
     tdist.destroy_process_group()
 
 
-def test_rank0_failure_and_step_disagreement_fail_every_rank():
-    from trainer.distributed import _free_port
-
+def test_rank0_failure_and_step_disagreement_fail_every_rank(tmp_path):
     results = mp.Manager().dict()
     # fork: the children reuse this process's imports (spawn would re-import torch in each, ~10 s here).
-    mp.start_processes(_worker, args=(_free_port(), results), nprocs=2, join=True, start_method="fork")
+    mp.start_processes(_worker, args=(str(tmp_path / "store"), results), nprocs=2, join=True, start_method="fork")
     kind0, msg0, _ = results[0]["rank0_work"]
     kind1, msg1, waited = results[1]["rank0_work"]
     assert (kind0, msg0) == ("OSError", "disk full while writing the cache")
