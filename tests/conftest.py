@@ -7,6 +7,7 @@ import functools
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -115,6 +116,18 @@ def exit_line(capsys, check, *args) -> str:
     err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert len(err) == 1, err
     return err[0]
+
+
+def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
+    """``predicate()``'s first truthy value, polled every ``interval_s``; fails naming ``what`` after
+    ``timeout_s``. For a state an asynchronous event brings (a timer thread, a process's exit): a fixed sleep
+    before the assertion flakes on a loaded machine."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s:g} s")
+        time.sleep(interval_s)
+    return value
 
 
 def run_torchrun(args: list[str], nproc: int = 2, timeout: float = 300, env: dict | None = None, cwd=REPO):

@@ -83,9 +83,11 @@ def signal_in_setup(name: str, phase: str):
 
 
 if __name__ == "__main__":
-    if os.environ.get("PFTEST_PIDFILE"):
-        with open(f"{os.environ['PFTEST_PIDFILE']}.{os.environ.get('RANK', '0')}", "w") as f:
+    if os.environ.get("PFTEST_PIDFILE"):  # whole or absent: written aside, then renamed into place
+        pidfile = f"{os.environ['PFTEST_PIDFILE']}.{os.environ.get('RANK', '0')}"
+        with open(f"{pidfile}.tmp", "w") as f:
             f.write(str(os.getpid()))
+        os.replace(f"{pidfile}.tmp", pidfile)
     sig, where, on_rank, at_step = os.environ.get("PFTEST_SIGNAL", "-:-:0:0").split(":")
     if where == "-":
         pass

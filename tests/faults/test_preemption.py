@@ -125,6 +125,7 @@ def test_a_rank_stuck_after_the_signal_exits_and_one_that_saves_is_left_alone(mo
 
     import torch
 
+    from tests.conftest import wait_until
     from trainer import preemption
 
     stuck = []
@@ -132,7 +133,7 @@ def test_a_rank_stuck_after_the_signal_exits_and_one_that_saves_is_left_alone(mo
     monkeypatch.setattr(preemption.StepBoundary, "_stuck", lambda self, signum: stuck.append(signum))
     with preemption.StepBoundary(0, torch.device("cpu")) as boundary:
         os.kill(os.getpid(), signal.SIGUSR1)
-        time.sleep(0.5)
+        wait_until(lambda: stuck, 30, "the watchdog's call after a 0.2 s grace")
     assert stuck == [signal.SIGUSR1]
 
     stuck.clear()
