@@ -16,13 +16,18 @@ Two implementations of the same sum (``loss.impl``):
   and peak memory of one chunk's logits instead of all of them. The cross-entropy runs in fp32, the head
   weight's gradient accumulates in fp32. On CUDA, Liger's fused linear cross-entropy (same idea, Triton
   kernels) runs instead when it is installed.
+
+The chunked pass is one (``chunked_head_terms``) for every loss made this way: a ``ChunkTerms`` gives a
+chunk's sums and their gradient w.r.t. its logits (``CrossEntropyTerms`` here, the distillation's
+``DistillTerms``). DPO's per-token log-probabilities (``chunked_token_logps``) recompute each chunk in backward
+instead, as a token's gradient there is known only after the pair losses.
 """
 
 from __future__ import annotations
 
 import importlib.util
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, ClassVar, NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -117,37 +122,38 @@ class LabelHidden(NamedTuple):
         return self.transform.apply(F.linear(self.hidden[start:end], self.weight, self.bias).float())[0]
 
 
-def _chunked_pass(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    targets: torch.Tensor,
-    transform: LogitTransform,
-    chunk: int,
-    with_grads: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Summed loss over chunks of ``chunk`` tokens and (``with_grads``) its gradients with respect to
-    ``hidden``, ``weight`` (fp32) and ``bias`` (fp32)."""
-    loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
-    grad_bias = (
-        torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) if with_grads and bias is not None else None
-    )
-    for start in range(0, hidden.shape[0], chunk):
-        h, y = hidden[start : start + chunk], targets[start : start + chunk]
-        logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
+class ChunkTerms(Protocol):
+    """What a chunked head pass computes from one chunk's logits (``chunked_head_terms``)."""
+
+    shape: tuple[int, ...]
+    """The sums' shape: ``()`` for one loss, ``(k,)`` for the trained loss then its reported parts."""
+
+    def __call__(
+        self, logits: torch.Tensor, start: int, end: int, with_grad: bool
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``(sums, grad)`` of rows ``start:end``: the chunk's sums (a scalar, or a vector whose first entry is
+        the trained loss) and, ``with_grad``, d(trained loss)/d(``logits``) in fp32 (it may reuse ``logits``'
+        memory: nothing reads them after)."""
+        ...
+
+
+@dataclass(frozen=True)
+class CrossEntropyTerms:
+    """The summed cross-entropy against ``targets``; its gradient ``softmax - one_hot`` built in place of the
+    logits (one ``[chunk, vocab]`` buffer)."""
+
+    targets: torch.Tensor
+    shape: ClassVar[tuple[int, ...]] = ()
+
+    def __call__(self, logits, start, end, with_grad):
+        y = self.targets[start:end]
         lse = torch.logsumexp(logits, dim=-1)
-        loss += (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
-        if not with_grads:
-            continue
-        # d loss / d logits = softmax - one_hot(y), built in place of the logits (one [chunk, vocab] buffer).
+        loss = (lse - logits.gather(1, y[:, None]).squeeze(1)).sum()
+        if not with_grad:
+            return loss, None
         grad = logits.sub_(lse[:, None]).exp_()
         grad[torch.arange(len(y), device=y.device), y] -= 1.0
-        grad_hidden[start : start + chunk] = head_backward(
-            grad, softcap_slope, transform, h, weight, grad_weight, grad_bias
-        )
-    return loss, grad_hidden, grad_weight, grad_bias
+        return loss, grad
 
 
 def head_backward(grad, softcap_slope, transform: LogitTransform, h, weight, grad_weight, grad_bias) -> torch.Tensor:
@@ -167,24 +173,73 @@ def head_backward(grad, softcap_slope, transform: LogitTransform, h, weight, gra
     return grad @ weight
 
 
-class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Summed cross-entropy of ``transform(hidden @ weight.T + bias)``; gradients computed in forward."""
+def _head_pass(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    transform: LogitTransform,
+    chunk: int,
+    terms: ChunkTerms,
+    with_grads: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``terms`` summed over chunks of ``chunk`` rows of ``transform(hidden @ weight.T + bias)`` and
+    (``with_grads``) the trained loss's gradients with respect to ``hidden``, ``weight`` (fp32) and ``bias``
+    (fp32), each chunk's through the head at once (one chunk's logits alive)."""
+    sums = torch.zeros(terms.shape, dtype=torch.float32, device=hidden.device)
+    grad_hidden = torch.empty_like(hidden) if with_grads else None
+    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
+    grad_bias = None
+    if with_grads and bias is not None:
+        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
+    for start in range(0, hidden.shape[0], chunk):
+        end = min(start + chunk, hidden.shape[0])
+        h = hidden[start:end]
+        logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
+        chunk_sums, grad = terms(logits, start, end, with_grads)
+        sums += chunk_sums
+        if with_grads:
+            grad_hidden[start:end] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
+    return sums, grad_hidden, grad_weight, grad_bias
+
+
+class _ChunkedHead(torch.autograd.Function):
+    """``terms`` of the head applied to ``hidden`` (``_head_pass``); the trained loss's gradients computed in
+    forward, scaled in backward by the incoming gradient of the sums' trained entry."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, chunk):
-        loss, ctx.grad_hidden, ctx.grad_weight, ctx.grad_bias = _chunked_pass(
-            hidden, weight, bias, targets, transform, chunk, with_grads=True
+    def forward(ctx, hidden, weight, bias, transform, chunk, terms):
+        sums, ctx.grad_hidden, ctx.grad_weight, ctx.grad_bias = _head_pass(
+            hidden, weight, bias, transform, chunk, terms, with_grads=True
         )
         ctx.weight_dtype = weight.dtype
-        return loss
+        return sums
 
     @staticmethod
-    def backward(ctx, grad_loss):
+    def backward(ctx, grad_sums):
+        grad_loss = grad_sums if grad_sums.dim() == 0 else grad_sums[0]  # other entries are reported, not trained
         grad_hidden = ctx.grad_hidden * grad_loss.to(ctx.grad_hidden.dtype)
         grad_weight = (ctx.grad_weight * grad_loss).to(ctx.weight_dtype)
         grad_bias = None if ctx.grad_bias is None else (ctx.grad_bias * grad_loss).to(ctx.weight_dtype)
         del ctx.grad_hidden, ctx.grad_weight, ctx.grad_bias
         return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def chunked_head_terms(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    terms: ChunkTerms,
+    transform: LogitTransform = LogitTransform(),
+    chunk_tokens: int | None = None,
+) -> torch.Tensor:
+    """``terms`` (``ChunkTerms``) of the LM head applied to ``hidden`` ``[n, hidden]``, summed over the rows, never
+    holding more than one chunk's logits; differentiable in the trained entry (the gradients are made in the
+    forward pass, so an eval pass skips them)."""
+    chunk = chunk_tokens_for(weight.shape[0], chunk_tokens)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if not needs_grad:  # eval: the sums only
+        return _head_pass(hidden, weight, bias, transform, chunk, terms, with_grads=False)[0]
+    return _ChunkedHead.apply(hidden, weight, bias, transform, chunk, terms)
 
 
 def chunked_summed_loss(
@@ -197,11 +252,7 @@ def chunked_summed_loss(
 ) -> torch.Tensor:
     """Summed cross-entropy of the LM head applied to ``hidden`` ``[n, hidden]`` against ``targets`` ``[n]``
     (every target a real label), never holding more than one chunk's logits."""
-    chunk = chunk_tokens_for(weight.shape[0], chunk_tokens)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
-    if not needs_grad:  # eval: the loss only
-        return _chunked_pass(hidden, weight, bias, targets, transform, chunk, with_grads=False)[0]
-    return _ChunkedLinearCrossEntropy.apply(hidden, weight, bias, targets, transform, chunk)
+    return chunked_head_terms(hidden, weight, bias, CrossEntropyTerms(targets), transform, chunk_tokens)
 
 
 def liger_summed_loss(

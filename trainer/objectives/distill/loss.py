@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 
 from trainer.collate import Batch
 from trainer.config.distill import DistillConfig
-from trainer.loss import LogitTransform, chunk_tokens_for, head_backward, label_positions
+from trainer.loss import LogitTransform, chunk_tokens_for, chunked_head_terms, label_positions
 
 LOG_FLOOR = -1.0e4
 """The log-probability a bucket with no mass gets (a top-k that holds the whole vocabulary leaves the rest
@@ -129,51 +130,24 @@ class TopKTeacher:
 Teacher = HeadTeacher | TopKTeacher
 
 
-def _distill_pass(hidden, weight, bias, targets, teacher: Teacher, cfg, transform, chunk, with_grads):
-    """``TERMS`` summed over chunks of ``chunk`` label tokens and (``with_grads``) the loss's gradients w.r.t.
-    ``hidden``, ``weight`` (fp32) and ``bias`` (fp32)."""
-    sums = torch.zeros(len(TERMS), dtype=torch.float32, device=hidden.device)
-    grad_hidden = torch.empty_like(hidden) if with_grads else None
-    grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
-    grad_bias = None
-    if with_grads and bias is not None:
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-    for start in range(0, hidden.shape[0], chunk):
-        end = min(start + chunk, hidden.shape[0])
-        h = hidden[start:end]
-        logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
-        target, ids = teacher.log_probs(start, end)
-        if with_grads:
+@dataclass(frozen=True)
+class DistillTerms:
+    """``TERMS`` of one chunk of the student's logits against ``teacher``'s rows (``trainer.loss.ChunkTerms``);
+    the trained loss's gradient through autograd on the chunk alone."""
+
+    targets: torch.Tensor
+    teacher: Teacher
+    cfg: DistillConfig
+    shape: ClassVar[tuple[int, ...]] = (len(TERMS),)
+
+    def __call__(self, logits, start, end, with_grad):
+        target, ids = self.teacher.log_probs(start, end)
+        if with_grad:
             logits = logits.detach().requires_grad_()
-        with torch.set_grad_enabled(with_grads):
-            terms = mixed(*token_terms(logits, targets[start:end], target, ids, cfg), cfg)
-            if with_grads:  # this chunk's d loss / d logits, then through the head at once (one chunk alive)
-                (grad,) = torch.autograd.grad(terms[0], logits)
-        if with_grads:
-            grad_hidden[start:end] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
-        sums += terms.detach()
-    return sums, grad_hidden, grad_weight, grad_bias
-
-
-class _ChunkedDistill(torch.autograd.Function):
-    """``TERMS`` of the student's head applied to ``hidden``; the loss's gradients computed in forward."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, teacher, cfg, transform, chunk):
-        sums, ctx.grad_hidden, ctx.grad_weight, ctx.grad_bias = _distill_pass(
-            hidden, weight, bias, targets, teacher, cfg, transform, chunk, with_grads=True
-        )
-        ctx.weight_dtype = weight.dtype
-        return sums
-
-    @staticmethod
-    def backward(ctx, grad_sums):
-        grad_loss = grad_sums[0]  # the parts (cross-entropy, divergence) are reported, not trained
-        grad_hidden = ctx.grad_hidden * grad_loss.to(ctx.grad_hidden.dtype)
-        grad_weight = (ctx.grad_weight * grad_loss).to(ctx.weight_dtype)
-        grad_bias = None if ctx.grad_bias is None else (ctx.grad_bias * grad_loss).to(ctx.weight_dtype)
-        del ctx.grad_hidden, ctx.grad_weight, ctx.grad_bias
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
+        with torch.set_grad_enabled(with_grad):
+            terms = mixed(*token_terms(logits, self.targets[start:end], target, ids, self.cfg), self.cfg)
+            grad = torch.autograd.grad(terms[0], logits)[0] if with_grad else None
+        return terms.detach(), grad
 
 
 def chunked_distill_loss(
@@ -188,11 +162,8 @@ def chunked_distill_loss(
 ) -> torch.Tensor:
     """``TERMS`` (fp32 ``[3]``, only the first differentiable) of the student's head on ``hidden``
     ``[n, hidden]`` (every position a label's) against ``targets`` ``[n]`` and ``teacher``'s ``n`` rows, one
-    chunk of logits at a time."""
-    chunk = chunk_tokens_for(weight.shape[0], chunk_tokens)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
-        return _distill_pass(hidden, weight, bias, targets, teacher, cfg, transform, chunk, with_grads=False)[0]
-    return _ChunkedDistill.apply(hidden, weight, bias, targets, teacher, cfg, transform, chunk)
+    chunk of logits at a time (``trainer.loss.chunked_head_terms``)."""
+    return chunked_head_terms(hidden, weight, bias, DistillTerms(targets, teacher, cfg), transform, chunk_tokens)
 
 
 def naive_distill_loss(
