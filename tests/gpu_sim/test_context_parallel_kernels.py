@@ -11,6 +11,7 @@ from unittest import mock
 import pytest
 import torch
 
+from tests.gpu_sim import flex_double
 from trainer.model.backends_sdpa import sdpa_varlen_attention
 from trainer.parallel import cp_attention as cp_attention_module
 from trainer.parallel.cp_attention import cp_attention
@@ -51,10 +52,12 @@ def _cp_row(q, k, v, kernel, split, window):
 
 @pytest.mark.parametrize("split", ["contiguous", "balanced"])
 @pytest.mark.parametrize("window", [None, 6])
-@pytest.mark.parametrize("kernel", ["sdpa_varlen", "flash_attn", "torch_varlen"])
-def test_cp_attention_equals_full_row(kernel, window, split, request):
-    if kernel != "sdpa_varlen":
+@pytest.mark.parametrize("kernel", ["sdpa_varlen", "flash_attn", "torch_varlen", "flex"])
+def test_cp_attention_equals_full_row(kernel, window, split, request, monkeypatch):
+    if kernel in ("flash_attn", "torch_varlen"):
         request.getfixturevalue("simulated_gpu_fp32")
+    if kernel == "flex":
+        flex_double.install(monkeypatch)
     q, k, v = _row(torch.float32)
     cu = torch.tensor([0] + torch.tensor(LENGTHS).cumsum(0).tolist(), dtype=torch.int32)
     ref, _ = sdpa_varlen_attention(
@@ -66,3 +69,48 @@ def test_cp_attention_equals_full_row(kernel, window, split, request):
     assert (out - ref).abs().max() < 1e-5
     for a, b in zip(grads, ref_grads, strict=True):
         assert (a - b).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["sdpa_varlen", "flex"])
+def test_per_forward_work_is_done_once_per_forward_not_per_layer(kernel, monkeypatch):
+    """A shard's SDPA masks and host bounds, or its flex BlockMask, are made once per forward and window, not
+    once per layer: kept with the layout of the shard's query boundaries, which survives the copies of the
+    shard FSDP2 hands each layer; the next forward's shard gets its own."""
+    flex_double.install(monkeypatch)
+    builds = []
+    for name in ("query_runs", "flex_query_block_mask"):
+        original = getattr(cp_attention_module, name)
+        monkeypatch.setattr(
+            cp_attention_module, name, lambda *a, _f=original, _n=name, **k: builds.append(_n) or _f(*a, **k)
+        )
+    q, k, v = _row(torch.float32)
+    cu = [0, *torch.tensor(LENGTHS).cumsum(0).tolist()]
+
+    def forward(shard, layers=4):
+        outs = []
+        for layer in range(layers):  # sliding and full layers alternate, each layer a copy of the shard
+            layer_shard = dataclasses.replace(shard)
+            stand_in = iter([k, v])
+            with mock.patch.object(cp_attention_module, "gather_tokens", lambda x, group, kv=stand_in: next(kv)):
+                outs.append(
+                    cp_attention(
+                        _Module(),
+                        q[:, :, layer_shard.index.clamp(min=0)],
+                        None,
+                        None,
+                        None,
+                        scaling=0.35,
+                        cp_shard=layer_shard,
+                        sliding_window=6 if layer % 2 else None,
+                    )[0]
+                )
+        return outs
+
+    shard = dataclasses.replace(plan_shards(cu, 1, "contiguous")[0], kernel=kernel)
+    first = forward(shard)
+    expected = "flex_query_block_mask" if kernel == "flex" else "query_runs"
+    assert builds == [expected, expected]  # one per window, for four layers
+    again = forward(dataclasses.replace(plan_shards(cu, 1, "contiguous")[0], kernel=kernel))  # the next forward
+    assert builds == [expected] * 4
+    for a, b in zip(first, again, strict=True):
+        assert torch.equal(a, b)

@@ -362,16 +362,22 @@ def torch_varlen_query_runs(query, key, value, cu_q, cu_k, max_q: int, max_k: in
     return varlen_attn(fq, fk, fv, cq, ck, max_q, max_k, **options).unsqueeze(0)
 
 
-def flex_query_runs(query, key, value, doc_q, pos_q, doc_k, pos_k, scaling, window, softcap=None) -> torch.Tensor:
-    """FlexAttention on global (example, position): each query of ``query`` ``[1, H, S, D]`` against every key of
-    ``key``/``value`` ``[1, Hkv, K, D]`` its example and position allow (``allowed``). Returns ``[1, S, H, D]``."""
-    q, k, v = _one_compute_dtype(query, key, value)
-    dq, pq, dk, pk = (t.to(q.device) for t in (doc_q, pos_q, doc_k, pos_k))
+def flex_query_block_mask(doc_q, pos_q, doc_k, pos_k, window, device) -> BlockMask:
+    """The BlockMask of queries at global (example, position) ``doc_q``/``pos_q`` against keys at ``doc_k``/``pos_k``:
+    each query sees the keys its example and position allow (``allowed``). Made once per forward by the caller
+    (``trainer.parallel.cp_attention``), not per layer."""
+    dq, pq, dk, pk = (t.to(device) for t in (doc_q, pos_q, doc_k, pos_k))
 
     def mask(b, h, q_idx, kv_idx):
         return allowed(dq[q_idx], pq[q_idx], dk[kv_idx], pk[kv_idx], window)
 
-    block_mask = create_block_mask(mask, None, None, q.shape[2], k.shape[2], device=q.device)
+    return create_block_mask(mask, None, None, len(dq), len(dk), device=device)
+
+
+def flex_query_runs(query, key, value, block_mask: BlockMask, scaling, softcap=None) -> torch.Tensor:
+    """FlexAttention of ``query`` ``[1, H, S, D]`` against ``key``/``value`` ``[1, Hkv, K, D]`` under
+    ``block_mask`` (``flex_query_block_mask``). Returns ``[1, S, H, D]``."""
+    q, k, v = _one_compute_dtype(query, key, value)
     out = _flex_fn(q.device)(
         q,
         k,

@@ -162,29 +162,34 @@ def lower_right_mask(lq: int, lk: int, window: int | None, device) -> torch.Tens
     return ok
 
 
-def sdpa_query_runs(
-    query, key, value, cu_q: torch.Tensor, cu_k: torch.Tensor, scaling, dropout, window, softcap=None
-) -> torch.Tensor:
-    """Each run of queries ``cu_q[n]:cu_q[n + 1]`` of ``query`` ``[1, H, S, D]`` against its keys
-    ``cu_k[n]:cu_k[n + 1]`` of ``key``/``value`` ``[1, Hkv, K, D]`` (runs back to back), the run's queries the last
-    of its keys, causal bottom-right (``lower_right_mask``: SDPA's ``is_causal`` is top-left on non-square
-    inputs). Returns ``[1, S, H, D]``. A context-parallel shard's queries against the row's gathered keys."""
+def query_runs(cu_q: torch.Tensor, cu_k: torch.Tensor, window, device) -> list[tuple[int, int, int, int, torch.Tensor]]:
+    """Each query run's ``(q_start, q_end, k_start, k_end, mask)``: ``cu_q[n]:cu_q[n + 1]`` of the queries against
+    ``cu_k[n]:cu_k[n + 1]`` of the keys, the run's queries the last of its keys, causal bottom-right
+    (``lower_right_mask``: SDPA's ``is_causal`` is top-left on non-square inputs). Host work: made once per
+    forward by the caller (``trainer.parallel.cp_attention``), not per layer."""
+    cq, ck = cu_q.tolist(), cu_k.tolist()
+    return [
+        (cq[n], cq[n + 1], ck[n], ck[n + 1], lower_right_mask(cq[n + 1] - cq[n], ck[n + 1] - ck[n], window, device))
+        for n in range(len(cq) - 1)
+    ]
+
+
+def sdpa_query_runs(query, key, value, runs, scaling, dropout, softcap=None) -> torch.Tensor:
+    """The runs (``query_runs``) of ``query`` ``[1, H, S, D]`` against their keys of ``key``/``value``
+    ``[1, Hkv, K, D]`` (runs back to back). Returns ``[1, S, H, D]``. A context-parallel shard's queries against
+    the row's gathered keys."""
     if softcap is not None:
         raise ValueError("packfsdp: sdpa_varlen cannot softcap attention logits under cp; use flash_attn or flex")
-    cq, ck = cu_q.tolist(), cu_k.tolist()
-    outs = []
-    for n in range(len(cq) - 1):
-        qs, qe, ks, ke = cq[n], cq[n + 1], ck[n], ck[n + 1]
-        mask = lower_right_mask(qe - qs, ke - ks, window, query.device)
-        outs.append(
-            F.scaled_dot_product_attention(
-                query[:, :, qs:qe],
-                key[:, :, ks:ke],
-                value[:, :, ks:ke],
-                attn_mask=mask,
-                dropout_p=dropout,
-                scale=scaling,
-                enable_gqa=query.shape[1] != key.shape[1],
-            )
+    outs = [
+        F.scaled_dot_product_attention(
+            query[:, :, qs:qe],
+            key[:, :, ks:ke],
+            value[:, :, ks:ke],
+            attn_mask=mask,
+            dropout_p=dropout,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
         )
+        for qs, qe, ks, ke, mask in runs
+    ]
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous()

@@ -14,8 +14,14 @@ import torch.distributed as dist
 from transformers import AttentionInterface
 
 from trainer.model.attention_needs import refuse_unhonoured
-from trainer.model.backends_cuda import flash_attn_query_runs, flex_query_runs, torch_varlen_query_runs
-from trainer.model.backends_sdpa import sdpa_query_runs
+from trainer.model.backends_cuda import (
+    flash_attn_query_runs,
+    flex_query_block_mask,
+    flex_query_runs,
+    torch_varlen_query_runs,
+)
+from trainer.model.backends_sdpa import query_runs, sdpa_query_runs
+from trainer.model.packed_layout import PackedLayout
 
 
 # ------------------------------------------------------------------------------------------- collectives
@@ -61,14 +67,21 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
     window = int(window) if window is not None and int(window) > 0 else None
     softcap = kwargs.get("softcap")
     k_all, v_all = gather_tokens(key, group), gather_tokens(value, group)
+    # The shard's masks and host bounds are made once per forward: kept with the layout of its query boundaries,
+    # which every layer of the forward shares (not on the shard: FSDP2 hands the layers copies of it).
     if kernel == "flex":
-        return flex_query_runs(
-            query, k_all, v_all, shard.doc_q, shard.pos_q, shard.doc_all, shard.pos_all, scaling, window, softcap
-        ), None
+        block_mask = PackedLayout.of(shard.cu_seqlens_q).cached(
+            f"cp-flex:{window}:{query.device}",
+            lambda: flex_query_block_mask(shard.doc_q, shard.pos_q, shard.doc_all, shard.pos_all, window, query.device),
+        )
+        return flex_query_runs(query, k_all, v_all, block_mask, scaling, softcap), None
     k_runs, v_runs = k_all.index_select(2, shard.key_index), v_all.index_select(2, shard.key_index)
     cq, ck = shard.cu_seqlens_q, shard.cu_seqlens_k
     if kernel in ("sdpa_varlen", "sdpa_block_mask"):
-        return sdpa_query_runs(query, k_runs, v_runs, cq, ck, scaling, dropout, window, softcap), None
+        runs = PackedLayout.of(cq).cached(
+            f"cp-sdpa:{window}:{query.device}", lambda: query_runs(cq, ck, window, query.device)
+        )
+        return sdpa_query_runs(query, k_runs, v_runs, runs, scaling, dropout, softcap), None
     if kernel == "flash_attn":
         return flash_attn_query_runs(
             query, k_runs, v_runs, cq, ck, shard.max_q, shard.max_k, scaling, dropout, window, softcap
