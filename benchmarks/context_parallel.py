@@ -74,7 +74,7 @@ def worker(args) -> None:
             return tokens[i], np.ones(len(tokens[i]), dtype=bool)
 
     row = collate_packed(Row(), np.arange(len(lengths)))
-    batch = shard_batch(row, cp, rank, "balanced", group) if cp > 1 else row
+    batch = shard_batch(row, cp, rank, "balanced", group, "sdpa_varlen") if cp > 1 else row
     saved: dict[int, int] = {}
 
     def pack(t):  # activations autograd keeps for backward, each storage once

@@ -87,7 +87,7 @@ def context_parallel(model, data: Examples, items, cp: int, split: str, group) -
     """The CP group's logits (row order), summed loss and summed gradients of the same items as one row."""
     model.zero_grad(set_to_none=True)
     row = collate_packed(data, np.asarray(items))
-    local = shard_batch(row, cp, dist.get_rank(group), split, group)
+    local = shard_batch(row, cp, dist.get_rank(group), split, group, "sdpa_varlen")
     logits = model(**local.model_inputs())[0].detach()
     loss = model.token_loss(**local.model_inputs(), labels=local.labels)
     loss.backward()
@@ -210,7 +210,7 @@ def eval_cases(groups) -> dict:
     ref = evaluate(model, data, budget, torch.device("cpu"))["eval_loss"]
     for cp in (2, 4):
         seen[:] = []
-        route = ContextParallelRoute(cp, "balanced", group=groups[cp][dist.get_rank() // cp])
+        route = ContextParallelRoute(cp, "balanced", group=groups[cp][dist.get_rank() // cp], kernel="sdpa_varlen")
         loss = evaluate(model, data, cp * budget, torch.device("cpu"), route=route)["eval_loss"]
         out[f"eval/cp{cp}"] = {"loss": abs(loss - ref), "unsharded": float(max(seen) > 1.5 * budget)}
     return out
@@ -229,7 +229,7 @@ def self_check_cases(groups) -> dict:
     gather = cp_attention.gather_tokens
     for cp in (2, 4):
         group = groups[cp][rank // cp]
-        route = CPRoute(model, cp, dist.get_rank(group), "balanced", group)
+        route = CPRoute(model, cp, dist.get_rank(group), "balanced", group, "sdpa_varlen")
         good = measure(model, row, route=route)
         cp_attention.gather_tokens = lambda x, group: gather(x, group).flip(2)  # keys of the wrong tokens
         try:
@@ -252,7 +252,8 @@ def step_skew_cases(groups) -> dict:
     row = collate_packed(Examples(lengths, 97, seed=9), np.arange(len(lengths)))
     for cp in (2, 4):
         for split in ("contiguous", "balanced"):
-            local = shard_batch(row, cp, dist.get_rank(groups[cp][rank // cp]), split, groups[cp][rank // cp])
+            group = groups[cp][rank // cp]
+            local = shard_batch(row, cp, dist.get_rank(group), split, group, "sdpa_varlen")
             cost = attention_cost(lengths, cp, split)
             skew = step_skew([local, local], cp, torch.device("cpu"))  # two micro-batches: the same skew
             out[f"step_skew/cp{cp}/{split}"] = {"err": abs(skew - (cost.max() / cost.mean() - 1))}

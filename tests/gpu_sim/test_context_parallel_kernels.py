@@ -114,3 +114,12 @@ def test_per_forward_work_is_done_once_per_forward_not_per_layer(kernel, monkeyp
     assert builds == [expected] * 4
     for a, b in zip(first, again, strict=True):
         assert torch.equal(a, b)
+
+
+def test_a_shard_without_its_kernel_is_refused_not_run_on_a_default():
+    """No default kernel anywhere on the CP path: a shard nobody gave the run's backend fails in one line
+    instead of attending through SDPA on a GPU run that asked for flash-attn."""
+    shard = plan_shards([0, 4], 1, "contiguous")[0]
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(ValueError, match="a context-parallel shard without its attention kernel"):
+        cp_attention(_Module(), q, q, q, None, scaling=0.35, cp_shard=shard)

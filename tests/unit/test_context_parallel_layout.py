@@ -26,7 +26,7 @@ def test_every_token_once_and_labels_counted_once(cp, split):
     held = np.concatenate(assign_tokens(lengths, cp, split))
     assert sorted(held.tolist()) == list(range(sum(lengths)))
     row = collate_packed(_Examples(lengths), np.arange(len(lengths)))
-    shards = [shard_batch(row, cp, r, split) for r in range(cp)]
+    shards = [shard_batch(row, cp, r, split, None, "sdpa_varlen") for r in range(cp)]
     assert sum(s.num_label_tokens for s in shards) == row.num_label_tokens
     assert sum(s.num_tokens for s in shards) == row.num_tokens
     assert len({s.input_ids.shape[1] for s in shards}) == 1  # equal shards for the all-gather

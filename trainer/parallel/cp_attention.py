@@ -62,6 +62,8 @@ def cp_attention(module, query, key, value, attention_mask, scaling=None, dropou
     runs against their keys (``trainer.model.backends_*``: ``*_query_runs``)."""
     shard = kwargs["cp_shard"]
     kernel, group = shard.kernel, shard.group
+    if kernel is None:
+        raise ValueError("packfsdp: a context-parallel shard without its attention kernel (shard_batch sets it)")
     refuse_unhonoured(f"{kernel} under parallel.cp", kwargs, softcap=True)  # sinks, selections: never ignored
     window = kwargs.get("sliding_window")
     window = int(window) if window is not None and int(window) > 0 else None

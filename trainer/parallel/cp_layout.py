@@ -115,8 +115,9 @@ class CPShard:
     """Causal (query, key) pairs this rank's queries attend (windows aside): its share of the row's attention."""
     group: object = None
     """The CP group's process group (the keys/values are all-gathered over it)."""
-    kernel: str = "sdpa_varlen"
-    """The run's attention backend (``model.attention``): the kernel that attends a shard's query runs."""
+    kernel: str | None = None
+    """The run's attention backend (``model.attention``): the kernel that attends a shard's query runs (no default:
+    ``shard_batch`` and the route set it; a shard without one is refused by ``cp_attention``)."""
 
     implementation = CP_ATTENTION
     """The transformers attention that runs a shard (``trainer.parallel.cp_attention``)."""
@@ -212,7 +213,7 @@ class ShardedBatch(Batch):
         return {"input_ids": self.input_ids, "position_ids": self.position_ids, "layout": self.shard}
 
 
-def shard_batch(batch: Batch, cp: int, rank: int, split: str, group=None, kernel: str = "sdpa_varlen") -> ShardedBatch:
+def shard_batch(batch: Batch, cp: int, rank: int, split: str, group, kernel: str) -> ShardedBatch:
     """This rank's share of a packed batch: its tokens, their positions and their *shifted* targets. The
     counts are this rank's share too, so summed over the group every token is counted once; the
     per-example counts (examples, attention pairs, the padded counterfactual) stay on the group's first rank.

@@ -88,9 +88,7 @@ class CPRoute:
     group's logits come back in row order (this rank's own part differentiable, so its backward gives this
     rank's share of the gradient) and the gradient projections are summed over the group."""
 
-    def __init__(
-        self, model: torch.nn.Module, cp: int, rank: int, split: str, group, kernel: str = "sdpa_varlen"
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, cp: int, rank: int, split: str, group, kernel: str) -> None:
         self.model, self.cp, self.rank, self.split, self.group, self.kernel = model, cp, rank, split, group, kernel
 
     def __str__(self) -> str:
@@ -171,14 +169,14 @@ class ContextParallelRoute(Route):
         rank: int | None = None,
         world_size: int | None = None,
         group=None,
-        kernel: str = "sdpa_varlen",
+        kernel: str | None = None,
     ) -> None:
         super().__init__(rank, world_size)
         self.cp, self.split = cp, split
         self.group = group
         """This rank's CP group (``prepare`` makes every group)."""
         self.kernel = kernel
-        """The run's attention backend: the kernel a shard's query runs go through."""
+        """The run's attention backend: the kernel a shard's query runs go through (``prepare`` sets the model's)."""
         self.rows_checked = False
         """The first step after start or resume checks that the group holds one row (``check_same_row``)."""
         self.skew: float | None = None
