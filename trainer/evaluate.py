@@ -86,16 +86,11 @@ def evaluate(
 ) -> dict[str, float]:
     """Mean token loss over ``dataset`` (all ranks), from packed micro-batches (``eval_sums``)."""
     start = time.perf_counter()
-    loss, labels = eval_sums(
-        model,
-        dataset,
-        token_budget,
-        device,
-        pad_id,
-        route,
-        lambda batch: (summed_token_loss(model, batch), batch.num_label_tokens),
-        width=2,
-    )
+
+    def sums_of(batch: Batch) -> tuple:
+        return summed_token_loss(model, batch), batch.num_label_tokens
+
+    loss, labels = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of, width=2)
     return {
         "eval_loss": loss / max(labels, 1.0),
         "eval_tokens": int(labels),

@@ -240,15 +240,12 @@ class DPO(Objective):
         """The held-out pairs, packed and dealt like SFT eval (every rank takes part): the eval loss (mean
         pair loss) and the TRL-named metrics prefixed ``eval_``."""
         start = time.perf_counter()
+
+        def sums_of(batch: Batch) -> tuple:
+            return *self.pair_loss.loss_sum(model, batch)[1], batch.num_pairs, batch.num_label_tokens
+
         *sums, pairs, tokens = eval_sums(
-            model,
-            dataset,
-            token_budget,
-            device,
-            pad_id,
-            route,
-            lambda batch: (*self.pair_loss.loss_sum(model, batch)[1], batch.num_pairs, batch.num_label_tokens),
-            width=len(PAIR_SUMS) + 2,
+            model, dataset, token_budget, device, pad_id, route, sums_of, len(PAIR_SUMS) + 2
         )
         metrics = preference_metrics(sums, pairs, prefix="eval_")
         return {

@@ -160,16 +160,11 @@ class Distill(Objective):
     ) -> dict[str, Any]:
         """The held-out examples, packed and dealt like SFT eval: the mean distillation loss, and its parts."""
         start = time.perf_counter()
-        loss, ce, div, tokens = eval_sums(
-            model,
-            dataset,
-            token_budget,
-            device,
-            pad_id,
-            route,
-            lambda batch: (*self.terms(model, batch, dataset), batch.num_label_tokens),
-            width=len(TERMS) + 1,
-        )
+
+        def sums_of(batch: Batch) -> tuple:
+            return *self.terms(model, batch, dataset), batch.num_label_tokens
+
+        loss, ce, div, tokens = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of, len(TERMS) + 1)
         n = max(tokens, 1.0)
         return {
             "eval_loss": loss / n,
