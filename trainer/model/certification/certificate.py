@@ -35,6 +35,11 @@ class Stage:
         return f"{self.name}: {self.outcome}{f' ({self.detail})' if self.detail else ''}{cached}"
 
 
+def family_of(config) -> str:
+    """The family a config names in every line (its ``model_type``; ``"the model"`` where it names none)."""
+    return getattr(config, "model_type", None) or "the model"
+
+
 def refusal_line(family: str, stage: str, reason: str) -> str:
     """The one line of every refusal: the family, the stage that refuses, and why (the setting where named)."""
     return f"model family {family!r} is not certified exact ({stage}): {reason}"

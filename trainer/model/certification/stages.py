@@ -26,6 +26,7 @@ from trainer.model.certification.certificate import (
     SELF_CHECK,
     Certificate,
     Stage,
+    family_of,
     refusal_line,
 )
 from trainer.model.certification.engine import measure, nan_line
@@ -50,7 +51,7 @@ STOPPING = ": stopping before step 1 (model.self_check=false skips this check)"
 def prior(config, self_check: bool = True) -> Stage:
     """The table's verdict on ``config`` (``trainer.model.families``), its layer types too (``selected_keys``);
     an untested family (newer than the table) has none: the replica and the self-check decide."""
-    family = getattr(config, "model_type", None) or "the model"
+    family = family_of(config)
     found = verdict(family)
     if found.kind in ("refused", "skipped"):
         raise FamilyRefusedError(refusal_line(family, PRIOR, found.reason))
@@ -84,7 +85,7 @@ def certify_config(config, self_check: bool = True) -> Certificate:
     multimodal model is judged by its language model (``trained_config``). ``self_check``: whether the startup
     self-check will run (without it, a family or config no earlier stage vouches for is refused)."""
     config = trained_config(config)
-    family = getattr(config, "model_type", None) or "the model"
+    family = family_of(config)
     certificate = Certificate(family, [prior(config, self_check)])
     certificate.stages.append(replica_stage(config, family, self_check))
     return certificate
@@ -107,7 +108,7 @@ def check_model(
     # Check in the master dtype (exact); only kernels that refuse it run under autocast to the compute dtype.
     if model.backend.unavailable(param.device, param.dtype) is None:
         compute_dtype = None
-    family = getattr(model.config, "model_type", None) or "the model"
+    family = family_of(model.config)
     stage = SELF_CHECK if route is None else f"{SELF_CHECK} through the {route}"
     try:
         m = measure(
