@@ -19,8 +19,9 @@ Two implementations of the same sum (``loss.impl``):
 
 The chunked pass is one (``chunked_head_terms``) for every loss made this way: a ``ChunkTerms`` gives a
 chunk's sums and their gradient w.r.t. its logits (``CrossEntropyTerms`` here, the distillation's
-``DistillTerms``). DPO's per-token log-probabilities (``chunked_token_logps``) recompute each chunk in backward
-instead, as a token's gradient there is known only after the pair losses.
+``DistillTerms``), DPO's per-token log-probabilities (``TokenLogprobTerms``, ``chunked_token_logps``) too: those
+are kept per token and each chunk is recomputed in backward, as a token's gradient there is known only after
+the pair losses.
 """
 
 from __future__ import annotations
@@ -126,14 +127,23 @@ class ChunkTerms(Protocol):
     """What a chunked head pass computes from one chunk's logits (``chunked_head_terms``)."""
 
     shape: tuple[int, ...]
-    """The sums' shape: ``()`` for one loss, ``(k,)`` for the trained loss then its reported parts."""
+    """The values' shape: ``()`` for one loss, ``(k,)`` for the trained loss then its reported parts."""
+    per_token: bool
+    """``False``: the values are summed over the rows and their gradient made in the forward pass, at once.
+    ``True``: one value per row ``[n, *shape]``, whose gradient arrives in backward (a DPO pair's weight depends
+    on its log-probs); backward recomputes each chunk's logits with ``weighted(grad_values)``."""
 
     def __call__(
         self, logits: torch.Tensor, start: int, end: int, with_grad: bool
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """``(sums, grad)`` of rows ``start:end``: the chunk's sums (a scalar, or a vector whose first entry is
-        the trained loss) and, ``with_grad``, d(trained loss)/d(``logits``) in fp32 (it may reuse ``logits``'
-        memory: nothing reads them after)."""
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """``(values, grad)`` of rows ``start:end``: the chunk's values (summed: a scalar, or a vector whose first
+        entry is the trained loss; ``per_token``: one per row) and, ``with_grad``, d(trained loss)/d(``logits``)
+        in fp32 (it may reuse ``logits``' memory: nothing reads them after). ``per_token`` terms weigh that
+        gradient by ``weighted``'s incoming gradient and may return ``None`` values then."""
+        ...
+
+    def weighted(self, grad_values: torch.Tensor) -> ChunkTerms:
+        """``per_token`` only: the same terms, their gradient that of ``(grad_values * values).sum()``."""
         ...
 
 
@@ -144,6 +154,7 @@ class CrossEntropyTerms:
 
     targets: torch.Tensor
     shape: ClassVar[tuple[int, ...]] = ()
+    per_token: ClassVar[bool] = False
 
     def __call__(self, logits, start, end, with_grad):
         y = self.targets[start:end]
@@ -154,6 +165,28 @@ class CrossEntropyTerms:
         grad = logits.sub_(lse[:, None]).exp_()
         grad[torch.arange(len(y), device=y.device), y] -= 1.0
         return loss, grad
+
+
+@dataclass(frozen=True)
+class TokenLogprobTerms:
+    """Each target's log-probability ``[n]`` (``per_token``); weighted by ``grad_values``, the gradient
+    ``(one_hot - softmax) * grad_values`` (no values then: backward wants the gradient only)."""
+
+    targets: torch.Tensor
+    grad_values: torch.Tensor | None = None
+    shape: ClassVar[tuple[int, ...]] = ()
+    per_token: ClassVar[bool] = True
+
+    def __call__(self, logits, start, end, with_grad):
+        y = self.targets[start:end]
+        if not with_grad:
+            return logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1), None
+        grad = torch.softmax(logits, dim=-1).neg_()
+        grad[torch.arange(len(y), device=y.device), y] += 1.0
+        return None, grad.mul_(self.grad_values[start:end, None].float())
+
+    def weighted(self, grad_values: torch.Tensor) -> TokenLogprobTerms:
+        return TokenLogprobTerms(self.targets, grad_values)
 
 
 def head_backward(grad, softcap_slope, transform: LogitTransform, h, weight, grad_weight, grad_bias) -> torch.Tensor:
@@ -182,10 +215,11 @@ def _head_pass(
     terms: ChunkTerms,
     with_grads: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``terms`` summed over chunks of ``chunk`` rows of ``transform(hidden @ weight.T + bias)`` and
-    (``with_grads``) the trained loss's gradients with respect to ``hidden``, ``weight`` (fp32) and ``bias``
+    """``terms`` over chunks of ``chunk`` rows of ``transform(hidden @ weight.T + bias)`` (summed, or per row)
+    and (``with_grads``) the trained loss's gradients with respect to ``hidden``, ``weight`` (fp32) and ``bias``
     (fp32), each chunk's through the head at once (one chunk's logits alive)."""
-    sums = torch.zeros(terms.shape, dtype=torch.float32, device=hidden.device)
+    shape = (hidden.shape[0], *terms.shape) if terms.per_token else terms.shape
+    values = torch.zeros(shape, dtype=torch.float32, device=hidden.device)
     grad_hidden = torch.empty_like(hidden) if with_grads else None
     grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if with_grads else None
     grad_bias = None
@@ -195,11 +229,14 @@ def _head_pass(
         end = min(start + chunk, hidden.shape[0])
         h = hidden[start:end]
         logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
-        chunk_sums, grad = terms(logits, start, end, with_grads)
-        sums += chunk_sums
+        chunk_values, grad = terms(logits, start, end, with_grads)
+        if chunk_values is not None and terms.per_token:
+            values[start:end] = chunk_values
+        elif chunk_values is not None:  # None: a per-token backward wants the gradient only
+            values += chunk_values
         if with_grads:
             grad_hidden[start:end] = head_backward(grad, softcap_slope, transform, h, weight, grad_weight, grad_bias)
-    return sums, grad_hidden, grad_weight, grad_bias
+    return values, grad_hidden, grad_weight, grad_bias
 
 
 class _ChunkedHead(torch.autograd.Function):
@@ -224,6 +261,29 @@ class _ChunkedHead(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
+class _RecomputedHead(torch.autograd.Function):
+    """``per_token`` ``terms`` of the head applied to ``hidden`` (``_head_pass``); backward recomputes each
+    chunk's logits for the gradient weighted by the incoming one: one more head matmul, still one chunk's
+    logits at a time."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, transform, chunk, terms):
+        values = _head_pass(hidden, weight, bias, transform, chunk, terms, with_grads=False)[0]
+        ctx.save_for_backward(hidden, weight, bias)
+        ctx.transform, ctx.chunk, ctx.terms = transform, chunk, terms
+        return values
+
+    @staticmethod
+    def backward(ctx, grad_values):
+        hidden, weight, bias = ctx.saved_tensors
+        terms = ctx.terms.weighted(grad_values)
+        _, grad_hidden, grad_weight, grad_bias = _head_pass(
+            hidden, weight, bias, ctx.transform, ctx.chunk, terms, with_grads=True
+        )
+        grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
+        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
+
+
 def chunked_head_terms(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -232,10 +292,12 @@ def chunked_head_terms(
     transform: LogitTransform = LogitTransform(),
     chunk_tokens: int | None = None,
 ) -> torch.Tensor:
-    """``terms`` (``ChunkTerms``) of the LM head applied to ``hidden`` ``[n, hidden]``, summed over the rows, never
-    holding more than one chunk's logits; differentiable in the trained entry (the gradients are made in the
-    forward pass, so an eval pass skips them)."""
+    """``terms`` (``ChunkTerms``) of the LM head applied to ``hidden`` ``[n, hidden]``, summed over the rows (or
+    per row), never holding more than one chunk's logits; differentiable in the trained entry (summed terms
+    make their gradients in the forward pass, so an eval pass skips them; per-row terms in backward)."""
     chunk = chunk_tokens_for(weight.shape[0], chunk_tokens)
+    if terms.per_token:
+        return _RecomputedHead.apply(hidden, weight, bias, transform, chunk, terms)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
     if not needs_grad:  # eval: the sums only
         return _head_pass(hidden, weight, bias, transform, chunk, terms, with_grads=False)[0]
@@ -304,44 +366,6 @@ class HeadLoss:
         return fn(hidden, weight, bias, targets, self.transform, self.chunk_tokens)
 
 
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """Per-token log-probabilities ``log_softmax(transform(hidden @ weight.T + bias))[target]``, a chunk of
-    tokens at a time. Unlike the summed loss, the gradient of each token is only known in backward (a DPO
-    pair's weight depends on its log-probs), so backward recomputes each chunk's logits: one more head
-    matmul, still one chunk's logits at a time."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, transform, chunk):
-        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        for start in range(0, hidden.shape[0], chunk):
-            logits, _ = transform.apply(F.linear(hidden[start : start + chunk], weight, bias).float())
-            y = targets[start : start + chunk]
-            out[start : start + chunk] = logits.gather(1, y[:, None]).squeeze(1) - torch.logsumexp(logits, dim=-1)
-        ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.transform, ctx.chunk = transform, chunk
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        hidden, weight, bias, targets = ctx.saved_tensors
-        transform = ctx.transform
-        grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
-        grad_bias = None if bias is None else torch.zeros(bias.shape, dtype=torch.float32, device=bias.device)
-        for start in range(0, hidden.shape[0], ctx.chunk):
-            h, y = hidden[start : start + ctx.chunk], targets[start : start + ctx.chunk]
-            logits, softcap_slope = transform.apply(F.linear(h, weight, bias).float())
-            # d logp[y] / d logits = one_hot(y) - softmax, scaled by each token's incoming gradient
-            grad = torch.softmax(logits, dim=-1).neg_()
-            grad[torch.arange(len(y), device=y.device), y] += 1.0
-            grad.mul_(grad_out[start : start + ctx.chunk, None].float())
-            grad_hidden[start : start + ctx.chunk] = head_backward(
-                grad, softcap_slope, transform, h, weight, grad_weight, grad_bias
-            )
-        grad_bias = None if grad_bias is None else grad_bias.to(weight.dtype)
-        return grad_hidden, grad_weight.to(weight.dtype), grad_bias, None, None, None
-
-
 def chunked_token_logps(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -353,9 +377,7 @@ def chunked_token_logps(
     """Log-probability of each target ``[n]`` (fp32) under the LM head applied to ``hidden`` ``[n, hidden]``,
     never holding more than one chunk's logits (the preference objective's building block). ``hidden`` is in the
     head's dtype (``VarlenCausalLM.label_head`` casts it)."""
-    return _ChunkedTokenLogprobs.apply(
-        hidden, weight, bias, targets, transform, chunk_tokens_for(weight.shape[0], chunk_tokens)
-    )
+    return chunked_head_terms(hidden, weight, bias, TokenLogprobTerms(targets), transform, chunk_tokens)
 
 
 def naive_token_logps(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from trainer.collate import collate_packed, collate_padded
 from trainer.data.examples import IGNORE_INDEX
 from trainer.data.holdout import subset
 from trainer.evaluate import evaluate
-from trainer.loss import LogitTransform, chunked_summed_loss, summed_token_loss
+from trainer.loss import LogitTransform, chunked_summed_loss, chunked_token_logps, summed_token_loss
 from trainer.model import VarlenCausalLM, resolve_backend
 
 CPU = torch.device("cpu")
@@ -139,6 +139,26 @@ def test_function_matches_reference_with_bias(transform):
     torch.testing.assert_close(ours, reference, atol=1e-4, rtol=1e-6)
     for a, b in zip(our_grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), LogitTransform(scale=0.3, softcap=1.5)])
+def test_token_logps_match_reference_with_bias(transform):
+    """The per-token terms (DPO's log-probs): values in forward, each chunk recomputed in backward and weighted
+    by its tokens' incoming gradient."""
+    g = torch.Generator().manual_seed(2)
+    hidden = torch.randn(23, 16, generator=g, requires_grad=True)
+    weight = torch.randn(VOCAB, 16, generator=g, requires_grad=True)
+    bias = torch.randn(VOCAB, generator=g, requires_grad=True)
+    targets = torch.randint(0, VOCAB, (23,), generator=g)
+    upstream = torch.randn(23, generator=g)  # a token's gradient known only after the pair losses
+    logits = transform.apply(torch.nn.functional.linear(hidden, weight, bias))[0]
+    reference = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+    ref_grads = torch.autograd.grad((reference * upstream).sum(), (hidden, weight, bias))
+    ours = chunked_token_logps(hidden, weight, bias, targets, transform, chunk_tokens=5)
+    our_grads = torch.autograd.grad((ours * upstream).sum(), (hidden, weight, bias))
+    torch.testing.assert_close(ours, reference, atol=1e-5, rtol=1e-6)
+    for a, b in zip(our_grads, ref_grads, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 def test_unknown_logit_change_falls_back_to_naive():

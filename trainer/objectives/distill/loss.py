@@ -139,6 +139,7 @@ class DistillTerms:
     teacher: Teacher
     cfg: DistillConfig
     shape: ClassVar[tuple[int, ...]] = (len(TERMS),)
+    per_token: ClassVar[bool] = False
 
     def __call__(self, logits, start, end, with_grad):
         target, ids = self.teacher.log_probs(start, end)
