@@ -118,9 +118,9 @@ def exit_line(capsys, check, *args) -> str:
     return err[0]
 
 
-def wait_until(predicate, timeout_s: float, what: str, interval_s: float = 0.05):
-    """``predicate()``'s first truthy value, polled every ``interval_s``; fails naming ``what`` after
-    ``timeout_s``. For a state an asynchronous event brings (a timer thread, a process's exit): a fixed sleep
+def wait_until(predicate, timeout_s: float, interval_s: float = 0.05, *, what: str):
+    """``predicate()``'s first truthy value, polled every ``interval_s``; fails naming ``what`` and the timeout
+    after ``timeout_s``. For a state an asynchronous event brings (a timer thread, a process's exit): a fixed sleep
     before the assertion flakes on a loaded machine."""
     deadline = time.monotonic() + timeout_s
     while not (value := predicate()):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 
 import pytest
 
@@ -18,13 +17,11 @@ pytestmark = pytest.mark.slow
 
 
 def _job(tmp_path, fault: str, *overrides: str, timeout: float = 180):
-    start = time.monotonic()
-    out = run_torchrun(
+    return run_torchrun(
         ["-m", "tests.faults.fault_entry", *SMALL_RUN, f"run_dir={tmp_path}", *overrides],
         env={"PFTEST_FAULT": fault},
         timeout=timeout,
     )
-    return out, time.monotonic() - start
 
 
 def _lines(out, prefix: str) -> list[str]:
@@ -36,7 +33,7 @@ def test_skipped_steps_are_collective_then_a_diverged_run_stops(tmp_path):
     and logged; then two NaN steps in a row with ``max_consecutive_skips=2`` stop both ranks at step 5 with
     one line each naming the step (``guard.nonfinite=stop`` takes the same path at the first NaN step; see
     test_step_guard.py)."""
-    out, _ = _job(
+    out = _job(
         tmp_path,
         "nan_loss@2:1,no_labels@3,nan_grad@4:0,nan_loss@5:0",
         "guard.nonfinite=skip",
@@ -56,22 +53,23 @@ def test_skipped_steps_are_collective_then_a_diverged_run_stops(tmp_path):
 
 
 def test_out_of_memory_on_one_rank_ends_the_job_on_every_rank(tmp_path):
-    # The collective timeout far above what a loaded CI machine takes to start the job: ending well before it
-    # shows the surviving rank was told, not timed out.
-    out, elapsed = _job(tmp_path, "oom@2:1", "guard.collective_timeout_s=900", timeout=600)
+    # The behaviour, not a wall-clock bound (which flaked under load): with a collective timeout (900 s) past
+    # the subprocess timeout (600 s), a survivor that waited for it fails the test by TimeoutExpired, and its
+    # line below names rank 1's failure, not a timeout.
+    out = _job(tmp_path, "oom@2:1", "guard.collective_timeout_s=900", timeout=600)
     assert out.returncode != 0
     (own,) = _lines(out, "packfsdp: rank 1:")
     assert own.startswith("packfsdp: rank 1: out of memory at step 2:") and "packing.token_budget" in own
     (peer,) = _lines(out, "packfsdp: rank 0:")
     assert peer.startswith("packfsdp: rank 0: stopping at step 2 because rank 1 failed: out of memory"), peer
     assert "traceback : rank 1: out of memory at step 2" in out.stderr  # torchrun's root-cause summary
-    assert elapsed < 450, f"took {elapsed:.0f}s: the surviving rank must not wait for the collective timeout"
+    assert "Timed out" not in out.stderr
 
 
 def test_a_rank_that_stops_answering_fails_the_job_within_the_timeout(tmp_path):
     # 10 s: long enough that a slow start on a loaded machine is not read as the hang; a job that ignored the
     # timeout would run into the subprocess timeout (180 s) instead of printing the line below.
-    out, _ = _job(tmp_path, "hang@2:1", "guard.collective_timeout_s=10")
+    out = _job(tmp_path, "hang@2:1", "guard.collective_timeout_s=10")
     assert out.returncode != 0
     (line,) = _lines(out, "packfsdp: rank 0:")
     assert "a collective failed at step 2 (guard.collective_timeout_s=10)" in line and "Timed out" in line, line

@@ -15,26 +15,26 @@ from trainer import preemption
 
 
 def test_a_signal_during_a_long_eval_is_not_cut_short(monkeypatch):
-    # A step's grace of 0.5 s: short enough that an eval of 1 s outlasts it, long enough that the moment between
-    # the eval's end and the boundary below is not read as a stuck rank on a loaded machine.
+    # A step's grace of 1 s: an eval of 1.2 s outlasts it, and the moment between the eval's end and the
+    # boundary below (the step's grace restarts there) is not read as a stuck rank on a loaded machine.
     stuck = []
-    monkeypatch.setattr(preemption, "MIN_GRACE_S", 0.5)
+    monkeypatch.setattr(preemption, "MIN_GRACE_S", 1.0)
     monkeypatch.setattr(preemption.StepBoundary, "_stuck", lambda self, signum: stuck.append(signum))
     with preemption.StepBoundary(0, torch.device("cpu")) as boundary:
         with boundary.long_phase("eval"):
             os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(1.0)  # an eval longer than a step's grace (on main: the watchdog fires here)
+            time.sleep(1.2)  # an eval longer than a step's grace (on main: the watchdog fires here)
         assert stuck == [] and boundary.agree().stop_signal == "SIGTERM"
-    assert boundary.longest_phase_s["eval"] >= 1.0
+    assert boundary.longest_phase_s["eval"] >= 1.2
 
     with preemption.StepBoundary(0, torch.device("cpu")) as boundary:
         boundary.longest_phase_s["eval"] = 2.0  # a measured eval: grace 3 x 2 s
         with boundary.long_phase("eval"):
             os.kill(os.getpid(), signal.SIGUSR1)
-            time.sleep(0.6)  # past a step's grace, far inside the eval's
+            time.sleep(1.2)  # past a step's grace, far inside the eval's
             assert stuck == []
             # a stuck eval still ends, after three times its measured length
-            wait_until(lambda: stuck, 60, "the watchdog's call 6 s into a stuck eval")
+            wait_until(lambda: stuck, 60, what="the watchdog's call 6 s into a stuck eval")
         assert stuck == [signal.SIGUSR1]
 
 
