@@ -241,16 +241,16 @@ class DPO(Objective):
         pair loss) and the TRL-named metrics prefixed ``eval_``."""
         start = time.perf_counter()
 
-        def sums_of(batch: Batch) -> tuple:
-            return *self.pair_loss.loss_sum(model, batch)[1], batch.num_pairs, batch.num_label_tokens
+        def sums_of(batch: Batch) -> dict:
+            pair_sums = dict(zip(PAIR_SUMS, self.pair_loss.loss_sum(model, batch)[1], strict=True))
+            return pair_sums | {"pairs": batch.num_pairs, "tokens": batch.num_label_tokens}
 
-        *sums, pairs, tokens = eval_sums(
-            model, dataset, token_budget, device, pad_id, route, sums_of, len(PAIR_SUMS) + 2
-        )
-        metrics = preference_metrics(sums, pairs, prefix="eval_")
+        sums = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of)
+        pairs = sums["pairs"]
+        metrics = preference_metrics([sums[k] for k in PAIR_SUMS], pairs, prefix="eval_")
         return {
             "eval_loss": metrics.pop("eval_loss"),
-            "eval_tokens": int(tokens),
+            "eval_tokens": int(sums["tokens"]),
             "eval_time_s": time.perf_counter() - start,
             "preference": metrics | {"eval_pairs": int(pairs)},
         }

@@ -161,16 +161,17 @@ class Distill(Objective):
         """The held-out examples, packed and dealt like SFT eval: the mean distillation loss, and its parts."""
         start = time.perf_counter()
 
-        def sums_of(batch: Batch) -> tuple:
-            return *self.terms(model, batch, dataset), batch.num_label_tokens
+        def sums_of(batch: Batch) -> dict:
+            terms = dict(zip(TERMS, self.terms(model, batch, dataset), strict=True))
+            return terms | {"tokens": batch.num_label_tokens}
 
-        loss, ce, div, tokens = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of, len(TERMS) + 1)
-        n = max(tokens, 1.0)
+        sums = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of)
+        n = max(sums["tokens"], 1.0)
         return {
-            "eval_loss": loss / n,
-            "eval_tokens": int(tokens),
+            "eval_loss": sums[TERMS[0]] / n,
+            "eval_tokens": int(sums["tokens"]),
             "eval_time_s": time.perf_counter() - start,
-            "distill": {"eval_cross_entropy": ce / n, "eval_divergence": div / n},
+            "distill": {f"eval_{k}": sums[k] / n for k in TERMS[1:]},
         }
 
     def check_loss(self) -> DistillLossCheck:
