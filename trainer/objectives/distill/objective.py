@@ -51,6 +51,7 @@ class Distill(Objective):
     """Knowledge distillation from a frozen teacher (``distill`` section, ``trainer.config.distill``)."""
 
     name = "distill"
+    sum_names = TERMS
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module) -> None:
         super().__init__(cfg, model)
@@ -63,8 +64,6 @@ class Distill(Objective):
         self.store: TopKStore | None = None
         self.train_dataset: TokenizedDataset | None = None
         """The examples ``loss_sum``'s batches come from (``precompute`` finds their rows by example)."""
-        self.sums: torch.Tensor | None = None
-        """The step's ``TERMS`` so far on this rank."""
         self.held = ""
         """``live``: what the teacher holds per rank, for the start-up line."""
 
@@ -137,16 +136,14 @@ class Distill(Objective):
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         terms = self.terms(model, batch, self.train_dataset)
-        self.sums = terms.detach() if self.sums is None else self.sums + terms.detach()
+        self.add_sums(terms)
         return terms[0]
 
     def step_metrics(self, loss_sum: float, counts: StepCounts, device: torch.device) -> dict[str, Any]:
         """The mean distillation loss and its parts over every rank (one all-reduce)."""
-        local = [0.0] * len(TERMS) if self.sums is None else self.sums.tolist()
-        self.sums = None
-        _, ce, div = distributed.all_reduce_sum(local, device)
+        sums = self.step_sums(device)
         units = max(counts.units, 1.0)
-        return {"loss": loss_sum / units, "distill": {"cross_entropy": ce / units, "divergence": div / units}}
+        return {"loss": loss_sum / units, "distill": {k: sums[k] / units for k in TERMS[1:]}}
 
     @torch.no_grad()
     def evaluate(
