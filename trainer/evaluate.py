@@ -14,7 +14,8 @@ held-out row fits as its training rows do; each rank counts its own labels, so e
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Mapping
 
 import numpy as np
 import torch
@@ -57,11 +58,10 @@ def eval_sums(
     device: torch.device,
     pad_id: int,
     route: Route | None,
-    sums_of: Callable[[Batch], Sequence[torch.Tensor | float]],
-    width: int,
-) -> list[float]:
-    """The ``width`` sums ``sums_of(batch)`` gives for each of this rank's held-out micro-batches (``eval_batches``; its
-    losses and their counts), added in float64 and all-reduced over every rank in one collective, the model in
+    sums_of: Callable[[Batch], Mapping[str, torch.Tensor | float]],
+) -> defaultdict[str, float]:
+    """The named sums ``sums_of(batch)`` gives for each of this rank's held-out micro-batches (``eval_batches``;
+    its losses and their counts), added in float64 and all-reduced over every rank in one collective, the model in
     eval mode meanwhile. Each objective's eval turns them into its metrics.
 
     Every rank must call this together: the micro-batch count is equal on every rank by construction, so
@@ -69,11 +69,18 @@ def eval_sums(
     """
     was_training = model.training
     model.eval()
-    sums = torch.zeros(width, dtype=torch.float64, device=device)
+    names: list[str] | None = None
+    sums: torch.Tensor | None = None
     for batch in eval_batches(dataset, token_budget, device, pad_id, route):
-        sums += torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device) for v in sums_of(batch)])
+        named = sums_of(batch)
+        if names is None:
+            names = list(named)
+            sums = torch.zeros(len(names), dtype=torch.float64, device=device)
+        sums += torch.stack([torch.as_tensor(named[k], dtype=torch.float64, device=device) for k in names])
     model.train(was_training)
-    return distributed.all_reduce_sum(sums.tolist(), device)
+    if names is None:  # no micro-batch on any rank (their count is equal everywhere): every sum is 0
+        return defaultdict(float)
+    return defaultdict(float, zip(names, distributed.all_reduce_sum(sums.tolist(), device), strict=True))
 
 
 def evaluate(
@@ -87,12 +94,12 @@ def evaluate(
     """Mean token loss over ``dataset`` (all ranks), from packed micro-batches (``eval_sums``)."""
     start = time.perf_counter()
 
-    def sums_of(batch: Batch) -> tuple:
-        return summed_token_loss(model, batch), batch.num_label_tokens
+    def sums_of(batch: Batch) -> dict:
+        return {"loss": summed_token_loss(model, batch), "labels": batch.num_label_tokens}
 
-    loss, labels = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of, width=2)
+    sums = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of)
     return {
-        "eval_loss": loss / max(labels, 1.0),
-        "eval_tokens": int(labels),
+        "eval_loss": sums["loss"] / max(sums["labels"], 1.0),
+        "eval_tokens": int(sums["labels"]),
         "eval_time_s": time.perf_counter() - start,
     }

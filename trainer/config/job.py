@@ -114,28 +114,12 @@ class JobConfig:
         self.validate_streaming()
 
     def validate_objective(self) -> None:
-        """``objective=dpo`` packs whole pairs on the cached data route, one data-parallel rank per row;
-        ``objective=distill``: ``DistillConfig.check_job``."""
+        """What the objective needs of the rest of the job: its section's ``check_job`` (``DPOConfig``,
+        ``DistillConfig``), the one place its refusals live."""
         if self.objective == "distill":
             self.distill.check_job(self)
-        if self.objective != "dpo":
-            return
-        refused = {
-            "packing.strategy": (
-                self.packing.splits_examples,
-                f"={self.packing.strategy} (a pair is packed whole: "
-                "packing=bfd, or packing=none for the padded baseline)",
-            ),
-            "data.stream.enabled": (self.data.stream.enabled, "=true (pairs are read through the data cache)"),
-            "data.mixture.sources": (bool(self.data.mixture.sources), " (mix preference sources into one file)"),
-            "parallel.cp": (
-                self.parallel.cp > 1,
-                f"={self.parallel.cp} (a pair's sequences are short enough to stay on one rank)",
-            ),
-        }
-        for key, (bad, why) in refused.items():
-            if bad:
-                raise ConfigError(f"objective=dpo cannot be combined with {key}{why}")
+        elif self.objective == "dpo":
+            self.dpo.check_job(self)
 
     def validate_streaming(self) -> None:
         """``data.stream.enabled=true`` needs a run length and packs online by best fit, one source at a time."""

@@ -132,6 +132,26 @@ class DPOConfig:
         if self.label_smoothing and self.loss not in ("sigmoid", "robust"):
             raise ConfigError(f"dpo.label_smoothing applies to dpo.loss=sigmoid or robust, not {self.loss}")
 
+    def check_job(self, job: Any) -> None:
+        """What ``objective=dpo`` needs of the rest of ``job`` (a ``JobConfig``): whole pairs packed on the cached
+        data route, one data-parallel rank per row."""
+        refused = {
+            "packing.strategy": (
+                job.packing.splits_examples,
+                f"={job.packing.strategy} (a pair is packed whole: "
+                "packing=bfd, or packing=none for the padded baseline)",
+            ),
+            "data.stream.enabled": (job.data.stream.enabled, "=true (pairs are read through the data cache)"),
+            "data.mixture.sources": (bool(job.data.mixture.sources), " (mix preference sources into one file)"),
+            "parallel.cp": (
+                job.parallel.cp > 1,
+                f"={job.parallel.cp} (a pair's sequences are short enough to stay on one rank)",
+            ),
+        }
+        for key, (bad, why) in refused.items():
+            if bad:
+                raise ConfigError(f"objective=dpo cannot be combined with {key}{why}")
+
 
 @dataclass
 class LoggerConfig:

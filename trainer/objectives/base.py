@@ -23,15 +23,16 @@ What a third objective implements (``sft.py`` and ``dpo.py`` are the two worked 
 - ``loss_sum(model, batch)``: the micro-batch's summed loss (fp32 scalar with grad), asking the wrapper for the
   pass it needs (``VarlenCausalLM.token_loss``, ``sequence_logps`` or ``label_hidden`` for its own chunked
   loss, never full logits of a long row). A filler micro-batch (no unit) must give exactly 0 and still run
-  the model (its collectives line up with the other ranks'). Metric sums are kept on the objective
-  (detached) and read by ``step_metrics``.
+  the model (its collectives line up with the other ranks'). Metric sums (``sum_names``) are added with
+  ``add_sums`` and read, all-reduced, by ``step_metrics`` through ``step_sums``.
 - ``loss(model, batch, counts)``: the default divides ``loss_sum`` by ``counts.units`` (global); an
   objective that carries an additive term (the router aux loss, ``trainer.objectives.sft``) adds its share.
 - ``step_metrics(loss_sum, counts, device)``: the step's record fields: ``loss`` (the global loss sum over the
   global units, plus any term) and the objective's own (at most one all-reduce); resets its sums.
 - ``evaluate(model, dataset, token_budget, device, pad_id, route)``: the held-out loss and metrics
   (``eval_loss``, ``eval_tokens``, ``eval_time_s``, optional ``preference``), every rank taking part,
-  micro-batches dealt as in training (``trainer.evaluate.eval_batches``).
+  micro-batches dealt as in training: ``trainer.evaluate.eval_sums`` walks them, calling
+  a per-batch function of named sums, and all-reduces them once; the objective turns them into its metrics.
 - ``check_loss()``: the loss the startup self-check differentiates (``trainer.model.certification``'s loss of the
   check: ``group``, ``describe``, ``packed``, ``alone``, as ``TokenLossCheck`` and ``dpo.PairLossCheck`` have
   them, and optionally ``token_losses``, as ``distill.DistillLossCheck``), the same loss through the run's path
@@ -57,6 +58,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 import numpy as np
 import torch
 
+from trainer import distributed
 from trainer.collate import Batch
 from trainer.throughput import StepCounts
 
@@ -103,9 +105,24 @@ class Objective(ABC):
     """The ``objective=`` value."""
     pairs: ClassVar[bool] = False
     """What the batches must carry: preference pairs (``True``) or examples."""
+    sum_names: ClassVar[tuple[str, ...]] = ()
+    """The metric sums a training step keeps (``add_sums``, read once per step by ``step_sums``)."""
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module) -> None:
         self.cfg = cfg
+        self.sums: torch.Tensor | None = None
+        """The step's ``sum_names`` so far on this rank (detached)."""
+
+    def add_sums(self, sums: torch.Tensor) -> None:
+        """Add one micro-batch's ``sum_names`` (a tensor of that many values) to the step's on this rank."""
+        sums = sums.detach()
+        self.sums = sums if self.sums is None else self.sums + sums
+
+    def step_sums(self, device: torch.device) -> dict[str, float]:
+        """The step's ``sum_names`` over every rank (one all-reduce, every rank together); resets them."""
+        local = [0.0] * len(self.sum_names) if self.sums is None else self.sums.tolist()
+        self.sums = None
+        return dict(zip(self.sum_names, distributed.all_reduce_sum(local, device), strict=True))
 
     @abstractmethod
     def describe(self) -> str:

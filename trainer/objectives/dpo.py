@@ -54,7 +54,6 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from trainer import distributed
 from trainer.collate import Batch
 from trainer.config import DPOConfig
 from trainer.data.examples import IGNORE_INDEX, TokenizedDataset
@@ -171,14 +170,13 @@ class DPO(Objective):
 
     name = "dpo"
     pairs = True
+    sum_names = PAIR_SUMS
 
     def __init__(self, cfg, model: torch.nn.Module) -> None:
         super().__init__(cfg, model)
         use_router_aux(model, cfg.parallel.cp, self.name)  # refused: the router aux loss is SFT's term
         self.pair_loss = PairLoss(cfg.dpo, reference=None)
         """The pair losses and the reference (``setup`` builds the reference)."""
-        self.sums: torch.Tensor | None = None
-        """The step's ``PAIR_SUMS`` so far on this rank (float64)."""
 
     @property
     def reference(self):
@@ -202,14 +200,12 @@ class DPO(Objective):
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         loss, sums = self.pair_loss.loss_sum(model, batch)
-        self.sums = sums if self.sums is None else self.sums + sums
+        self.add_sums(sums)
         return loss
 
     def step_metrics(self, loss_sum: float, counts: StepCounts, device: torch.device) -> dict[str, Any]:
         """The mean pair loss and the step's TRL-named metrics over every rank (one all-reduce)."""
-        local = [0.0] * len(PAIR_SUMS) if self.sums is None else self.sums.tolist()
-        self.sums = None
-        sums = distributed.all_reduce_sum(local, device)
+        sums = list(self.step_sums(device).values())
         return {"loss": loss_sum / max(counts.units, 1.0), "preference": preference_metrics(sums, counts.units)}
 
     def check_loss(self) -> PairLossCheck:
@@ -241,16 +237,16 @@ class DPO(Objective):
         pair loss) and the TRL-named metrics prefixed ``eval_``."""
         start = time.perf_counter()
 
-        def sums_of(batch: Batch) -> tuple:
-            return *self.pair_loss.loss_sum(model, batch)[1], batch.num_pairs, batch.num_label_tokens
+        def sums_of(batch: Batch) -> dict:
+            pair_sums = dict(zip(PAIR_SUMS, self.pair_loss.loss_sum(model, batch)[1], strict=True))
+            return pair_sums | {"pairs": batch.num_pairs, "tokens": batch.num_label_tokens}
 
-        *sums, pairs, tokens = eval_sums(
-            model, dataset, token_budget, device, pad_id, route, sums_of, len(PAIR_SUMS) + 2
-        )
-        metrics = preference_metrics(sums, pairs, prefix="eval_")
+        sums = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of)
+        pairs = sums["pairs"]
+        metrics = preference_metrics([sums[k] for k in PAIR_SUMS], pairs, prefix="eval_")
         return {
             "eval_loss": metrics.pop("eval_loss"),
-            "eval_tokens": int(tokens),
+            "eval_tokens": int(sums["tokens"]),
             "eval_time_s": time.perf_counter() - start,
             "preference": metrics | {"eval_pairs": int(pairs)},
         }

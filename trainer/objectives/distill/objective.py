@@ -51,6 +51,7 @@ class Distill(Objective):
     """Knowledge distillation from a frozen teacher (``distill`` section, ``trainer.config.distill``)."""
 
     name = "distill"
+    sum_names = TERMS
 
     def __init__(self, cfg: JobConfig, model: torch.nn.Module) -> None:
         super().__init__(cfg, model)
@@ -63,8 +64,6 @@ class Distill(Objective):
         self.store: TopKStore | None = None
         self.train_dataset: TokenizedDataset | None = None
         """The examples ``loss_sum``'s batches come from (``precompute`` finds their rows by example)."""
-        self.sums: torch.Tensor | None = None
-        """The step's ``TERMS`` so far on this rank."""
         self.held = ""
         """``live``: what the teacher holds per rank, for the start-up line."""
 
@@ -137,16 +136,14 @@ class Distill(Objective):
 
     def loss_sum(self, model: torch.nn.Module, batch: Batch) -> torch.Tensor:
         terms = self.terms(model, batch, self.train_dataset)
-        self.sums = terms.detach() if self.sums is None else self.sums + terms.detach()
+        self.add_sums(terms)
         return terms[0]
 
     def step_metrics(self, loss_sum: float, counts: StepCounts, device: torch.device) -> dict[str, Any]:
         """The mean distillation loss and its parts over every rank (one all-reduce)."""
-        local = [0.0] * len(TERMS) if self.sums is None else self.sums.tolist()
-        self.sums = None
-        _, ce, div = distributed.all_reduce_sum(local, device)
+        sums = self.step_sums(device)
         units = max(counts.units, 1.0)
-        return {"loss": loss_sum / units, "distill": {"cross_entropy": ce / units, "divergence": div / units}}
+        return {"loss": loss_sum / units, "distill": {k: sums[k] / units for k in TERMS[1:]}}
 
     @torch.no_grad()
     def evaluate(
@@ -161,16 +158,17 @@ class Distill(Objective):
         """The held-out examples, packed and dealt like SFT eval: the mean distillation loss, and its parts."""
         start = time.perf_counter()
 
-        def sums_of(batch: Batch) -> tuple:
-            return *self.terms(model, batch, dataset), batch.num_label_tokens
+        def sums_of(batch: Batch) -> dict:
+            terms = dict(zip(TERMS, self.terms(model, batch, dataset), strict=True))
+            return terms | {"tokens": batch.num_label_tokens}
 
-        loss, ce, div, tokens = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of, len(TERMS) + 1)
-        n = max(tokens, 1.0)
+        sums = eval_sums(model, dataset, token_budget, device, pad_id, route, sums_of)
+        n = max(sums["tokens"], 1.0)
         return {
-            "eval_loss": loss / n,
-            "eval_tokens": int(tokens),
+            "eval_loss": sums[TERMS[0]] / n,
+            "eval_tokens": int(sums["tokens"]),
             "eval_time_s": time.perf_counter() - start,
-            "distill": {"eval_cross_entropy": ce / n, "eval_divergence": div / n},
+            "distill": {f"eval_{k}": sums[k] / n for k in TERMS[1:]},
         }
 
     def check_loss(self) -> DistillLossCheck:
