@@ -37,6 +37,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 import torch
+from packaging.version import Version
 
 from trainer.model.packed_layout import PackedLayout
 from trainer.model.relay import BOUNDARY_KWARGS
@@ -113,10 +114,6 @@ FLA_DELTA_RULES = frozenset({"torch_chunk_gated_delta_rule", "chunk_kimi_delta_a
 ``use_kernel_func_from_hub_with_fallback`` prefers an installed package to the torch fallback)."""
 
 
-def _version(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split("+")[0].split(".")[:3] if part.isdigit())
-
-
 def fla_refusal(module: torch.nn.Module, device: torch.device | None) -> str | None:
     """Why the installed flash-linear-attention cannot train ``module`` on ``device``, or None: fla refuses
     its gated delta-rule backward on Hopper with Triton >= 3.4, < 3.7.1 unless tilelang is installed ("produces
@@ -129,7 +126,7 @@ def fla_refusal(module: torch.nn.Module, device: torch.device | None) -> str | N
     if torch.cuda.get_device_capability(device)[0] != 9:
         return None
     triton = importlib.import_module("triton")
-    if not (3, 4, 0) <= _version(triton.__version__) < (3, 7, 1):
+    if not Version("3.4.0") <= Version(triton.__version__) < Version("3.7.1"):
         return None
     return (
         f"flash-linear-attention refuses its gated delta-rule backward on Hopper with Triton {triton.__version__} "
