@@ -129,15 +129,16 @@ CONFIGS = {
 """The families the issue names (the convolution, delta-rule / KDA and Mamba-1 / Mamba-2 kinds among them)."""
 
 
-def build(family: str, overrides: dict, lengths=LENGTHS, dtype=torch.float64):
+def build(family: str, overrides: dict, lengths=LENGTHS, dtype=torch.float64, device="cpu"):
+    device = torch.device(device)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         config = AutoConfig.for_model(family, **(SMALL | overrides))
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(
             config, dtype=dtype, attn_implementation="eager", experts_implementation="eager"
-        )  # grouped GEMM: no float64
-    backend = resolve_backend("sdpa_varlen", torch.device("cpu"), dtype, AttentionNeeds.of(config))
+        ).to(device)  # grouped GEMM: no float64
+    backend = resolve_backend("sdpa_varlen", device, dtype, AttentionNeeds.of(config))
     wrapped = prepare_model(model, backend)
     wrapped.padded_attention = "eager"
     return wrapped.eval()  # gradients still flow

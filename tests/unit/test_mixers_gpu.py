@@ -16,18 +16,15 @@ carries no fla, and the build refuses it there in one line (``mixer_kernels.fla_
 from __future__ import annotations
 
 import importlib.util
-import warnings
 
 import pytest
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from tests.gpu_sim import mixer_kernel_doubles as doubles
-from tests.unit.test_mixers import CONFIGS, SMALL, alone, gap, packed
+from tests.unit.test_mixers import CONFIGS, alone, build, gap, packed
+from tests.unit.test_mixers import examples as cpu_examples
 from trainer.config import ConfigError
-from trainer.model.attention import AttentionNeeds, resolve_backend
 from trainer.model.mixers import describe, find_token_mixers
-from trainer.model.prepare import prepare_model
 
 pytestmark = pytest.mark.gpu
 
@@ -39,29 +36,19 @@ FLA_FAMILIES = ["gated delta rule (qwen3_next)", "gated delta rule (qwen3_5_text
 
 
 def cuda_model(family: str, overrides: dict):
+    """``test_mixers.build`` on CUDA in float32; skipped where an installed fla is refused on this GPU."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    cuda = torch.device("cuda")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        config = AutoConfig.for_model(family, **(SMALL | overrides))
-        torch.manual_seed(0)
-        model = AutoModelForCausalLM.from_config(
-            config, dtype=torch.float32, attn_implementation="eager", experts_implementation="eager"
-        ).to(cuda)
     try:
-        wrapped = prepare_model(model, resolve_backend("sdpa_varlen", cuda, torch.float32, AttentionNeeds.of(config)))
+        return build(family, overrides, dtype=torch.float32, device="cuda")
     except ConfigError as e:  # an installed fla that refuses its backward on this GPU (mixer_kernels.fla_refusal)
         if "flash-linear-attention refuses" in str(e):
             pytest.skip(str(e))
         raise
-    wrapped.padded_attention = "eager"
-    return wrapped.eval()
 
 
 def examples(lengths) -> list[torch.Tensor]:
-    g = torch.Generator().manual_seed(2)
-    return [torch.randint(3, SMALL["vocab_size"], (n,), generator=g).cuda() for n in lengths]
+    return [e.cuda() for e in cpu_examples(lengths)]
 
 
 @pytest.mark.parametrize("kind", list(CONFIGS))
